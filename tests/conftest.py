@@ -1,0 +1,86 @@
+"""Shared test fixtures: tiny random Hugging Face checkpoints, the real SmolLM2 model, the GPU marker.
+
+Every reference here is independent of the code under test: tiny checkpoints are written by
+transformers itself, SmolLM2 by ../shared/tools/get_smollm2.py.
+"""
+import os
+
+import pytest
+import torch
+
+# Without a GPU, Triton kernels run in the interpreter. This must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+SMOLLM2_DEFAULT = os.path.expanduser("~/.cache/qerl/SmolLM2-135M-Instruct")
+
+# Tiny configs: every linear's input dim is a multiple of 16 (the NVFP4 block), GQA 4/2 heads.
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            rms_norm_eps=1e-6)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_tiny_hf(arch: str, tie: bool = False, seed: int = 0):
+    """A tiny random transformers model: arch is "qwen2" or "llama"."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        cfg = Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=tie)
+        model = Qwen2ForCausalLM(cfg)
+    elif arch == "llama":
+        cfg = LlamaConfig(**TINY, rope_theta=1e4, tie_word_embeddings=tie, attention_bias=False)
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    # Random norms (not all ones) so that a wrong norm weight cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_hf_dir(tmp_path):
+    """Factory: write a tiny random HF checkpoint (safetensors) and return (dir, hf_model)."""
+    def make(arch="qwen2", tie=False, seed=0):
+        model = make_tiny_hf(arch, tie, seed)
+        path = tmp_path / f"{arch}-tie{int(tie)}-s{seed}"
+        model.save_pretrained(path)
+        return str(path), model
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real SmolLM2-135M-Instruct checkpoint built by ../shared/tools/get_smollm2.py.
+
+    Skips when it is absent, unless QERL_REQUIRE_SMOLLM2=1 (CI sets it), where absence fails."""
+    path = os.environ.get("QERL_SMOLLM2", SMOLLM2_DEFAULT)
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        msg = f"SmolLM2 not found at {path}: run python ../shared/tools/get_smollm2.py"
+        if os.environ.get("QERL_REQUIRE_SMOLLM2") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """Path to ../shared/data (GSM8K and MATH500 JSONL); read in place, never copied."""
+    path = os.path.join(SHARED, "data")
+    if not os.path.isdir(path):
+        pytest.skip(f"{path} not found")
+    return path
