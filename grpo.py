@@ -1,0 +1,347 @@
+"""GRPO and DAPO objectives as small pure functions (no model code).
+
+One training step samples G completions for each prompt, scores them, and turns the scores into
+a per-token policy-gradient loss. Everything here works on plain tensors, so every formula can be
+checked by hand (tests/test_grpo.py writes the arithmetic out).
+
+Advantages (group-relative, no critic). For the G rewards r of one prompt:
+
+    A_i = r_i - mean(r)                       scale "none"   (Dr. GRPO)
+    A_i = (r_i - mean(r)) / (std(r) + 1e-4)   scale "group"  (GRPO; Bessel std of the group)
+    A_i = (r_i - mean(r)) / (std(R) + 1e-4)   scale "batch"  (std of all rewards R in the batch)
+
+A group whose rewards are all equal gets A = 0 and contributes no gradient: DAPO's dynamic
+sampling drops such groups and samples more prompts instead (`fill_batch`).
+
+Per token t of completion i, with ratio ρ = exp(logp - old_logp) against the policy that sampled:
+
+    ℓ_it = -min(ρ·A_i, clip(ρ, 1-ε_low, 1+ε_high)·A_i)  [· w_it]  + β·(exp(ref - logp) - (ref - logp) - 1)
+
+The KL term is Schulman's k3 estimator of KL(π_θ ‖ π_ref), always ≥ 0. w_it is the optional
+truncated importance-sampling (TIS) weight min(exp(old_logp - sampler_logp), cap) that corrects
+for the sampler (our paged-KV rollout, bf16 kernels, AQN noise) not computing exactly the same
+probabilities as the training forward (Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training"; TRL's `vllm_importance_sampling_correction`).
+
+Aggregation over the masked (B, T) token grid, the four definitions TRL's GRPOTrainer uses:
+
+    grpo     mean over each sequence's tokens, then mean over sequences (length-biased)
+    bnpo     token mean over the micro-batch
+    dr_grpo  sum / (B · max_completion_len)                  (a constant: no length bias)
+    dapo     sum / num_items, num_items = active completion tokens of the WHOLE generation batch
+
+Only dapo's normaliser is global, so only dapo's micro-batched gradients *sum* exactly to the
+gradient of one big batch (the caller counts num_items once, before the first micro-batch).
+grpo/bnpo/dr_grpo return the micro-batch value: divide by the number of micro-batches when
+accumulating, as TRL does; for bnpo this is still not the big-batch token mean when micro-batches
+hold different numbers of tokens. With several data-parallel ranks whose gradients are averaged,
+pass num_items / world_size (TRL's convention).
+
+DAPO's other two pieces: overlong shaping adds a length penalty that ramps from 0 to -1 over the
+last `cache_len` tokens before max_len (`overlong_penalty`), and overlong filtering drops
+truncated completions from the loss (`completion_mask(..., truncated=...)`). Masks always come
+from the sampler's recorded lengths and finish reasons, never from pad-token ids (a pad id can
+be a real token, e.g. when pad == eos).
+
+Left out: sequence-level importance sampling (GSPO), CISPO/SAPO losses, entropy bonuses, reward
+models. Test: python -m pytest tests/test_grpo.py
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPS = 1e-4        # added to the std before dividing (TRL's constant)
+DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher upper bound
+
+
+# -----------------------------------------------------------------------------
+# config
+
+@dataclass
+class GRPOConfig:
+    """Objective settings. epsilon_high=None resolves to 0.28 for dapo, to epsilon otherwise."""
+    loss_type: str = "dapo"              # grpo | bnpo | dr_grpo | dapo
+    epsilon: float = 0.2                 # ε_low: ratio clipped below at 1 - ε_low
+    epsilon_high: float | None = None    # ε_high: ratio clipped above at 1 + ε_high
+    beta: float = 0.0                    # k3 KL coefficient (reference = base model, adapter off)
+    scale_rewards: str = "group"         # group | batch | none
+    updates_per_rollout: int = 1         # μ: optimizer steps per generation batch
+    max_completion_len: int = 1024       # L_max: sampler cap; dr_grpo's constant normaliser
+    overlong_cache_len: int = 0          # L_cache of DAPO's overlong shaping (0 = off)
+    mask_truncated: bool = False         # overlong filtering: truncated completions get no loss
+    tis_cap: float | None = None         # truncated IS cap (e.g. 2.0); None = no correction
+    dynamic_sampling: bool = False       # DAPO: drop zero-variance groups and sample more
+    max_sampling_rounds: int = 3         # sampling rounds per batch before giving up filling it
+    dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal"
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"GRPOConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"GRPOConfig.scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
+        if not 0.0 < self.epsilon < 1.0:
+            raise ValueError(f"GRPOConfig.epsilon must be in (0, 1), got {self.epsilon}")
+        if self.epsilon_high is None:
+            self.epsilon_high = DAPO_EPS_HIGH if self.loss_type == "dapo" else self.epsilon
+        if not self.epsilon_high > 0.0:
+            raise ValueError(f"GRPOConfig.epsilon_high must be > 0, got {self.epsilon_high}")
+        if self.beta < 0.0:
+            raise ValueError(f"GRPOConfig.beta must be >= 0, got {self.beta}")
+        if self.updates_per_rollout < 1:
+            raise ValueError(f"GRPOConfig.updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
+        if self.max_completion_len < 1:
+            raise ValueError(f"GRPOConfig.max_completion_len must be >= 1, got {self.max_completion_len}")
+        if not 0 <= self.overlong_cache_len < self.max_completion_len:
+            raise ValueError(f"GRPOConfig.overlong_cache_len must be in [0, max_completion_len="
+                             f"{self.max_completion_len}), got {self.overlong_cache_len}")
+        if self.tis_cap is not None and not self.tis_cap > 0.0:
+            raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"GRPOConfig.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        if self.dynamic_sampling_tol < 0.0:
+            raise ValueError(f"GRPOConfig.dynamic_sampling_tol must be >= 0, got {self.dynamic_sampling_tol}")
+
+
+# -----------------------------------------------------------------------------
+# advantages and reward shaping
+
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) -> (B/G, G) float32, checking that B is a whole number of groups."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (B,), got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
+    return rewards.float().view(-1, group_size)
+
+
+def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """Group-relative advantages.
+
+    rewards: (B,) with the G completions of each prompt contiguous (B = num_prompts · G).
+    Returns (B,) float32: r - group mean, divided by (Bessel std + 1e-4) of the group ("group"),
+    of the whole batch ("batch"), or not divided ("none"). Zero-variance groups give exactly 0.
+    """
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale must be one of {SCALE_REWARDS}, got {scale!r}")
+    r = _groups(rewards, group_size)                       # (P, G)
+    centered = r - r.mean(dim=1, keepdim=True)             # (P, G)
+    if scale == "group":
+        if group_size < 2:
+            raise ValueError("scale='group' needs group_size >= 2 (the std of one sample is undefined)")
+        centered = centered / (r.std(dim=1, keepdim=True) + STD_EPS)
+    elif scale == "batch":
+        if rewards.numel() < 2:
+            raise ValueError("scale='batch' needs at least 2 rewards")
+        centered = centered / (r.std() + STD_EPS)
+    return centered.reshape(-1)
+
+
+def completion_mask(lengths: torch.Tensor, max_len: int, truncated: torch.Tensor | None = None) -> torch.Tensor:
+    """Loss mask from the sampler's recorded completion lengths.
+
+    lengths: (B,) int, tokens generated per completion (the EOS token included when one was
+    sampled); max_len: T, the width of the padded (B, T) completion tensors. truncated: (B,) bool,
+    True where the sampler stopped at the length cap; those rows are zeroed (DAPO's overlong
+    filtering; pass it only when GRPOConfig.mask_truncated is on).
+    Returns (B, T) float32 with 1 on positions t < lengths[b].
+    """
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-D (B,), got shape {tuple(lengths.shape)}")
+    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > max_len):
+        raise ValueError(f"lengths must lie in [0, max_len={max_len}], got min {int(lengths.min())} "
+                         f"max {int(lengths.max())}")
+    pos = torch.arange(max_len, device=lengths.device)     # (T,)
+    mask = pos[None, :] < lengths[:, None]                 # (B, T)
+    if truncated is not None:
+        if truncated.shape != lengths.shape:
+            raise ValueError(f"truncated must have shape {tuple(lengths.shape)}, got {tuple(truncated.shape)}")
+        mask = mask & ~truncated.bool()[:, None]
+    return mask.float()
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the task reward.
+
+    lengths: (B,) completion lengths L. With the soft limit S = max_len - cache_len:
+        0                    if L <= S
+        (S - L) / cache_len  if S < L <= max_len   (a ramp from 0 down to -1)
+        -1                   if L > max_len
+    Returns (B,) float32.
+    """
+    if not 0 <= cache_len <= max_len:
+        raise ValueError(f"cache_len must be in [0, max_len={max_len}], got {cache_len}")
+    L = lengths.float()
+    soft = max_len - cache_len
+    if cache_len == 0:
+        ramp = torch.zeros_like(L)
+    else:
+        ramp = torch.where(L <= soft, torch.zeros_like(L), (soft - L) / cache_len)
+    return torch.where(L > max_len, torch.full_like(L, -1.0), ramp)
+
+
+# -----------------------------------------------------------------------------
+# the policy loss
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token mean of x (B, T) over mask (B, T) float, detached (a metric, never a loss)."""
+    return ((x.detach().float() * mask).sum() / mask.sum().clamp(min=1.0))
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: GRPOConfig,
+    ref_logp: torch.Tensor | None = None,
+    sampler_logp: torch.Tensor | None = None,
+    num_items: int | float | torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate + k3 KL, aggregated per cfg.loss_type.
+
+    logp:         (B, T) log π_θ(token) from the training forward (requires grad).
+    old_logp:     (B, T) log-probs of the policy that generated the data, recomputed by the training
+                  forward before the first update; None means logp.detach() (μ = 1: ratio ≡ 1).
+    advantages:   (B,) one advantage per completion.
+    mask:         (B, T) 1 on completion tokens that count (see completion_mask); padding positions
+                  of the other tensors may hold anything (even inf/nan): they never reach the loss.
+    ref_logp:     (B, T) reference log-probs (adapter disabled); required when cfg.beta > 0.
+    sampler_logp: (B, T) log-probs the sampler reported; enables TIS when cfg.tis_cap is set and
+                  the mismatch metric always.
+    num_items:    dapo only: active completion tokens in the whole generation batch (all
+                  micro-batches, all ranks; divide by world size under gradient averaging).
+                  None = this call is the whole batch.
+    entropy:      (B, T) optional per-token entropy, only logged.
+    Returns (loss: 0-dim tensor, metrics: dict of detached 0-dim tensors).
+    """
+    B, T = logp.shape
+    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp),
+                    ("sampler_logp", sampler_logp), ("entropy", entropy)):
+        if t is not None and t.shape != (B, T):
+            raise ValueError(f"{name} must have the shape of logp {(B, T)}, got {tuple(t.shape)}")
+    if advantages.shape != (B,):
+        raise ValueError(f"advantages must have shape {(B,)}, got {tuple(advantages.shape)}")
+    if cfg.beta > 0 and ref_logp is None:
+        raise ValueError("ref_logp is required when GRPOConfig.beta > 0")
+
+    on = mask.bool()                                       # (B, T)
+    m = on.float()                                         # (B, T)
+    zero = torch.zeros((), device=logp.device)
+    logp = logp.float()
+    old = logp.detach() if old_logp is None else old_logp.float()
+
+    # Differences are zeroed off the mask *before* exp, so garbage in padding cannot turn into
+    # inf * 0 = nan in the forward or the backward pass.
+    log_ratio = torch.where(on, logp - old, zero)          # (B, T)
+    ratio = torch.exp(log_ratio)                           # (B, T)
+    A = advantages.float()[:, None]                        # (B, 1)
+    eps_low, eps_high = cfg.epsilon, cfg.epsilon_high
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = -torch.min(ratio * A, clipped * A)         # (B, T)
+
+    metrics: dict[str, torch.Tensor] = {}
+    if sampler_logp is not None:
+        # log π_old - log π_sampler: how far the sampler's numbers are from the trainer's.
+        gap = torch.where(on, old.detach() - sampler_logp.float(), zero)   # (B, T)
+        metrics["logprob_mismatch"] = _masked_mean(gap.abs(), m)
+        if cfg.tis_cap is not None:
+            # TIS (Yao et al. 2025): a constant per-token weight, capped to bound the variance.
+            w = torch.exp(gap).clamp(max=cfg.tis_cap).detach()            # (B, T)
+            per_token = per_token * w
+            metrics["tis_weight_mean"] = _masked_mean(w, m)
+
+    if ref_logp is not None:
+        d = torch.where(on, ref_logp.float() - logp, zero)  # (B, T) log π_ref - log π_θ
+        kl = torch.exp(d) - d - 1.0                         # k3 estimator, >= 0
+        metrics["kl"] = _masked_mean(kl, m)
+        if cfg.beta > 0:
+            per_token = per_token + cfg.beta * kl
+
+    # ---- aggregation
+    tok = per_token * m                                    # (B, T), exactly 0 off the mask
+    if cfg.loss_type == "grpo":
+        loss = (tok.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    elif cfg.loss_type == "bnpo":
+        loss = tok.sum() / m.sum().clamp(min=1.0)
+    elif cfg.loss_type == "dr_grpo":
+        loss = tok.sum() / (B * cfg.max_completion_len)
+    else:  # dapo
+        if num_items is None:
+            num_items = m.sum().clamp(min=1.0)
+        elif isinstance(num_items, (int, float)) and num_items <= 0:  # a tensor is not checked: no sync
+            raise ValueError(f"num_items must be > 0, got {num_items}")
+        loss = tok.sum() / num_items
+
+    # ---- metrics (TRL's names): fraction of tokens where the clip is active and cuts the gradient
+    ratio_d = ratio.detach()
+    low = (ratio_d < 1.0 - eps_low) & (A < 0)              # (B, T)
+    high = (ratio_d > 1.0 + eps_high) & (A > 0)            # (B, T)
+    metrics["clip_ratio/low_mean"] = _masked_mean(low.float(), m)
+    metrics["clip_ratio/high_mean"] = _masked_mean(high.float(), m)
+    metrics["clip_ratio/region_mean"] = _masked_mean((low | high).float(), m)
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(torch.where(on, entropy.float(), zero), m)
+    metrics["num_tokens"] = m.sum().detach()
+    return loss, metrics
+
+
+# -----------------------------------------------------------------------------
+# dynamic sampling (DAPO)
+
+def dynamic_sampling_filter(rewards: torch.Tensor, group_size: int, tol: float = 1e-6) -> torch.Tensor:
+    """Which groups carry signal. rewards (B,) -> (B/G,) bool: True where max - min > tol."""
+    r = _groups(rewards, group_size)                       # (P, G)
+    return (r.max(dim=1).values - r.min(dim=1).values) > tol
+
+
+@dataclass
+class FilledBatch:
+    """What fill_batch gathered: the kept groups, in sampling order."""
+    groups: list            # one caller-defined payload per kept group (at most target_groups)
+    rewards: torch.Tensor   # (len(groups) · G,) their rewards
+    rounds: int             # sampling rounds used
+    sampled_groups: int     # groups drawn in total (kept + dropped + surplus)
+    full: bool              # True when target_groups groups were found
+
+
+def fill_batch(
+    sample_round: Callable[[int], tuple[torch.Tensor, Sequence[Any]]],
+    target_groups: int,
+    group_size: int,
+    max_rounds: int,
+    tol: float = 1e-6,
+) -> FilledBatch:
+    """Call sample_round until target_groups informative groups are kept or max_rounds is hit.
+
+    sample_round(round_index) -> (rewards (n·G,), payloads: n objects, one per group) samples n
+    fresh prompts × G completions (the caller owns prompts, the sampler and what a payload is).
+    Groups whose rewards are all equal within tol are dropped; the surplus of the last round is
+    discarded, as DAPO does. When max_rounds runs out, the partial batch comes back with
+    full=False (possibly empty): the caller decides whether to train on it or skip the step.
+    """
+    if target_groups < 1:
+        raise ValueError(f"target_groups must be >= 1, got {target_groups}")
+    if max_rounds < 1:
+        raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
+    kept, kept_rewards, sampled, rounds = [], [], 0, 0
+    while len(kept) < target_groups and rounds < max_rounds:
+        rewards, payloads = sample_round(rounds)
+        rounds += 1
+        keep = dynamic_sampling_filter(rewards, group_size, tol)     # (n,)
+        if keep.numel() != len(payloads):
+            raise ValueError(f"sample_round returned {keep.numel()} groups of rewards but {len(payloads)} payloads")
+        sampled += len(payloads)
+        r = rewards.float().view(-1, group_size)                     # (n, G)
+        for i in torch.nonzero(keep).flatten().tolist():
+            if len(kept) == target_groups:
+                break
+            kept.append(payloads[i])
+            kept_rewards.append(r[i])
+    rew = torch.cat(kept_rewards) if kept_rewards else torch.zeros(0)
+    return FilledBatch(kept, rew, rounds, sampled, len(kept) == target_groups)

@@ -1,0 +1,321 @@
+"""grpo.py against hand-computed values: every number below is written out from small tensors."""
+import math
+
+import pytest
+import torch
+
+from grpo import (GRPOConfig, advantages, completion_mask, dynamic_sampling_filter, fill_batch,
+                  overlong_penalty, policy_loss)
+
+E = math.exp
+NAN, INF = float("nan"), float("inf")
+
+
+def close(got, want, tol=1e-6, what=""):
+    got = float(got.detach()) if torch.is_tensor(got) else float(got)
+    err = abs(got - want)
+    assert err <= tol * max(1.0, abs(want)), f"{what}: got {got!r}, want {want!r}, err {err:.3g}"
+
+
+# -----------------------------------------------------------------------------
+# config
+
+def test_config_defaults_and_epsilon_high_resolution():
+    assert GRPOConfig().epsilon_high == 0.28                       # dapo: clip-higher
+    assert GRPOConfig(loss_type="grpo").epsilon_high == 0.2        # grpo: symmetric
+    assert GRPOConfig(loss_type="bnpo", epsilon=0.1).epsilon_high == 0.1
+    assert GRPOConfig(loss_type="grpo", epsilon_high=0.3).epsilon_high == 0.3
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(loss_type="ppo"), "loss_type"), (dict(scale_rewards="rank"), "scale_rewards"),
+    (dict(epsilon=0.0), "epsilon"), (dict(epsilon_high=-0.1), "epsilon_high"), (dict(beta=-1.0), "beta"),
+    (dict(updates_per_rollout=0), "updates_per_rollout"), (dict(max_completion_len=0), "max_completion_len"),
+    (dict(max_completion_len=8, overlong_cache_len=8), "overlong_cache_len"), (dict(tis_cap=0.0), "tis_cap"),
+    (dict(max_sampling_rounds=0), "max_sampling_rounds"), (dict(dynamic_sampling_tol=-1.0), "dynamic_sampling_tol"),
+])
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        GRPOConfig(**kwargs)
+
+
+# -----------------------------------------------------------------------------
+# advantages
+
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])   # two groups of G = 4
+
+
+def test_advantages_group_scaling_by_hand():
+    # group 1: mean 0.5, Bessel std sqrt(4 · 0.25 / 3) = sqrt(1/3); group 2: all equal -> exactly 0
+    s = math.sqrt(1 / 3) + 1e-4
+    want = [0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0, 0, 0, 0]
+    got = advantages(REWARDS, 4, "group")
+    for g, w in zip(got.tolist(), want):
+        close(g, w, what="group advantage")
+    assert got.dtype == torch.float32 and (got[4:] == 0).all()
+
+
+def test_advantages_batch_and_none_by_hand():
+    # batch std over all 8 rewards: mean 0.75, var = (6 · 0.25² + 2 · 0.75²) / 7 = 1.5 / 7
+    s = math.sqrt(1.5 / 7) + 1e-4
+    for g, w in zip(advantages(REWARDS, 4, "batch").tolist(), [0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 0, 0, 0, 0]):
+        close(g, w, what="batch advantage")
+    assert advantages(REWARDS, 4, "none").tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+
+
+def test_advantages_errors():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        advantages(torch.ones(6), 4)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        advantages(torch.ones(3), 1, "group")
+    with pytest.raises(ValueError, match="scale"):
+        advantages(torch.ones(4), 2, "rank")
+
+
+# -----------------------------------------------------------------------------
+# masks and overlong shaping
+
+def test_completion_mask_from_lengths_and_truncation():
+    lengths = torch.tensor([3, 0, 4, 1])
+    m = completion_mask(lengths, 4)
+    assert m.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    m = completion_mask(lengths, 4, truncated=torch.tensor([False, False, True, False]))
+    assert m.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]
+    with pytest.raises(ValueError, match="max_len=4"):
+        completion_mask(torch.tensor([5]), 4)
+
+
+def test_overlong_penalty_at_the_boundaries():
+    # max_len 20, cache 4: soft limit 16; the ramp is (16 - L) / 4
+    L = torch.tensor([0, 15, 16, 17, 18, 20, 21])
+    assert overlong_penalty(L, 20, 4).tolist() == [0, 0, 0, -0.25, -0.5, -1, -1]
+    assert overlong_penalty(L, 20, 0).tolist() == [0, 0, 0, 0, 0, 0, -1]         # no window
+    for g, w in zip(overlong_penalty(torch.tensor([1, 2, 3]), 3, 3).tolist(), [-1 / 3, -2 / 3, -1]):
+        close(g, w, what="cache == max_len")
+    with pytest.raises(ValueError, match="cache_len"):
+        overlong_penalty(L, 20, 21)
+
+
+# -----------------------------------------------------------------------------
+# policy loss: one small batch, every loss type by hand
+
+# Two completions, T = 3. Row 1 has length 2: its last position is padding and holds garbage
+# (nan / inf) in every tensor, which must not reach the loss or the metrics.
+LOGP = [[-1.0, -2.0, -0.5], [-1.5, -0.3, NAN]]
+OLD = [[-1.0, -2.5, -0.2], [-1.0, -0.3, NAN]]
+ADV = [1.0, -2.0]
+MASK = completion_mask(torch.tensor([3, 2]), 3)
+
+
+def _inputs():
+    logp = torch.tensor(LOGP, requires_grad=True)
+    return logp, torch.tensor(OLD), torch.tensor(ADV)
+
+
+def _hand_per_token(eps_high):
+    """-min(ρA, clip(ρ)A) per active token, written out.
+
+    row 0, A = +1: ρ = e^0 = 1 -> -1; ρ = e^0.5 = 1.6487 > 1+ε_high -> -(1+ε_high) (high clip);
+                   ρ = e^-0.3 = 0.7408 < 0.8 but A > 0, so the unclipped -0.7408 is the min.
+    row 1, A = -2: ρ = e^-0.5 = 0.6065 < 0.8 -> min(-1.2131, -1.6) = -1.6 -> +1.6 (low clip);
+                   ρ = 1 -> +2.
+    """
+    return [[-1.0, -(1 + eps_high), -E(-0.3)], [0.8 * 2, 2.0]]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_policy_loss_every_type_by_hand(loss_type):
+    cfg = GRPOConfig(loss_type=loss_type, max_completion_len=4)
+    eps_high = 0.28 if loss_type == "dapo" else 0.2
+    (a, b, c), (d, e) = _hand_per_token(eps_high)
+    want = {
+        "grpo": ((a + b + c) / 3 + (d + e) / 2) / 2,   # per-sequence means, then mean over sequences
+        "bnpo": (a + b + c + d + e) / 5,               # token mean
+        "dr_grpo": (a + b + c + d + e) / (2 * 4),      # B · max_completion_len
+        "dapo": (a + b + c + d + e) / 5,               # num_items=None: this batch's 5 tokens
+    }[loss_type]
+    logp, old, adv = _inputs()
+    loss, metrics = policy_loss(logp, old, adv, MASK, cfg)
+    close(loss, want, what=loss_type)
+    if loss_type == "dapo":
+        loss10, _ = policy_loss(logp, old, adv, MASK, cfg, num_items=10)
+        close(loss10, (a + b + c + d + e) / 10, what="dapo num_items=10")
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[1, 2] == 0, "padding leaked into the gradient"
+    # clip metrics (TRL's definition): of 5 tokens, one low-clipped (row 1 tok 0), one high (row 0 tok 1)
+    close(metrics["clip_ratio/low_mean"], 0.2, what="low clip")
+    close(metrics["clip_ratio/high_mean"], 0.2, what="high clip")
+    close(metrics["clip_ratio/region_mean"], 0.4, what="region clip")
+    assert metrics["num_tokens"] == 5 and "kl" not in metrics
+
+
+def test_policy_loss_gradient_is_the_clipped_policy_gradient():
+    # bnpo, d loss / d logp = -A·ρ/N where the clip is inactive, 0 where it cuts (N = 5 tokens)
+    logp, old, adv = _inputs()
+    loss, _ = policy_loss(logp, old, adv, MASK, GRPOConfig(loss_type="bnpo"))
+    loss.backward()
+    want = [[-1 * 1 / 5, 0.0, -1 * E(-0.3) / 5], [0.0, 2 * 1 / 5, 0.0]]
+    for g, w in zip(logp.grad.flatten().tolist(), sum(want, [])):
+        close(g, w, what="gradient")
+
+
+def test_old_logp_none_means_ratio_one():
+    logp, _, adv = _inputs()
+    loss, m = policy_loss(logp, None, adv, MASK, GRPOConfig(loss_type="dapo"))
+    close(loss, (-1 * 3 + 2 * 2) / 5, what="ratio 1: -mean(A) over tokens")
+    assert m["clip_ratio/region_mean"] == 0
+
+
+def test_kl_term_k3_by_hand():
+    ref = torch.tensor([[-1.2, -2.0, -0.1], [-1.0, -0.5, INF]])
+    d = [-0.2, 0.0, 0.4, 0.5, -0.2]                     # ref - logp on the 5 active tokens
+    k3 = [E(x) - x - 1 for x in d]
+    logp, old, adv = _inputs()
+    cfg = GRPOConfig(loss_type="bnpo", beta=0.1)
+    loss, metrics = policy_loss(logp, old, adv, MASK, cfg, ref_logp=ref)
+    per_token = sum(_hand_per_token(0.2), [])
+    close(loss, sum(p + 0.1 * k for p, k in zip(per_token, k3)) / 5, what="loss with KL")
+    close(metrics["kl"], sum(k3) / 5, what="kl metric")
+    # beta = 0: the KL is still reported when ref_logp is given, but stays out of the loss
+    loss0, m0 = policy_loss(logp, old, adv, MASK, GRPOConfig(loss_type="bnpo"), ref_logp=ref)
+    close(loss0, sum(per_token) / 5, what="beta=0 loss")
+    close(m0["kl"], sum(k3) / 5, what="beta=0 kl metric")
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(logp, old, adv, MASK, cfg)
+
+
+def test_truncated_importance_sampling_by_hand():
+    sampler = torch.tensor([[-1.1, -2.5, -0.2], [-0.9, -0.3, NAN]])
+    # old - sampler on active tokens: [0.1, 0, 0, -0.1, 0]; w = min(e^gap, 1.05)
+    w = [min(E(0.1), 1.05), 1.0, 1.0, E(-0.1), 1.0]
+    per_token = sum(_hand_per_token(0.2), [])
+    logp, old, adv = _inputs()
+    loss, m = policy_loss(logp, old, adv, MASK, GRPOConfig(loss_type="bnpo", tis_cap=1.05), sampler_logp=sampler)
+    close(loss, sum(p * x for p, x in zip(per_token, w)) / 5, what="TIS loss")
+    close(m["logprob_mismatch"], 0.2 / 5, what="mismatch")
+    close(m["tis_weight_mean"], sum(w) / 5, what="TIS weight mean")
+    # without a cap: the mismatch is reported, the loss is unweighted
+    loss_plain, m2 = policy_loss(logp, old, adv, MASK, GRPOConfig(loss_type="bnpo"), sampler_logp=sampler)
+    close(loss_plain, sum(per_token) / 5, what="no TIS")
+    assert "tis_weight_mean" not in m2 and "logprob_mismatch" in m2
+
+
+def test_entropy_metric_is_a_masked_mean():
+    ent = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, NAN]])
+    logp, old, adv = _inputs()
+    _, m = policy_loss(logp, old, adv, MASK, GRPOConfig(), entropy=ent)
+    close(m["entropy"], 15 / 5, what="entropy")
+
+
+def test_truncated_completion_is_masked_out():
+    # overlong filtering: row 1 truncated -> only row 0's tokens count
+    mask = completion_mask(torch.tensor([3, 2]), 3, truncated=torch.tensor([False, True]))
+    (a, b, c), _ = _hand_per_token(0.2)
+    logp, old, adv = _inputs()
+    loss, m = policy_loss(logp, old, adv, mask, GRPOConfig(loss_type="grpo"))
+    close(loss, ((a + b + c) / 3 + 0) / 2, what="grpo, masked row still counts in the mean (as TRL)")
+    loss, m = policy_loss(logp, old, adv, mask, GRPOConfig(loss_type="bnpo"))
+    close(loss, (a + b + c) / 3, what="bnpo")
+    loss.backward()
+    assert (logp.grad[1] == 0).all() and m["num_tokens"] == 3
+    close(m["clip_ratio/low_mean"], 0.0, what="the low clip was on the masked row")
+
+
+def test_shape_errors():
+    logp, old, adv = _inputs()
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(logp, old, adv[:1], MASK, GRPOConfig())
+    with pytest.raises(ValueError, match="old_logp"):
+        policy_loss(logp, old[:, :2], adv, MASK, GRPOConfig())
+    with pytest.raises(ValueError, match="num_items"):
+        policy_loss(logp, old, adv, MASK, GRPOConfig(), num_items=0)
+
+
+# -----------------------------------------------------------------------------
+# micro-batching: dapo's gradients sum to the big-batch gradient, the others' do not
+
+def _toy_batch(B=6, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-3 * torch.rand(B, T, generator=g)).requires_grad_(True)
+    old = logp.detach() + 0.3 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    lengths = torch.tensor([7, 1, 3, 5, 2, 6])[:B]
+    return logp, old, adv, completion_mask(lengths, T)
+
+
+def _grad(loss_type, slices, num_items=None, divide=False):
+    logp, old, adv, mask = _toy_batch()
+    cfg = GRPOConfig(loss_type=loss_type, max_completion_len=7)
+    for s in slices:
+        loss, _ = policy_loss(logp[s], old[s], adv[s], mask[s], cfg, num_items=num_items)
+        (loss / len(slices) if divide else loss).backward()
+    return logp.grad.clone()
+
+
+def _maxdiff(a, b):
+    return (a - b).abs().max().item()
+
+
+def test_dapo_micro_batch_gradient_equals_big_batch():
+    _, _, _, mask = _toy_batch()
+    n = int(mask.sum())                                  # 24 active tokens in the generation batch
+    big = _grad("dapo", [slice(0, 6)], num_items=n)
+    micro = _grad("dapo", [slice(0, 2), slice(2, 3), slice(3, 6)], num_items=n)
+    assert _maxdiff(big, micro) < 1e-7, f"dapo: max |Δgrad| {_maxdiff(big, micro):.3g}"
+    # without the global count, each micro-batch normalises by its own tokens: a different gradient
+    local = _grad("dapo", [slice(0, 2), slice(2, 3), slice(3, 6)], divide=True)
+    assert _maxdiff(big, local) > 1e-3
+
+
+def test_other_losses_under_micro_batching():
+    # grpo weights each sequence equally: equal-size micro-batches averaged reproduce the big batch...
+    big = _grad("grpo", [slice(0, 6)])
+    assert _maxdiff(big, _grad("grpo", [slice(0, 3), slice(3, 6)], divide=True)) < 1e-7
+    # ...unequal ones do not (the 1-sequence micro-batch gets weight 1/2 instead of 1/6)
+    assert _maxdiff(big, _grad("grpo", [slice(0, 1), slice(1, 6)], divide=True)) > 1e-3
+    # bnpo: micro-batches with different token counts (11 vs 13) change the per-token weights
+    assert _maxdiff(_grad("bnpo", [slice(0, 6)]), _grad("bnpo", [slice(0, 3), slice(3, 6)], divide=True)) > 1e-3
+    # dr_grpo's normaliser is a constant per sequence: equal micro-batches reproduce it
+    assert _maxdiff(_grad("dr_grpo", [slice(0, 6)]), _grad("dr_grpo", [slice(0, 3), slice(3, 6)], divide=True)) < 1e-7
+    # grpo vs dapo on the same batch: per-token weights 1/(B·L_i) vs 1/N differ when lengths differ
+    n = int(_toy_batch()[3].sum())
+    assert _maxdiff(big, _grad("dapo", [slice(0, 6)], num_items=n)) > 1e-3
+
+
+# -----------------------------------------------------------------------------
+# dynamic sampling
+
+def test_dynamic_sampling_filter():
+    r = torch.tensor([1, 1, 1, 0, 1, 0, 0, 0, 0, 0.5, 0.5, 0.5004])
+    assert dynamic_sampling_filter(r, 3).tolist() == [False, True, False, True]
+    assert dynamic_sampling_filter(r, 3, tol=1e-3).tolist() == [False, True, False, False]
+
+
+def _sampler(rounds_rewards):
+    """A fake sampler: round k returns the given (n, G) rewards, payloads 'k:i'."""
+    def sample_round(k):
+        r = torch.tensor(rounds_rewards[k], dtype=torch.float32)
+        return r.flatten(), [f"{k}:{i}" for i in range(r.shape[0])]
+    return sample_round
+
+
+def test_fill_batch_accumulates_until_full():
+    rounds = [[[1, 1], [0, 1], [0, 0], [1, 1]],      # 1 informative group
+              [[1, 0], [1, 1], [0, 1], [1, 0]]]      # 3 informative, 1 of them surplus
+    out = fill_batch(_sampler(rounds), target_groups=3, group_size=2, max_rounds=5)
+    assert out.full and out.rounds == 2 and out.sampled_groups == 8
+    assert out.groups == ["0:1", "1:0", "1:2"]
+    assert out.rewards.tolist() == [0, 1, 1, 0, 0, 1]
+
+
+def test_fill_batch_stops_at_max_rounds():
+    rounds = [[[1, 1], [0, 1]], [[0, 0], [1, 1]], [[1, 0], [0, 1]]]
+    out = fill_batch(_sampler(rounds), target_groups=3, group_size=2, max_rounds=2)
+    assert not out.full and out.rounds == 2 and out.groups == ["0:1"] and out.sampled_groups == 4
+    empty = fill_batch(_sampler([[[1, 1]]]), target_groups=1, group_size=2, max_rounds=1)
+    assert not empty.full and empty.groups == [] and empty.rewards.numel() == 0
+
+
+def test_fill_batch_checks_payload_count():
+    with pytest.raises(ValueError, match="payloads"):
+        fill_batch(lambda k: (torch.tensor([0.0, 1.0]), ["a", "b"]), 1, 2, 1)
