@@ -1,0 +1,332 @@
+"""NVFP4: 4-bit floating-point weights with two levels of scales, bit-exact with compressed-tensors.
+
+QeRL keeps the frozen base weights of the policy in NVFP4 and trains only LoRA adapters on top.
+This file is the format: a pure-torch reference quantizer, the dequantizer, the nibble packing,
+`NVFP4Linear` (the frozen layer the model is built from) and the checkpoint metadata.
+
+The number format. Each weight is an E2M1 float, a 4-bit code sign|exponent(2)|mantissa(1) whose
+16 values are ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}. Sixteen consecutive weights of a row (along the input
+dim) share one FP8 E4M3 scale, and the whole tensor shares one fp32 scale, so that the FP8 block
+scales use FP8's full range:
+
+    global_scale   g    = 448·6 / amax|W|                          fp32, (1,)
+    block scale    s_b  = e4m3(clamp(g · amax|W_b| / 6, ±448))     per block of 16; 0 -> 0.125
+    element        q    = e2m1(clamp(W / (s_b / g), ±6))           round to nearest, ties to even
+    dequantized    W'   = q · (s_b / g)
+
+Rounding |x| to E2M1 with ties to even gives these boundaries: ≤0.25 -> 0, <0.75 -> 0.5,
+≤1.25 -> 1, <1.75 -> 1.5, ≤2.5 -> 2, <3.5 -> 3, ≤5 -> 4, else 6. A weight costs 4 + 8/16 = 4.5
+bits. On Gaussian weights the relative RMS error of W' is about 9.5% (tests/test_nvfp4.py measures
+it); what keeps it that low is the fine 16-wide blocks, whose scale follows the local magnitude.
+
+Memory layout (one linear, out_features N, in_features K), exactly what llm-compressor writes:
+
+    weight_packed        uint8          (N, K/2)   byte j of a row = code[2j] | code[2j+1] << 4
+    weight_scale         float8_e4m3fn  (N, K/16)  s_b of W[n, 16b : 16b+16]
+    weight_global_scale  float32        (1,)       g
+
+Matching compressed-tensors bit for bit means copying its arithmetic, not only its formulas:
+  * amax|W| and amax|W_b|/6 are computed in the weight's own dtype (so amax/6 is rounded to bf16
+    for a bf16 weight) and only then multiplied by the fp32 global scale;
+  * g is computed as `reciprocal(amax) · 2688` (that is what Python's `2688 / tensor` does), two
+    roundings in the weight's dtype; amax is clamped to the dtype's smallest normal first and an
+    infinite g (an all-zero or nearly-zero tensor) becomes 1.0. For fp16 weights g overflows
+    already when amax < ~0.04, so fp16 tensors with small weights get g = 1.0 and coarse,
+    subnormal block scales: a compressed-tensors quirk reproduced here, use bf16 or fp32;
+  * divisions are true divisions by tensors (on CUDA, `t / python_float` is a multiplication by
+    the reciprocal and can differ in the last bit);
+  * a block of zeros stores s_b = 0.125 (E4M3's machine epsilon) instead of 0, and so does a
+    block so small relative to the tensor that its scale rounds to 0 (its elements become ±0);
+  * a negative weight that rounds to zero keeps its sign (code 0b1000, "-0"); an input -0.0 is
+    stored as +0 (code 0).
+Dequantization multiplies q by the fp32 quotient s_b/g, rounded once, then casts to the wanted
+dtype: compressed-tensors' decompressor returns exactly `dequantize(..., dtype=torch.bfloat16)`.
+
+What this file leaves out: activation quantization (this is weight-only, W4A16), calibrated
+scales (GPTQ, MSE search: plain absmax), padding of K to a multiple of 16, and the fusion of
+q/k/v (or gate/up) into one matmul, which needs one shared global scale: pass
+`global_scale=min(compute_global_scale(w) for w in group)` to `quantize`, as llm-compressor does.
+The fast GPU matmul lives in marlin_kernel.py; here the CPU path dequantizes and calls F.linear.
+
+Test: pytest tests/test_nvfp4.py compares bytes and scales with compressed-tensors' own quantizer
+and compressor, loads our checkpoints through compressed-tensors' decompressor, and checks the
+dequantizer against a float64 formula.
+"""
+import functools
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# constants
+
+FP4_MAX = 6.0            # largest E2M1 magnitude
+FP8_MAX = 448.0          # largest E4M3 (fn) magnitude
+BLOCK = 16               # weights per E4M3 block scale, along the input dim
+ZERO_BLOCK_SCALE = 0.125 # the scale compressed-tensors stores for a block of zeros (E4M3 "eps")
+FORMAT = "nvfp4-pack-quantized"
+
+# code -> value; codes 8..15 are the negatives of 0..7 (code 8 is -0.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+# Rounding |x| to the nearest magnitude, ties to the even code (mantissa bit 0: values 0, 1, 2, 4):
+# above a boundary whose lower neighbour is even we round up only when strictly greater...
+_ROUND_UP_ABOVE = (0.25, 1.25, 2.5, 5.0)     # between 0|0.5, 1|1.5, 2|3, 4|6
+# ...and at a boundary whose upper neighbour is even, the tie itself rounds up.
+_ROUND_UP_FROM = (0.75, 1.75, 3.5)           # between 0.5|1, 1.5|2, 3|4
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# pure-torch reference: quantize, dequantize, pack
+
+def _where(name: str) -> str:
+    return f" for {name}" if name else ""
+
+
+def _check_weight(w: torch.Tensor, name: str) -> None:
+    if not isinstance(w, torch.Tensor) or w.dtype not in _FLOAT_DTYPES:
+        got = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
+        raise TypeError(f"nvfp4.quantize{_where(name)}: expected a float16/bfloat16/float32/float64 "
+                        f"tensor, got {got}")
+    if w.ndim != 2:
+        raise ValueError(f"nvfp4.quantize{_where(name)}: expected a 2-D weight (out, in), got shape "
+                         f"{tuple(w.shape)}")
+    if w.shape[1] % BLOCK != 0:
+        raise ValueError(f"nvfp4.quantize{_where(name)}: in_features {w.shape[1]} is not a multiple of "
+                         f"the NVFP4 block size {BLOCK}")
+    bad = (~torch.isfinite(w)).sum().item()
+    if bad:
+        raise ValueError(f"nvfp4.quantize{_where(name)}: the weight has {bad} NaN/Inf values; "
+                         f"refusing to quantize")
+
+
+def compute_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """g = 448·6 / amax|w| as a (1,) fp32 tensor, rounded exactly as compressed-tensors rounds it."""
+    amax = w.abs().amax().clamp(min=torch.finfo(w.dtype).tiny)         # () in w.dtype
+    g = amax.reciprocal() * (FP8_MAX * FP4_MAX)                          # = Python's 2688 / amax
+    return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape(1)
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round x (already in [-6, 6]) to E2M1 codes (uint8 0..15), ties to even."""
+    a = x.abs()
+    mag = sum((a > t).to(torch.uint8) for t in _ROUND_UP_ABOVE)        # index of the magnitude
+    mag = mag + sum((a >= t).to(torch.uint8) for t in _ROUND_UP_FROM)    # in (0, .5, 1, ... 6)
+    return mag | ((x < 0).to(torch.uint8) << 3)                          # sign in bit 3
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) uint8 codes 0..15 -> (N, K/2) uint8, even element in the low nibble."""
+    if codes.dtype != torch.uint8 or codes.ndim != 2 or codes.shape[1] % 2:
+        raise ValueError(f"pack_fp4: expected (N, K) uint8 codes with even K, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) uint8 codes 0..15 (inverse of pack_fp4)."""
+    if packed.dtype != torch.uint8 or packed.ndim != 2:
+        raise ValueError(f"unpack_fp4: expected (N, K/2) uint8, got {packed.dtype} {tuple(packed.shape)}")
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(1)  # (N, K/2, 2) -> (N, K)
+
+
+@torch.no_grad()
+def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None, name: str = ""):
+    """W (N, K) -> (packed uint8 (N, K/2), scale float8_e4m3fn (N, K/16), global_scale fp32 (1,)).
+
+    global_scale: use this g instead of the tensor's own (a group of fused layers shares the min).
+    name: the tensor's name, for error messages."""
+    _check_weight(w, name)
+    N, K = w.shape
+    if global_scale is None:
+        global_scale = compute_global_scale(w)
+    else:
+        global_scale = torch.as_tensor(global_scale)
+        if global_scale.numel() != 1 or not (torch.isfinite(global_scale).all() and global_scale > 0):
+            raise ValueError(f"nvfp4.quantize{_where(name)}: global_scale must be one positive "
+                             f"finite number, got {global_scale}")
+        global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
+    cdt = torch.promote_types(w.dtype, torch.float32)                   # fp32 (fp64 for fp64 w)
+    blocks = w.unflatten(1, (K // BLOCK, BLOCK))                         # (N, K/16, 16)
+
+    # block scales: amax/6 in w's dtype (a tensor divisor: true division on every device)
+    six = torch.tensor(FP4_MAX, dtype=w.dtype, device=w.device)
+    scale = global_scale * (blocks.abs().amax(dim=-1) / six)             # (N, K/16) in cdt
+    scale = scale.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(cdt)
+    scale = torch.where(scale == 0, ZERO_BLOCK_SCALE, scale)             # never divide by 0
+
+    # elements: W / (s/g), clamped to the E2M1 range and rounded
+    x = blocks.to(cdt) / (scale / global_scale).unsqueeze(-1)            # (N, K/16, 16)
+    codes = _e2m1_codes(x.clamp(-FP4_MAX, FP4_MAX)).flatten(1)           # (N, K) uint8
+    return pack_fp4(codes), scale.to(torch.float8_e4m3fn), global_scale
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(N, K/2) uint8, (N, K/16) float8_e4m3fn, (1,) fp32 -> W' (N, K) in dtype (fp32 math)."""
+    if packed.dtype != torch.uint8 or packed.ndim != 2:
+        raise TypeError(f"dequantize: packed must be a 2-D uint8 tensor, got {packed.dtype} "
+                        f"{tuple(packed.shape)}")
+    if scale.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"dequantize: scale must be float8_e4m3fn, got {scale.dtype}")
+    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+        raise TypeError(f"dequantize: global_scale must be one float32 value, got {global_scale.dtype} "
+                        f"{tuple(global_scale.shape)}")
+    N, K = packed.shape[0], packed.shape[1] * 2
+    if K % BLOCK or tuple(scale.shape) != (N, K // BLOCK):
+        raise ValueError(f"dequantize: packed {tuple(packed.shape)} needs scale ({N}, {K // BLOCK}), "
+                         f"got {tuple(scale.shape)}")
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    q = lut[unpack_fp4(packed).long()].unflatten(1, (K // BLOCK, BLOCK))  # (N, K/16, 16) fp32
+    step = scale.to(torch.float32) / global_scale.reshape(1)              # (N, K/16) fp32 s/g
+    return (q * step.unsqueeze(-1)).flatten(1).to(dtype)                  # (N, K)
+
+
+# ----------------------------------------------------------------------------------------------
+# fast path: marlin_kernel (Triton, CUDA) when it can be imported, else the reference above
+
+@functools.cache
+def _marlin():
+    try:
+        import marlin_kernel
+    except ImportError as e:
+        warnings.warn(f"nvfp4: marlin_kernel is not importable ({e}); NVFP4Linear on CUDA falls "
+                      f"back to dequantize + F.linear (slow)")
+        return None
+    return marlin_kernel
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype == torch.bfloat16 and _marlin() is not None
+
+
+def _matmul(x, packed, scale, global_scale, bias):
+    """y = x·W'ᵀ (+ bias): x (..., K) -> (..., N) in x.dtype."""
+    x2d = x.reshape(-1, x.shape[-1])                                      # (M, K)
+    if _use_kernel(x2d):
+        b = bias.to(torch.bfloat16) if bias is not None else None
+        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b)
+    else:
+        b = bias.to(x.dtype) if bias is not None else None
+        y = F.linear(x2d, dequantize(packed, scale, global_scale, x.dtype), b)
+    return y.view(*x.shape[:-1], packed.shape[0])                         # (..., N)
+
+
+class _NVFP4Matmul(torch.autograd.Function):
+    """_matmul with the gradient flowing to x only: W' is frozen, stored as NVFP4."""
+
+    @staticmethod
+    def forward(ctx, x, packed, scale, global_scale, bias):
+        ctx.save_for_backward(packed, scale, global_scale)
+        return _matmul(x, packed, scale, global_scale, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        packed, scale, global_scale = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])                               # (M, N)
+        if _use_kernel(dy2d):
+            dx = _marlin().nvfp4_matmul_dx(dy2d.contiguous(), packed, scale, global_scale)
+        else:
+            dx = dy2d @ dequantize(packed, scale, global_scale, dy.dtype)  # (M, K)
+        dbias = dy2d.sum(0) if ctx.needs_input_grad[4] else None         # only if unfrozen
+        return dx.view(*dy.shape[:-1], dx.shape[-1]), None, None, None, dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# module
+
+class NVFP4Linear(nn.Module):
+    """A frozen linear layer stored as NVFP4; state_dict keys are compressed-tensors' own."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"NVFP4Linear: in_features {in_features} is not a multiple of {BLOCK}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2,
+                                                          dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK,
+                                                         dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                     requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    global_scale: torch.Tensor | None = None, name: str = "") -> "NVFP4Linear":
+        """Quantize a dense (out, in) weight into a new NVFP4Linear on weight.device."""
+        packed, scale, g = quantize(weight, global_scale, name=name)
+        dtype = bias.dtype if bias is not None else weight.dtype
+        layer = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta", dtype=dtype)
+        layer.weight_packed, layer.weight_scale, layer.weight_global_scale = packed, scale, g
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return layer
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear: input has {x.shape[-1]} features, expected {self.in_features}")
+        args = (x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
+        needs_grad = x.requires_grad or (self.bias is not None and self.bias.requires_grad)
+        if torch.is_grad_enabled() and needs_grad:
+            return _NVFP4Matmul.apply(*args)
+        return _matmul(*args)           # no autograd (rollout): skip the Function's overhead
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format=nvfp4 (e2m1, e4m3 per {BLOCK}, fp32 global)")
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint metadata (config.json "quantization_config")
+
+def quantization_config(ignore: list[str]) -> dict:
+    """The block llm-compressor writes for weight-only NVFP4 (preset NVFP4A16) on every Linear
+    except the modules in `ignore` (e.g. ["lm_head"])."""
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": BLOCK,
+               "strategy": "tensor_group", "dynamic": False, "actorder": None, "block_structure": None,
+               "observer": "memoryless_minmax", "observer_kwargs": {},
+               "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": None}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": None,
+             "output_activations": None, "format": FORMAT}
+    return {"quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": list(ignore), "kv_cache_scheme": None,
+            "global_compression_ratio": None, "sparsity_config": {}, "transform_config": {}}
+
+
+def is_nvfp4_checkpoint(hf_config: dict) -> bool:
+    """True when config.json describes compressed-tensors NVFP4 weights (packed, E4M3/16, fp32).
+
+    Activation settings are not checked: an NVFP4 W4A4 checkpoint has the same weight tensors."""
+    qc = hf_config.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return False
+    if qc.get("quantization_status", "compressed") != "compressed":
+        return False
+    groups = list((qc.get("config_groups") or {}).values())
+    return bool(groups) and all(
+        (g.get("format") or qc.get("format")) == FORMAT
+        and (g.get("weights") or {}).get("num_bits") == 4
+        and (g.get("weights") or {}).get("type") == "float"
+        and (g.get("weights") or {}).get("group_size") == BLOCK
+        for g in groups)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024, dtype=torch.bfloat16)
+    packed, scale, g = quantize(w, name="demo")
+    err = (dequantize(packed, scale, g) - w.float()).norm() / w.float().norm()
+    print(f"W {tuple(w.shape)} bf16 {w.numel() * 2} B -> {packed.numel() + scale.numel() + 4} B, "
+          f"global scale {g.item():.2f}, relative RMS error {err:.4f}")
