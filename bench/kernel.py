@@ -1,0 +1,312 @@
+"""Benchmark and GPU check of the NVFP4 x BF16 kernels (marlin_kernel.py) against cuBLAS bf16.
+
+For the Qwen2.5-7B and -32B projection shapes (ANCHORS.md) and M in 1..16384 it times, in the
+same run: ours y = x·Wᵀ and cuBLAS bf16 x @ w.t() (forward), ours dx = dy·W and cuBLAS dy @ w
+(backward-input). Timing: triton.testing.do_bench_cudagraph median (GPU time of graph replays, so
+Python launch cost is out; rollout runs under CUDA graphs), and the weights rotate among copies
+that together exceed twice the L2, so no call finds its weight cached. Rows at M=1 also report
+eager timings (do_bench, L2 flushed before each call, Python launch cost in).
+Reported per row: ms, effective weight bandwidth (NVFP4 counts 4.5 bits per weight, bf16 16),
+and speedup = cuBLAS time / our time.
+
+    python bench/kernel.py                    # check + benchmark, table + bench/kernel.json
+    python bench/kernel.py --check            # GPU correctness on the real shapes only
+    python bench/kernel.py --sweep            # try several tile configs per (shape, M)
+    python bench/kernel.py --out DIR          # where the JSON and log go
+
+The weights are random codes and random E4M3 scales (the kernel's speed does not depend on the
+values; the correctness check uses fresh random data against a float64 reference).
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch
+import triton
+import triton.testing
+
+import marlin_kernel as mk
+
+# ----------------------------------------------------------------------------------------------
+# shapes (N, K) from ANCHORS.md
+
+SHAPES = {
+    "7B qkv": (4608, 3584), "7B o": (3584, 3584), "7B gate_up": (37888, 3584), "7B down": (3584, 18944),
+    "32B qkv": (7168, 5120), "32B o": (5120, 5120), "32B gate_up": (55296, 5120), "32B down": (5120, 27648),
+}
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384)
+
+
+def random_weight(N, K, device, gen):
+    """Random NVFP4 weight: every code, scales spread over E4M3's normal and subnormal range."""
+    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=device, generator=gen)
+    s = torch.exp2(torch.rand(N, K // 16, device=device, generator=gen) * 16 - 8)   # 2^-8 .. 2^8
+    scale = s.to(torch.float8_e4m3fn)
+    global_scale = torch.tensor([448.0 * 6 / 3.0], device=device)
+    return packed, scale, global_scale
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def poison_allocator(numel, device):
+    """Fill a block with NaN and free it: the next torch.empty of that size reuses it, so an
+    element the kernel forgets to write stays NaN."""
+    torch.full((numel,), float("nan"), dtype=torch.float32, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
+# correctness on the GPU
+
+def check(device, log):
+    gen = torch.Generator(device=device).manual_seed(1234)
+    ok = True
+    # 1. every code and scale decodes right: x = I gives y = Wᵀ exactly (up to bf16 rounding)
+    packed, scale, gs = random_weight(64, 256, device, gen)
+    eye = torch.eye(256, device=device, dtype=torch.bfloat16)
+    W = mk.reference_dequantize(packed, scale, gs)                       # (64, 256) f64
+    y = mk.nvfp4_matmul(eye, packed, scale, gs)                          # (256, 64)
+    bad = (y.double() - W.t()).abs() > 2.0 ** -8 * W.t().abs()           # > 1 bf16 rounding
+    if bad.any():
+        ok = False
+        codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).t()[bad]
+        log(f"DECODE MISMATCH at {int(bad.sum())} elements; codes {sorted(set(codes.tolist()))}")
+    else:
+        log("decode: all codes exact")
+    # 2. real shapes, odd M, bias on/off, against float64
+    cases = [(m, name) for name in ("7B qkv", "7B down", "32B gate_up") for m in (1, 7, 16, 33, 100, 300, 1000)]
+    cases += [(4096, "7B o"), (1, (16, 16)), (3, (16, 32)), (5, (48, 80)), (129, (272, 176))]
+    worst = 0.0
+    for M, name in cases:
+        N, K = SHAPES[name] if isinstance(name, str) else name
+        packed, scale, gs = random_weight(N, K, device, gen)
+        W = mk.reference_dequantize(packed, scale, gs)                   # (N, K) f64
+        for has_bias in (False, True):
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            bias = torch.randn(N, device=device, generator=gen).bfloat16() if has_bias else None
+            poison_allocator(max(M * N * 8, 1 << 20), device)
+            y = mk.nvfp4_matmul(x, packed, scale, gs, bias)
+            ref = x.double() @ W.t() + (bias.double() if has_bias else 0)
+            e = rel_err(y, ref)
+            fin = bool(torch.isfinite(y).all())
+            worst = max(worst, e)
+            good = fin and e < 1e-2
+            ok &= good
+            log(f"fwd {str(name):>12} M={M:5d} bias={int(has_bias)} rel_err={e:.2e} finite={fin} {'ok' if good else 'FAIL'}")
+        dy = torch.randn(M, N, device=device, generator=gen).bfloat16()
+        poison_allocator(max(M * K * 8, 1 << 20), device)
+        dx = mk.nvfp4_matmul_dx(dy, packed, scale, gs)
+        e = rel_err(dx, dy.double() @ W)
+        fin = bool(torch.isfinite(dx).all())
+        worst = max(worst, e)
+        good = fin and e < 1e-2
+        ok &= good
+        log(f"dx  {str(name):>12} M={M:5d}        rel_err={e:.2e} finite={fin} {'ok' if good else 'FAIL'}")
+        del W
+    log(f"check: {'PASS' if ok else 'FAIL'} (worst rel err {worst:.2e})")
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+def bench_ms(fn, graph=True):
+    """Median ms per call. graph=True: CUDA-graph replay (GPU time, no Python launch cost);
+    graph=False: eager calls, what an un-captured training step pays."""
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def copies_for(nbytes, device):
+    """How many weight copies to rotate so that together they exceed twice the L2."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(16, math.ceil(2 * l2 / nbytes)))
+
+
+class Rotating:
+    def __init__(self, items):
+        self.items, self.i = items, 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,)):
+    q_bytes = N * K * 4.5 / 8
+    b_bytes = N * K * 2
+    qs = Rotating([random_weight(N, K, device, gen) for _ in range(copies_for(q_bytes, device))])
+    ws = Rotating([torch.randn(N, K, device=device, generator=gen).bfloat16()
+                   for _ in range(copies_for(b_bytes, device))])
+    rows = []
+    for M in Ms:
+        x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+        dy = torch.randn(M, N, device=device, generator=gen).bfloat16()
+
+        def ours_fwd():
+            mk.nvfp4_matmul(x, *qs.next())
+
+        def ours_dx():
+            mk.nvfp4_matmul_dx(dy, *qs.next())
+
+        r = dict(shape=name, N=N, K=K, M=M, path="dequant+cublas" if mk.use_dequant(M, N, K) else "fused")
+        r["fwd_ms"] = bench_ms(ours_fwd)
+        r["dx_ms"] = bench_ms(ours_dx)
+        r["cublas_fwd_ms"] = bench_ms(lambda: x @ ws.next().t())
+        r["cublas_dx_ms"] = bench_ms(lambda: dy @ ws.next())
+        if M in eager_ms:
+            r["eager_fwd_ms"] = bench_ms(ours_fwd, graph=False)
+            r["eager_cublas_fwd_ms"] = bench_ms(lambda: x @ ws.next().t(), graph=False)
+        r["fwd_speedup"] = r["cublas_fwd_ms"] / r["fwd_ms"]
+        r["dx_speedup"] = r["cublas_dx_ms"] / r["dx_ms"]
+        r["cublas_fwd_TBps"] = b_bytes / r["cublas_fwd_ms"] / 1e9
+        r["fwd_TBps"] = q_bytes / r["fwd_ms"] / 1e9
+        r["dx_TBps"] = q_bytes / r["dx_ms"] / 1e9
+        r["fwd_TFLOPs"] = 2 * M * N * K / r["fwd_ms"] / 1e9
+        r["cublas_fwd_TFLOPs"] = 2 * M * N * K / r["cublas_fwd_ms"] / 1e9
+        rows.append(r)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# sweep of tile configs (and of the dequantize + cuBLAS path at large M)
+
+T = mk.TileConfig
+SWEEP_FWD = {
+    "small": [T(16, 16, 256), T(16, 32, 256), T(16, 64, 256), T(16, 64, 128), T(16, 128, 128),
+              T(16, 32, 128), T(16, 32, 256, warps=2), T(16, 64, 128, split=1), T(16, 64, 128, split=2),
+              T(16, 64, 128, split=4), T(16, 128, 128, split=1), T(16, 64, 256, stages=3)],
+    "mid": [T(64, 64, 128), T(64, 128, 64, warps=8), T(64, 128, 128, warps=8, stages=3),
+            T(64, 64, 256, stages=3), T(64, 64, 128, split=1), T(32, 64, 128), T(64, 128, 128, warps=8, stages=3, split=1)],
+    "large": [T(128, 64, 64), T(64, 128, 64, warps=8), T(128, 128, 64, warps=8), T(256, 128, 64, warps=8, stages=4),
+              T(64, 128, 128, warps=8, stages=3)],
+}
+SWEEP_DX = {
+    "small": [T(16, 64, 128), T(16, 128, 64), T(16, 128, 128), T(16, 64, 256, stages=3), T(16, 256, 64),
+              T(16, 64, 128, split=1), T(16, 64, 128, split=2)],
+    "mid": [T(32, 128, 64), T(64, 64, 128), T(64, 128, 64), T(64, 64, 128, split=1)],
+    "large": [T(128, 64, 128, warps=8), T(128, 128, 128, warps=8, stages=3), T(256, 64, 128, warps=8, stages=3),
+              T(64, 64, 128, warps=8)],
+}
+SWEEP_CASES = [("7B qkv", (1, 16, 64, 256, 1024)), ("7B o", (1, 16, 64)), ("7B gate_up", (1, 16, 64, 256, 1024)),
+               ("7B down", (1, 16, 64)), ("32B gate_up", (1, 16, 64, 1024)), ("32B down", (1, 16, 64, 256, 1024)),
+               ("32B qkv", (1, 16)), ("32B o", (1, 16))]
+
+
+def sweep(device, log, budget_s=240.0):
+    gen = torch.Generator(device=device).manual_seed(7)
+    results = []
+    t0 = time.time()
+    for name, Ms in SWEEP_CASES:
+        N, K = SHAPES[name]
+        p, s, g = random_weight(N, K, device, gen)
+        for M in Ms:
+            if time.time() - t0 > budget_s:
+                log(f"sweep: time budget of {budget_s:.0f} s spent, stopping")
+                break
+            cls = "small" if M <= 16 else "mid" if M <= 64 else "large"
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            dy = torch.randn(M, N, device=device, generator=gen).bfloat16()
+            for kind, table in (("fwd", SWEEP_FWD), ("dx", SWEEP_DX)):
+                cands = [(str(c), c) for c in table[cls]]
+                if M >= 256:
+                    cands.append(("dequant+cublas", None))
+                for label, cfg in cands:
+                    try:
+                        if kind == "fwd" and cfg is None:
+                            fn = lambda: torch.nn.functional.linear(x, mk._dequantize_bf16(p, s, g))
+                        elif kind == "fwd":
+                            fn = lambda cfg=cfg: mk._matmul(x, p, s, g, None, cfg)
+                        elif cfg is None:
+                            fn = lambda: dy @ mk._dequantize_bf16(p, s, g)
+                        else:
+                            fn = lambda cfg=cfg: mk._matmul_dx(dy, p, s, g, cfg)
+                        ms = bench_ms(fn)
+                    except Exception as e:                       # a config that does not compile
+                        log(f"sweep {kind} {name} M={M} {label}: ERROR {type(e).__name__}: {str(e)[:200]}")
+                        continue
+                    tbps = N * K * 4.5 / 8 / ms / 1e9
+                    results.append(dict(kind=kind, shape=name, M=M, cfg=label, ms=ms, TBps=tbps))
+                    log(f"sweep {kind:3s} {name:>11} M={M:5d} {label:70s} {ms * 1e3:9.1f} us {tbps:5.2f} TB/s")
+    best = {}
+    for r in results:
+        key = (r["kind"], r["M"], r["shape"])
+        if key not in best or r["ms"] < best[key]["ms"]:
+            best[key] = r
+    for key, r in sorted(best.items()):
+        log(f"BEST {key[0]:3s} M={key[1]:5d} {key[2]:>11}: {r['cfg']:70s} {r['ms'] * 1e3:8.1f} us {r['TBps']:5.2f} TB/s")
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="GPU correctness only")
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile configs")
+    ap.add_argument("--sweep-budget", type=float, default=240.0, help="seconds the sweep may take")
+    ap.add_argument("--no-bench", action="store_true", help="skip the main benchmark table")
+    ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
+    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernel.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "kernel_log.txt"), "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    props = torch.cuda.get_device_properties(device)
+    log(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    log(f"# args: {vars(args)}")
+    t0 = time.time()
+    out = dict(device=props.name, torch=torch.__version__, triton=triton.__version__)
+    out["check_pass"] = check(device, log)
+    log(f"# check took {time.time() - t0:.0f} s")
+    if args.check:
+        return
+    if args.sweep:
+        t1 = time.time()
+        out["sweep"] = sweep(device, log, args.sweep_budget)
+        log(f"# sweep took {time.time() - t1:.0f} s")
+    if not args.no_bench:
+        gen = torch.Generator(device=device).manual_seed(0)
+        names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+        rows = []
+        for name in names:
+            try:
+                rows += time_shape(name, *SHAPES[name], MS, device, gen)
+            except Exception as e:                               # keep the other shapes' rows
+                log(f"bench {name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            torch.cuda.empty_cache()
+        out["rows"] = rows
+        log(f"# total {time.time() - t0:.0f} s")
+        log("# CUDA-graph timing (GPU time). TB/s: NVFP4 weight bytes (4.5 bit) / time; x = cuBLAS / ours")
+        log(f"{'shape':>11} {'M':>5} | {'fwd us':>8} {'cuBLAS':>8} {'x':>5} {'TB/s':>5} | "
+            f"{'dx us':>8} {'cuBLAS':>8} {'x':>5} | path")
+        for r in rows:
+            log(f"{r['shape']:>11} {r['M']:5d} | {r['fwd_ms'] * 1e3:8.1f} {r['cublas_fwd_ms'] * 1e3:8.1f} "
+                f"{r['fwd_speedup']:5.2f} {r['fwd_TBps']:5.2f} | {r['dx_ms'] * 1e3:8.1f} "
+                f"{r['cublas_dx_ms'] * 1e3:8.1f} {r['dx_speedup']:5.2f} | {r['path']}")
+        for r in rows:
+            if "eager_fwd_ms" in r:
+                log(f"eager (no graph) {r['shape']:>11} M={r['M']}: ours {r['eager_fwd_ms'] * 1e3:.1f} us, "
+                    f"cuBLAS {r['eager_cublas_fwd_ms'] * 1e3:.1f} us")
+    with open(os.path.join(args.out, "kernel.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,561 @@
+"""Triton FP4 x BF16 matmuls for NVFP4 weights: y = x·Wᵀ (+bias) and dx = dy·W.
+
+Hopper has no FP4 tensor cores, so these kernels read the 4.5-bit weights from memory, turn them
+into bf16 in registers and issue ordinary bf16 MMAs with fp32 accumulation ("Marlin-style"
+mixed-input GEMM, written in Triton).
+
+The weight format is the standard compressed-tensors NVFP4 layout, untouched (nvfp4.py owns it):
+
+    packed        uint8          (N, K/2)   two E2M1 codes per byte, even k in the LOW nibble
+    scale         float8_e4m3fn  (N, K/16)  one scale per 16 consecutive k of a row
+    global_scale  float32        (1,)
+    W[n, k] = e2m1(code[n, k]) * scale[n, k // 16] / global_scale
+
+The math of one output tile, written transposed ("swap AB") so that the big operand, the weight,
+is the MMA's left operand (it may then live in registers, and a 16-row weight tile is a legal MMA
+even when M is 1):
+
+    acc[BN, BM] = 0                                        # fp32
+    for k0 in range(k_start, k_end, BK):
+        w  = e2m1(packed[n-tile, k0:k0+BK]) * scale · 2^-7  # (BN, BK) bf16, exact
+        acc += w @ x[m-tile, k0:k0+BK]ᵀ                     # bf16 MMA, fp32 accumulate
+    y[m-tile, n-tile] = (acc · 2^7 / global_scale + bias)ᵀ  # bf16
+
+dx = dy·W is the same loop with the reduction over N: acc[BK, BM] += wᵀ @ dy[m-tile, n0:n0+BN]ᵀ.
+
+Decoding E2M1 (the hot spot: at M <= 64 it costs as much as reading the bytes). A code is
+s|e e|m (sign, 2 exponent bits, 1 mantissa bit); its magnitudes are 0, .5, 1, 1.5, 2, 3, 4, 6.
+Moving the three magnitude bits into bf16 bits 8..6 (the two lowest exponent bits and the top
+mantissa bit) and the sign into bit 15 gives a bf16 whose value is exactly e2m1 · 2^-126: for
+e >= 1 it is a normal number 2^(e-127)·(1+m/2), and for e = 0 the bf16 subnormal m·2^-1·2^-126,
+which is why the E2M1 subnormal 0.5 needs no special case. On the GPU this is done by inline PTX
+on four packed bytes at a time (prmt spreads bytes into 16-bit lanes, then shift/and/lop3 place
+the bits of both nibbles, ~2 integer ops per weight), followed by one bf16x2 multiply by
+scale·2^119, so the operand is w·scale·2^-7: every value is a normal bf16 and exact (2 significant
+bits times 4). The factor 2^7/global_scale is applied to the fp32 accumulator in the epilogue.
+The scale's E4M3 bits are decoded with integer ops too (sign, exponent + bias shift, mantissa,
+subnormal branch), so no float8 dtype is needed inside Triton.
+
+Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and the interpreter's bf16 tl.dot is
+wrong (triton 3.9), so the wrapper sets INTERPRET: the codes are decoded with plain tl ops to the
+same bf16 operand and the dot runs on fp32 copies.
+
+Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
+  * M <= 64 (decode, memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
+    weight rows per program, split-K until there are >= 4 programs per SM; the fp32 partial sums
+    are reduced (with scale, bias, cast) by a second small kernel: deterministic, no atomics.
+  * 64 < M < 512: the same kernel with 128 x 64 tiles, grouped program order for L2 reuse.
+  * M >= 512 (compute-bound; M >= 128 for weights under 40M elements): the fused kernel reaches only
+    ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
+    copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
+Measured on an H100 at M <= 16: 1.1-1.9x over cuBLAS bf16 (0.65-1.45 TB/s of NVFP4 weights).
+
+What it leaves out: activation quantization (this is W4A16), a Marlin-style re-layout of the
+weights (decode straight into the MMA register layout), fused q/k/v, a warp-specialized schedule.
+Test: pytest tests/test_marlin_kernel.py (CPU: interpreter, tiny shapes; GPU: real shapes);
+benchmark: python bench/kernel.py.
+"""
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------
+# constants
+
+BLOCK = 16               # NVFP4 scale block along K
+MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded wrong on the H100);
+                         # a reduction dim that is not a multiple of 64 is zero-padded
+DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
+OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all normal bf16 numbers) ...
+OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# pure-torch reference (float64; used by tests and benchmarks)
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def reference_dequantize(packed, scale, global_scale, dtype=torch.float64):
+    """(N, K/2) u8, (N, K/16) e4m3, (1,) f32 -> W (N, K) in dtype (independent of nvfp4.py)."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=packed.device)
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).long()   # (N, K)
+    s = scale.to(torch.float64).repeat_interleave(BLOCK, dim=-1)                  # (N, K)
+    return (lut[codes] * s / global_scale.to(torch.float64)).to(dtype)
+
+
+def reference_matmul(x, packed, scale, global_scale, bias=None):
+    """float64 y = x·Wᵀ (+bias)."""
+    y = x.double() @ reference_dequantize(packed, scale, global_scale).t()
+    return y if bias is None else y + bias.double()
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding helpers (inlined into both matmul kernels)
+
+# Four packed bytes b0..b3 -> lo = e2m1(low nibbles)·s, hi = e2m1(high nibbles)·s as bf16x2 pairs.
+# $0,$1: lo of (b0,b1),(b2,b3); $2,$3: hi of the same; $4: the 4 bytes; $5,$6: scale pairs.
+# After prmt each 16-bit lane holds byte<<8: the high nibble's sign is already at bit 15 and its
+# magnitude (bits 12..14) moves to 6..8 by >>6; the low nibble's sign (bit 11) moves up by 4 and
+# its magnitude (bits 8..10) down by 2. lop3 0xEA computes (a & b) | c.
+_E2M1X4_TO_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 y01, y23, t, u, sg, nz;
+mov.b32 nz, 0x80008000;
+prmt.b32 y01, $4, 0, 0x1404;
+prmt.b32 y23, $4, 0, 0x3424;
+shr.b32 t, y01, 2;
+shl.b32 u, y01, 4;
+and.b32 sg, u, nz;
+lop3.b32 t, t, 0x01C001C0, sg, 0xEA;
+fma.rn.bf16x2 $0, t, $5, nz;
+shr.b32 t, y23, 2;
+shl.b32 u, y23, 4;
+and.b32 sg, u, nz;
+lop3.b32 t, t, 0x01C001C0, sg, 0xEA;
+fma.rn.bf16x2 $1, t, $6, nz;
+shr.b32 t, y01, 6;
+and.b32 sg, y01, nz;
+lop3.b32 t, t, 0x01C001C0, sg, 0xEA;
+fma.rn.bf16x2 $2, t, $5, nz;
+shr.b32 t, y23, 6;
+and.b32 sg, y23, nz;
+lop3.b32 t, t, 0x01C001C0, sg, 0xEA;
+fma.rn.bf16x2 $3, t, $6, nz;
+}
+""")
+
+
+@triton.jit
+def _e4m3_to_f32(bits, EXP_SHIFT: tl.constexpr):
+    """E4M3 bits (uint8 tensor) -> float32 value · 2^EXP_SHIFT, exact (no float8 type needed)."""
+    b = bits.to(tl.int32)
+    sub = (b & 0x78) == 0                                # exponent field 0: subnormal m·2^-9
+    mag = (b & 0x7F) | tl.where(sub, 8, 0)               # ... decoded as if e = 1: 2^-6·(1 + m/8)
+    # fp32 exponent = e - 7 + 127 (+ EXP_SHIFT); E4M3's 3 mantissa bits go to the top of fp32's 23
+    v = ((mag << 20) + ((120 + EXP_SHIFT) << 23)).to(tl.float32, bitcast=True)
+    implicit = tl.full([], (8 << 20) + ((120 + EXP_SHIFT) << 23), tl.int32).to(tl.float32, bitcast=True)
+    v = tl.where(sub, v - implicit, v)                   # remove the implicit 2^-6: exact
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """E2M1 code (int32 tensor, 0..15) -> float32 value (reference decode for the interpreter)."""
+    e = (code >> 1) & 3
+    m = code & 1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)   # 2^(e-1)·(1+m/2)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _to_bf16(y, INTERPRET: tl.constexpr):
+    """fp32 -> bf16, round to nearest even. (The triton 3.9 interpreter truncates instead, so
+    there the rounding is done on the bits first; finite values only.)"""
+    if INTERPRET:
+        b = y.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        y = b.to(tl.float32, bitcast=True)
+    return y.to(tl.bfloat16)
+
+
+@triton.jit
+def _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
+                      BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows offs_n (all valid), columns k0..k0+BK (BK divides K) of W as bf16 w·scale·2^-7."""
+    offs_b = k0 // 2 + tl.arange(0, BK // 2)             # byte columns
+    offs_s = k0 // 16 + tl.arange(0, BK // 16)           # scale columns
+    p = tl.load(packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :])    # (BN, BK/2) u8
+    sb = tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_s[None, :])    # (BN, BK/16) u8
+    if INTERPRET:
+        s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                               # scale·2^-7
+        s = tl.broadcast_to(s[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)
+        pi = p.to(tl.int32)
+        lo = (_e2m1_to_f32(pi & 15) * s).to(tl.bfloat16)
+        hi = (_e2m1_to_f32(pi >> 4) * s).to(tl.bfloat16)
+    else:
+        # scale·2^119 times the bf16 pseudo-value e2m1·2^-126 = e2m1·scale·2^-7
+        s = _e4m3_to_f32(sb, 126 - OPERAND_SHIFT).to(tl.bfloat16)
+        s = tl.broadcast_to(s[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1X4_TO_BF16_PTX, "=r,=r,=r,=r,r,r,r", [p, s],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.join(lo, hi).reshape(BN, BK)               # (BN, BK): even k from the low nibble
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+# M is not specialized: Triton would otherwise compile a separate M == 1 kernel, which ran
+# 3-28% slower than the general one at M = 2 on the H100 (bench/NOTES.md).
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_mm_kernel(
+    # pointers
+    x_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    # sizes: x (M, K), W (N, K); each program of split pid_k reduces k in [pid_k·K_SPLIT, +K_SPLIT)
+    M, N, K, K_SPLIT,
+    # strides (the innermost stride of every tensor is 1)
+    stride_xm, stride_pn, stride_sn, stride_om, stride_os,
+    # meta
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] · W[n, k]; one (BN, BM) tile of yᵀ per program."""
+    # ---- grouped program order: GROUP_N weight tiles are swept over all m-tiles together (L2)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BN)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_in_group = GROUP_N * num_pid_m
+    first_n = (pid // num_pid_in_group) * GROUP_N
+    group_size = min(num_pid_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % num_pid_in_group) % group_size
+    pid_m = (pid % num_pid_in_group) // group_size
+
+    # rows past N or M are clamped (wrapped) instead of masked: loads stay unmasked and
+    # vectorized, and those rows of the result are never stored
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+    k_start = pid_k * K_SPLIT
+    n_iter = tl.cdiv(min(K - k_start, K_SPLIT), BK)      # BK divides K and K_SPLIT
+
+    # ---- main loop: dequantize a (BN, BK) weight tile in registers, bf16 MMA with xᵀ (BK, BM)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for it in range(0, n_iter):
+        k0 = tl.multiple_of(k_start + it * BK, BK)
+        w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
+                              BN, BK, INTERPRET)                                   # (BN, BK)
+        offs_k = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None])       # (BK, BM)
+        if INTERPRET:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+        else:
+            acc = tl.dot(w, xt, acc)
+
+    # ---- epilogue: yᵀ tile -> y (or an fp32 partial sum for the split-K reduce)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if PARTIAL:
+        ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        y = acc * (OPERAND_POST / tl.load(gs_ptr))
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], _to_bf16(y, INTERPRET),
+                 mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_mm_dx_kernel(
+    # pointers
+    dy_ptr, packed_ptr, scale_ptr, gs_ptr, out_ptr,
+    # sizes: dy (M, N), W (N, K); each program of split pid_s reduces n in [pid_s·N_SPLIT, +N_SPLIT)
+    M, N, K, N_SPLIT,
+    # strides (the innermost stride of every tensor is 1)
+    stride_dym, stride_pn, stride_sn, stride_om, stride_os,
+    # meta
+    PARTIAL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """dx[m, k] = sum_n dy[m, n] · W[n, k]; one (BK, BM) tile of dxᵀ per program."""
+    # ---- grouped program order over (k-tile, m-tile)
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    num_pid_k = tl.cdiv(K, BK)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_in_group = GROUP_K * num_pid_m
+    first_k = (pid // num_pid_in_group) * GROUP_K
+    group_size = min(num_pid_k - first_k, GROUP_K)
+    pid_k = first_k + (pid % num_pid_in_group) % group_size
+    pid_m = (pid % num_pid_in_group) // group_size
+
+    k0 = tl.multiple_of(pid_k * BK, BK)                  # BK divides K: no tail in k
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M         # rows past M wrapped, never stored
+    n_start = pid_s * N_SPLIT
+    n_iter = tl.cdiv(min(N - n_start, N_SPLIT), BN)      # BN divides N and N_SPLIT
+
+    # ---- main loop over n: the same (BN, BK) weight tile, used transposed
+    acc = tl.zeros((BK, BM), dtype=tl.float32)
+    for it in range(0, n_iter):
+        n0 = tl.multiple_of(n_start + it * BN, BN)
+        offs_n = n0 + tl.arange(0, BN)
+        w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
+                              BN, BK, INTERPRET)                                   # (BN, BK)
+        dyt = tl.load(dy_ptr + offs_m[None, :] * stride_dym + offs_n[:, None])    # (BN, BM)
+        if INTERPRET:
+            acc = tl.dot(tl.trans(w.to(tl.float32)), dyt.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(w), dyt, acc)
+
+    # ---- epilogue: dxᵀ tile -> dx (or an fp32 partial sum)
+    offs_k = k0 + tl.arange(0, BK)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask = (offs_k < K)[:, None] & (offs_m < M)[None, :]
+    if PARTIAL:
+        ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_k[:, None]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        y = acc * (OPERAND_POST / tl.load(gs_ptr))
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_k[:, None], _to_bf16(y, INTERPRET),
+                 mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """out (R, C) bf16 = sum_s part[s] (R, C) fp32 · 2^7/global_scale (+ bias (C,))."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    y = acc * (OPERAND_POST / tl.load(gs_ptr))
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs % C, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _to_bf16(y, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _nvfp4_dequant_kernel(packed_ptr, scale_ptr, gs_ptr, out_ptr, N, K, stride_pn, stride_sn,
+                          BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """W (N, K) bf16 = e2m1 · scale / global_scale, one (BN, BK) tile per program (BK divides K)."""
+    pid_n = tl.program_id(0)
+    k0 = tl.multiple_of(tl.program_id(1) * BK, BK)
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn, BN, BK, INTERPRET)
+    w = w.to(tl.float32) * (OPERAND_POST / tl.load(gs_ptr))
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = k0 + tl.arange(0, BK)
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], _to_bf16(w, INTERPRET),
+             mask=(offs_n < N)[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# tile configurations
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch shape. bm/bn/bk: tile sizes along M, N, K; split: programs along the reduction
+    dim (0 = choose from the problem size); group: tiles swept together for L2 reuse."""
+    bm: int
+    bn: int
+    bk: int
+    warps: int = 4
+    stages: int = 4
+    split: int = 0
+    group: int = 8
+
+    def __post_init__(self):
+        for field in ("bm", "bn", "bk"):
+            v = getattr(self, field)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{field} must be a power of two >= 16, got {v}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+        if self.stages < 1 or self.split < 0 or self.group < 1:
+            raise ValueError(f"TileConfig: stages >= 1, split >= 0, group >= 1 needed, got {self}")
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _fit(block: int, n: int) -> int:
+    """The largest power of two <= block that divides n (n is a multiple of 16): no tail tiles."""
+    while n % block:
+        block //= 2
+    return block
+
+
+def _pick_split(tiles: int, red: int, block: int, sms: int) -> int:
+    """Split the reduction (length red, in steps of block) until ~4 programs per SM exist."""
+    split = 1
+    while tiles * split < 4 * sms and red >= block * split * 4:
+        split *= 2
+    return split
+
+
+def fwd_config(M: int, N: int, K: int) -> TileConfig:
+    """Launch shape for y = x·Wᵀ: the sweep winners on an H100 (bench/NOTES.md)."""
+    if M <= 16:
+        return TileConfig(bm=16, bn=64, bk=128, warps=4, stages=4)
+    if M <= 32:
+        return TileConfig(bm=32, bn=64, bk=128, warps=4, stages=4)
+    if M <= 64:
+        return TileConfig(bm=64, bn=128, bk=128, warps=8, stages=3)
+    return TileConfig(bm=128, bn=64, bk=64, warps=4, stages=4)
+
+
+def dx_config(M: int, N: int, K: int) -> TileConfig:
+    """Launch shape for dx = dy·W: the sweep winners on an H100 (bench/NOTES.md)."""
+    if M <= 64:
+        return TileConfig(bm=max(16, triton.next_power_of_2(M)), bn=64, bk=128, warps=4, stages=4)
+    return TileConfig(bm=128, bn=64, bk=128, warps=8, stages=4)
+
+
+def use_dequant(M: int, N: int, K: int) -> bool:
+    """Large M is compute-bound and the fused kernel reaches only ~45% of cuBLAS there, while
+    dequantizing W once costs one pass over N·K·2.56 bytes: from M = 512 on (M = 128 for weights
+    under 40M elements, whose fused launch has few tiles) W is dequantized to bf16 and cuBLAS
+    multiplies. K must be a multiple of 64 (every real projection is)."""
+    if K % MIN_RED:
+        return False
+    return M >= DEQUANT_MIN_M or (M >= 128 and N * K <= 40_000_000)
+
+
+# ----------------------------------------------------------------------------------------------
+# wrappers
+
+def _check_weight(packed, scale, global_scale, device):
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8 (two E2M1 codes per byte), got {packed.dtype}")
+    if scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(f"scale must be float8_e4m3fn, got {scale.dtype}")
+    if global_scale.dtype != torch.float32 or global_scale.numel() != 1:
+        raise TypeError(f"global_scale must be a float32 tensor of one element, got "
+                        f"{global_scale.dtype} {tuple(global_scale.shape)}")
+    if packed.dim() != 2 or scale.dim() != 2:
+        raise ValueError(f"packed and scale must be 2-D, got {tuple(packed.shape)}, {tuple(scale.shape)}")
+    N, K = packed.shape[0], packed.shape[1] * 2
+    if N % 16 or K % 16:
+        raise ValueError(f"N and K must be multiples of 16, got N={N}, K={K}")
+    if tuple(scale.shape) != (N, K // BLOCK):
+        raise ValueError(f"scale must have shape (N, K/16) = {(N, K // BLOCK)}, got {tuple(scale.shape)}")
+    for name, t in (("packed", packed), ("scale", scale), ("global_scale", global_scale)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the activations on {device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return N, K
+
+
+def _check_act(name, t, cols):
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (M, {cols}), got shape {tuple(t.shape)}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+    if t.shape[1] != cols:
+        raise ValueError(f"{name} has {t.shape[1]} columns, the weight needs {cols}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _pad(t, dim, mult):
+    """Zero-pad t along dim to a multiple of mult (zero codes and zero scales decode to 0)."""
+    extra = -t.shape[dim] % mult
+    if extra == 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    return torch.nn.functional.pad(t, pad)
+
+
+def _dequantize_bf16(packed, scale, global_scale):
+    """W (N, K) bf16 in one pass (K must be a multiple of 64): the large-M path feeds it to cuBLAS."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty((N, K), device=packed.device, dtype=torch.bfloat16)
+    BN, BK = 64, _fit(128, K)
+    sb = scale.view(torch.uint8)
+    _nvfp4_dequant_kernel[(triton.cdiv(N, BN), K // BK)](
+        packed, sb, global_scale, out, N, K, packed.stride(0), sb.stride(0),
+        BN=BN, BK=BK, INTERPRET=_interpreting(), num_warps=4)
+    return out
+
+
+def _reduce(part, global_scale, bias, out):
+    numel = out.numel()
+    BLOCK = 1024
+    _splitk_reduce_kernel[(triton.cdiv(numel, BLOCK),)](
+        part, global_scale, bias if bias is not None else out, out, numel, out.shape[1],
+        part.shape[0], HAS_BIAS=bias is not None, BLOCK=BLOCK, INTERPRET=_interpreting())
+    return out
+
+
+def _matmul(x, packed, scale, global_scale, bias, cfg):
+    scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
+    if x.shape[1] % MIN_RED:               # odd K: pad the reduction (a copy; model shapes never)
+        x, packed, scale = _pad(x, 1, MIN_RED), _pad(packed, 1, MIN_RED // 2), _pad(scale, 1, MIN_RED // 16)
+    M, K = x.shape
+    N = packed.shape[0]
+    out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
+    if M == 0:
+        return out
+    cfg = replace(cfg, bk=_fit(max(cfg.bk, MIN_RED), K))
+    tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bm)
+    split = cfg.split or _pick_split(tiles, K, cfg.bk, _num_sms(x.device))
+    k_split = triton.cdiv(triton.cdiv(K, split), cfg.bk) * cfg.bk
+    split = triton.cdiv(K, k_split)
+    part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else out
+    sb = scale.view(torch.uint8)
+    _nvfp4_mm_kernel[(tiles, split)](
+        x, packed, sb, global_scale, bias if bias is not None else out, part,
+        M, N, K, k_split,
+        x.stride(0), packed.stride(0), sb.stride(0), N, M * N,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_N=cfg.group, INTERPRET=_interpreting(),
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return _reduce(part, global_scale, bias, out) if split > 1 else out
+
+
+def _matmul_dx(dy, packed, scale, global_scale, cfg):
+    K0 = packed.shape[1] * 2
+    scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
+    if dy.shape[1] % MIN_RED or K0 % MIN_RED:   # odd shapes: pad N (the reduction) and K
+        dx = _matmul_dx(_pad(dy, 1, MIN_RED), _pad(_pad(packed, 0, MIN_RED), 1, MIN_RED // 2),
+                        _pad(_pad(scale, 0, MIN_RED), 1, MIN_RED // 16), global_scale, cfg)
+        return dx[:, :K0].contiguous()
+    M, N = dy.shape
+    K = packed.shape[1] * 2
+    out = torch.empty((M, K), device=dy.device, dtype=torch.bfloat16)
+    if M == 0:
+        return out
+    cfg = replace(cfg, bk=_fit(max(cfg.bk, MIN_RED), K), bn=_fit(max(cfg.bn, MIN_RED), N))
+    tiles = triton.cdiv(K, cfg.bk) * triton.cdiv(M, cfg.bm)
+    split = cfg.split or _pick_split(tiles, N, cfg.bn, _num_sms(dy.device))
+    n_split = triton.cdiv(triton.cdiv(N, split), cfg.bn) * cfg.bn
+    split = triton.cdiv(N, n_split)
+    part = torch.empty((split, M, K), device=dy.device, dtype=torch.float32) if split > 1 else out
+    sb = scale.view(torch.uint8)
+    _nvfp4_mm_dx_kernel[(tiles, split)](
+        dy, packed, sb, global_scale, part,
+        M, N, K, n_split,
+        dy.stride(0), packed.stride(0), sb.stride(0), K, M * K,
+        PARTIAL=split > 1,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=cfg.group, INTERPRET=_interpreting(),
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return _reduce(part, global_scale, None, out) if split > 1 else out
+
+
+def nvfp4_matmul(x, packed, scale, global_scale, bias=None):
+    """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16), fp32 accumulation."""
+    N, K = _check_weight(packed, scale, global_scale, x.device)
+    _check_act("x", x, K)
+    if bias is not None:
+        if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
+            raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
+                             f"{bias.dtype} {tuple(bias.shape)}")
+    if use_dequant(x.shape[0], N, K):
+        return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale), bias)
+    return _matmul(x, packed, scale, global_scale, bias, fwd_config(x.shape[0], N, K))
+
+
+def nvfp4_matmul_dx(dy, packed, scale, global_scale):
+    """dx (M, K) bf16 = dy (M, N) bf16 · dequant(W), fp32 accumulation (backward of y = x·Wᵀ)."""
+    N, K = _check_weight(packed, scale, global_scale, dy.device)
+    _check_act("dy", dy, N)
+    if use_dequant(dy.shape[0], N, K):
+        return dy @ _dequantize_bf16(packed, scale, global_scale)
+    return _matmul_dx(dy, packed, scale, global_scale, dx_config(dy.shape[0], N, K))

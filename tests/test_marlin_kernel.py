@@ -1,0 +1,199 @@
+"""Tests for marlin_kernel.py: the Triton NVFP4 matmuls against a float64 reference.
+
+On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1), so shapes
+are tiny; the `gpu` tests use the real Qwen2.5 projection shapes. Every test draws fresh random
+codes and scales (all 16 E2M1 codes, E4M3 scales from subnormal to large) and poisons every
+buffer the wrappers allocate with NaN, so an element the kernel forgets to write fails.
+"""
+import pytest
+import torch
+
+import marlin_kernel as mk
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_weight(N, K, gen, device=DEV):
+    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen).to(device)
+    s = torch.exp2(torch.rand(N, K // 16, generator=gen) * 20 - 12)       # 2^-12 .. 2^8
+    scale = s.to(torch.float8_e4m3fn).to(device)                          # incl. E4M3 subnormals
+    global_scale = torch.tensor([448.0 * 6 / (0.5 + torch.rand(1, generator=gen).item())], device=device)
+    return packed, scale, global_scale
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every torch.empty in marlin_kernel returns a NaN-filled float tensor."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(mk.torch, "empty", empty)
+
+
+def assert_close(out, ref, what, worst=1e-2):
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (an element was not written?)"
+    e = rel_err(out, ref)
+    assert e < worst, f"{what}: relative error {e:.2e} (max abs err {(out.double() - ref).abs().max():.3e})"
+    return e
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: small shapes, every path
+
+SMALL = [(1, 16, 16), (3, 32, 64), (5, 48, 80), (17, 64, 32), (2, 16, 272), (4, 128, 320)]
+
+
+@pytest.mark.parametrize("M,N,K", SMALL)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_forward_matches_float64(M, N, K, has_bias, poisoned):
+    gen = torch.Generator().manual_seed(M * 1000 + N + K + has_bias)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    y = mk.nvfp4_matmul(x, packed, scale, gs, bias)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"fwd M={M} N={N} K={K}")
+    assert e < 4e-3, f"typical error too large: {e:.2e}"   # bf16 output rounding is ~1.5e-3
+
+
+@pytest.mark.parametrize("M,N,K", SMALL)
+def test_backward_input_matches_float64(M, N, K, poisoned):
+    gen = torch.Generator().manual_seed(M * 7 + N * 3 + K)
+    packed, scale, gs = random_weight(N, K, gen)
+    dy = torch.randn(M, N, generator=gen).bfloat16().to(DEV)
+    dx = mk.nvfp4_matmul_dx(dy, packed, scale, gs)
+    assert dx.shape == (M, K) and dx.dtype == torch.bfloat16
+    ref = dy.double() @ mk.reference_dequantize(packed, scale, gs)
+    e = assert_close(dx, ref, f"dx M={M} N={N} K={K}")
+    assert e < 4e-3, f"typical error too large: {e:.2e}"
+
+
+@pytest.mark.parametrize("cfg", [mk.TileConfig(16, 16, 64, split=4), mk.TileConfig(16, 32, 128, split=2),
+                                 mk.TileConfig(32, 64, 64, split=1), mk.TileConfig(16, 16, 16, split=2)])
+def test_split_and_tile_variants_agree(cfg, poisoned):
+    """Split-K (fp32 partials + reduce kernel) and different tiles compute the same function."""
+    gen = torch.Generator().manual_seed(11)
+    M, N, K = 5, 144, 256
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    dy = torch.randn(M, N, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV)
+    assert_close(mk._matmul(x, packed, scale, gs, bias, cfg),
+                 mk.reference_matmul(x, packed, scale, gs, bias), f"fwd {cfg}")
+    assert_close(mk._matmul_dx(dy, packed, scale, gs, cfg),
+                 dy.double() @ mk.reference_dequantize(packed, scale, gs), f"dx {cfg}")
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_large_m_dequantize_then_matmul_path(has_bias, monkeypatch, poisoned):
+    """From DEQUANT_MIN_M rows on, W is dequantized to bf16 once and cuBLAS does the product."""
+    monkeypatch.setattr(mk, "DEQUANT_MIN_M", 4)
+    assert mk.use_dequant(4, 48, 192) and not mk.use_dequant(3, 48, 192) and not mk.use_dequant(9, 48, 200)
+    gen = torch.Generator().manual_seed(21)
+    M, N, K = 9, 48, 192
+    packed, scale, gs = random_weight(N, K, gen)
+    W = mk.reference_dequantize(packed, scale, gs)
+    wb = mk._dequantize_bf16(packed, scale, gs)
+    assert wb.dtype == torch.bfloat16 and wb.shape == (N, K)
+    assert ((wb.double() - W).abs() <= 2.0 ** -8 * W.abs()).all(), "dequantize is off by more than bf16 rounding"
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    assert_close(mk.nvfp4_matmul(x, packed, scale, gs, bias),
+                 x.double() @ W.t() + (bias.double() if has_bias else 0), "fwd large-M path")
+    dy = torch.randn(M, N, generator=gen).bfloat16().to(DEV)
+    assert_close(mk.nvfp4_matmul_dx(dy, packed, scale, gs), dy.double() @ W, "dx large-M path")
+
+
+def test_every_code_and_scale_decodes_exactly():
+    """x = identity gives y = Wᵀ: each element within one bf16 rounding of e2m1·scale/gs."""
+    gen = torch.Generator().manual_seed(3)
+    K = 32
+    codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)           # every byte value
+    packed = codes.repeat(1, K // 32)                                      # (16, K/2)
+    scale = torch.tensor([2.0 ** -9, 2.0 ** -7, 0.375, 448.0]).repeat(16, 1)[:, :K // 16]
+    scale = scale.to(torch.float8_e4m3fn)                                  # subnormal..max
+    gs = torch.tensor([3.0])
+    packed, scale, gs = packed.to(DEV), scale.to(DEV), gs.to(DEV)
+    y = mk.nvfp4_matmul(torch.eye(K, dtype=torch.bfloat16, device=DEV), packed, scale, gs)  # (K, 16)
+    W = mk.reference_dequantize(packed, scale, gs)                         # (16, K) float64
+    err = (y.double().t() - W).abs()
+    assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
+    del gen
+
+
+def test_reference_agrees_with_nvfp4_dequantize():
+    """Our float64 reference reads the format the same way as nvfp4.py (helper A's module)."""
+    nvfp4 = pytest.importorskip("nvfp4")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(32, 64, generator=gen)
+    packed, scale, gs = nvfp4.quantize(w)
+    ref = mk.reference_dequantize(packed, scale, gs)
+    theirs = nvfp4.dequantize(packed, scale, gs, dtype=torch.float64)
+    assert torch.allclose(ref, theirs, rtol=1e-6, atol=0), "format disagreement with nvfp4.dequantize"
+    x = torch.randn(3, 64, generator=gen).bfloat16().to(DEV)
+    y = mk.nvfp4_matmul(x, packed.to(DEV), scale.to(DEV), gs.to(DEV))
+    assert_close(y, x.double() @ theirs.to(DEV).t(), "fwd on nvfp4.quantize weights")
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+def test_bad_inputs_raise_clear_errors():
+    gen = torch.Generator().manual_seed(0)
+    packed, scale, gs = random_weight(32, 64, gen)
+    x = torch.randn(2, 64).bfloat16().to(DEV)
+    with pytest.raises(TypeError, match="bfloat16"):
+        mk.nvfp4_matmul(x.float(), packed, scale, gs)
+    with pytest.raises(TypeError, match="uint8"):
+        mk.nvfp4_matmul(x, packed.to(torch.int8), scale, gs)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        mk.nvfp4_matmul(x, packed, scale.float(), gs)
+    with pytest.raises(TypeError, match="global_scale"):
+        mk.nvfp4_matmul(x, packed, scale, gs.double())
+    with pytest.raises(ValueError, match="columns"):
+        mk.nvfp4_matmul(torch.randn(2, 48).bfloat16().to(DEV), packed, scale, gs)
+    with pytest.raises(ValueError, match="2-D"):
+        mk.nvfp4_matmul(x[None], packed, scale, gs)
+    with pytest.raises(ValueError, match="contiguous"):
+        mk.nvfp4_matmul(torch.randn(64, 2).bfloat16().to(DEV).t(), packed, scale, gs)
+    with pytest.raises(ValueError, match="contiguous"):
+        mk.nvfp4_matmul(x, packed.t().contiguous().t(), scale, gs)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mk.nvfp4_matmul(torch.randn(2, 56).bfloat16().to(DEV), packed[:, :28], scale[:, :3], gs)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mk.nvfp4_matmul(x, packed[:24], scale[:24], gs)
+    with pytest.raises(ValueError, match="scale must have shape"):
+        mk.nvfp4_matmul(x, packed, scale[:, :2].contiguous(), gs)
+    with pytest.raises(ValueError, match="bias"):
+        mk.nvfp4_matmul(x, packed, scale, gs, torch.randn(31).bfloat16().to(DEV))
+    with pytest.raises(ValueError, match="columns"):
+        mk.nvfp4_matmul_dx(torch.randn(2, 64).bfloat16().to(DEV), packed, scale, gs)
+    with pytest.raises(ValueError, match="TileConfig.bk"):
+        mk.TileConfig(16, 16, 24)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real shapes (Qwen2.5-7B / 32B projections)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120)])
+@pytest.mark.parametrize("M", [1, 7, 16, 33, 100, 1000])
+def test_real_shapes_gpu(N, K, M, poisoned):
+    gen = torch.Generator().manual_seed(N + K + M)
+    packed, scale, gs = random_weight(N, K, gen)
+    W = mk.reference_dequantize(packed, scale, gs)
+    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda()
+    assert_close(mk.nvfp4_matmul(x, packed, scale, gs, bias), x.double() @ W.t() + bias.double(),
+                 f"fwd {N}x{K} M={M}")
+    dy = torch.randn(M, N, generator=gen).bfloat16().cuda()
+    assert_close(mk.nvfp4_matmul_dx(dy, packed, scale, gs), dy.double() @ W, f"dx {N}x{K} M={M}")
