@@ -1,0 +1,189 @@
+"""Benchmark of the paged sampler (rollout.py) on random-init Qwen2.5 shapes, against HF generate.
+
+Engines, on the same random weights (model.build_model, real Qwen2.5 config values, ANCHORS.md):
+    ours-nvfp4   LLMEngine over the NVFP4 model (Triton FP4 x BF16 linears), CUDA graphs
+    ours-bf16    LLMEngine over the bf16 model, CUDA graphs
+    hf-bf16      transformers' generate on a Qwen2ForCausalLM that shares the bf16 weights (7B only)
+Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
+    batch1   1 prompt of 256 random tokens, 512 new: decode tok/s = (new - 1) / (total - TTFT)
+    grpo     16 prompts x 8 samples, prompt 256, 1024 new: total tok/s = new tokens / wall time,
+             time to first token (all prompts prefilled and first tokens sampled), peak memory
+Each (model, engine) pair is measured after a short warm-up (Triton autotuning, CUDA-graph capture
+for the batch-1 bucket); graph capture of other buckets happens inside the timed GRPO run and is
+part of the cost a training step pays (the cache and graphs are freed before each backward).
+
+    python bench/rollout.py                                   # 7B: ours-nvfp4, ours-bf16, hf-bf16
+    python bench/rollout.py --models 32b --engines ours-nvfp4,ours-bf16
+    python bench/rollout.py --workloads batch1 --out DIR      # table on stdout, DIR/rollout.json
+    python bench/rollout.py --models tiny --engines ours-nvfp4,ours-bf16   # a 1-minute smoke test
+Each model is built, measured and freed in turn; results merge into the JSON by (model, engine,
+workload), so separate invocations (e.g. under a 10-minute limit) add up to one table.
+"""
+import argparse
+import functools
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch
+
+import rollout
+from model import build_model
+
+# ----------------------------------------------------------------------------------------------
+# Qwen2.5 config.json values (ANCHORS.md)
+
+COMMON = dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1e6,
+              max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+              bos_token_id=151643, eos_token_id=151643)
+CONFIGS = {
+    "7b": dict(COMMON, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4),
+    "32b": dict(COMMON, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8),
+    "tiny": dict(COMMON, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,   # a smoke test
+                 num_attention_heads=8, num_key_value_heads=2),
+}
+WORKLOADS = {"batch1": dict(prompts=1, n=1, prompt_len=256, new=512),
+             "grpo": dict(prompts=16, n=8, prompt_len=256, new=1024)}
+
+
+def random_prompts(count, length, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=g).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# the engines
+
+def run_ours(engine, prompts, n, new):
+    params = rollout.SamplingParams(temperature=1.0, max_tokens=new, n=n, seed=0, stop_token_ids=())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for cs in out for c in cs)
+    assert tokens == len(prompts) * n * new, "a sequence stopped early"
+    return dict(total_s=total, ttft_s=engine.stats["ttft_s"], new_tokens=tokens,
+                preemptions=engine.stats["preemptions"], kv_blocks=engine.stats["num_blocks"])
+
+
+def hf_from_ours(model, cfg, device="cuda"):
+    """A transformers Qwen2ForCausalLM whose linears/embeddings are our bf16 tensors (no copy)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    hcfg = Qwen2Config(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = Qwen2ForCausalLM(hcfg).to(torch.bfloat16)
+    state = {k: (v.to(torch.bfloat16) if "norm" in k else v) for k, v in model.state_dict().items()
+             if k in hf.state_dict()}
+    missing, _ = hf.load_state_dict(state, strict=False, assign=True)
+    assert not [k for k in missing if "rotary" not in k], missing
+    with torch.device(device):                                            # inv_freq off the meta device
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hcfg)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+@torch.inference_mode()
+def run_hf(hf, prompts, n, new):
+    ids = torch.tensor(prompts, device=hf.device)                        # equal lengths: no padding
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=n,
+              attention_mask=torch.ones_like(ids))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=1, **kw)         # a separate 1-token call: HF has no TTFT hook
+    torch.cuda.synchronize()
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    return dict(total_s=total, ttft_s=ttft, new_tokens=(out.shape[1] - ids.shape[1]) * out.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# the table
+
+def measure(model_name, engine_name, workloads, max_model_len):
+    cfg = CONFIGS[model_name]
+    quant = "nvfp4" if engine_name == "ours-nvfp4" else "bf16"
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = build_model(cfg, quant=quant, device="cuda", dtype=torch.bfloat16, seed=0)
+    print(f"[{model_name} {engine_name}] built in {time.perf_counter() - t0:.0f}s, "
+          f"weights {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
+    rows = []
+    if engine_name == "hf-bf16":
+        engine = hf_from_ours(model, cfg)
+        run = functools.partial(run_hf, engine)
+    else:
+        engine = rollout.LLMEngine(model, max_model_len=max_model_len, max_num_seqs=256)
+        run = functools.partial(run_ours, engine)
+    run(random_prompts(1, 16, cfg["vocab_size"], 99), 1, 8)                              # warm-up
+    for wl in workloads:
+        w = WORKLOADS[wl]
+        torch.cuda.reset_peak_memory_stats()
+        r = run(random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0), w["n"], w["new"])
+        r.update(model=model_name, engine=engine_name, workload=wl, **w,
+                 peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+                 tok_s=r["new_tokens"] / r["total_s"])
+        if wl == "batch1":
+            r["decode_tok_s"] = (w["new"] - 1) / (r["total_s"] - r["ttft_s"])
+        rows.append(r)
+        print(f"  {wl}: {r['tok_s']:.1f} tok/s total, ttft {r['ttft_s'] * 1e3:.0f} ms, "
+              f"peak {r['peak_mem_gib']:.1f} GiB", flush=True)
+    if engine_name != "hf-bf16":
+        engine.free_cache()
+    del engine, run, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows):
+    head = f"{'model':5} {'engine':11} {'workload':8} {'tok/s':>9} {'decode tok/s':>12} {'TTFT ms':>8} {'peak GiB':>8}"
+    print(head + "\n" + "-" * len(head))
+    for r in sorted(rows, key=lambda r: (r["model"], r["workload"], r["engine"])):
+        dec = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else "-"
+        print(f"{r['model']:5} {r['engine']:11} {r['workload']:8} {r['tok_s']:9.1f} {dec:>12} "
+              f"{r['ttft_s'] * 1e3:8.0f} {r['peak_mem_gib']:8.1f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="7b", help="comma-separated: 7b, 32b, tiny (a quick smoke test)")
+    ap.add_argument("--engines", default="ours-nvfp4,ours-bf16,hf-bf16",
+                    help="comma-separated: ours-nvfp4, ours-bf16, hf-bf16 (hf is skipped for 32b)")
+    ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, grpo")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    args = ap.parse_args()
+    print(vars(args))
+    if not torch.cuda.is_available():
+        sys.exit("bench/rollout.py needs a CUDA GPU")
+    path = os.path.join(args.out, "rollout.json")
+    old = json.load(open(path))["rows"] if os.path.exists(path) else []
+    rows = []
+    for m in args.models.split(","):
+        for e in args.engines.split(","):
+            if e == "hf-bf16" and m == "32b":
+                continue
+            rows += measure(m, e, args.workloads.split(","), args.max_model_len)
+    keys = {(r["model"], r["engine"], r["workload"]) for r in rows}
+    rows += [r for r in old if (r["model"], r["engine"], r["workload"]) not in keys]
+    print_table(rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
