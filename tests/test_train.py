@@ -1,0 +1,226 @@
+"""train.py and eval.py end to end on a tiny random model (CPU), plus the pieces they own.
+
+The tiny model is a random 2-layer Llama written by transformers, with the real SmolLM2 tokenizer
+(so chat templates and decoding are the real thing). References: a dense full-vocab log-softmax
+for the chunked log-probs; one big batch for the micro-batched gradient.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import eval as qeval
+import lora
+import train
+from model import load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--dataset", "addition", "--group-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "8",
+        "--eval-limit", "4", "--dtype", "float32", "--micro-batch", "4", "--lora-rank", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(smollm2_path, tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if os.path.exists(os.path.join(smollm2_path, f)):
+            shutil.copy(os.path.join(smollm2_path, f), path)
+    return str(path)
+
+
+def read_metrics(out):
+    with open(os.path.join(out, train.METRICS)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_train_resume_then_eval(tiny_model, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "2", "--save-every", "1", *FAST])
+    assert [m["step"] for m in read_metrics(out)] == [0, 1]
+    assert open(os.path.join(out, train.LATEST)).read() == "checkpoint-000002"
+    first = read_metrics(out)
+    for key in ("reward", "loss", "entropy", "grad_norm", "completions/mean_length", "aqn/sigma",
+                "sampling/sampling_logp_difference/mean", "clip_ratio/region_mean", "eval/accuracy"):
+        assert key in first[1], f"metric {key} missing: {sorted(first[1])}"
+    # fp32 CPU: the sampler's log-probs and the trainer's agree to rounding (one engine, one model)
+    assert first[0]["sampling/sampling_logp_difference/mean"] < 1e-4, first[0]
+
+    train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "3", "--save-every", "1", "--resume", *FAST])
+    rows = read_metrics(out)
+    assert [m["step"] for m in rows] == [0, 1, 2]
+    assert rows[:2] == first, "resume must not rewrite the steps before the checkpoint"
+    assert os.path.exists(os.path.join(out, "plots.png"))
+    ckpt = os.path.join(out, "checkpoint-000003")
+    state = torch.load(os.path.join(ckpt, train.TRAINER_STATE), weights_only=True)
+    assert state["step"] == 3 and state["data_pos"] == 3 * 2
+
+    # The adapter is a real PEFT adapter: load it into a fresh model and evaluate with eval.py.
+    capsys.readouterr()
+    metrics = qeval.main(["--model", tiny_model, "--adapter", ckpt, "--dataset", "addition", "--limit", "3",
+                          "--max-new-tokens", "8", "--dtype", "float32", "--output", str(tmp_path / "pred.jsonl")])
+    assert metrics["n_questions"] == 3 and 0.0 <= metrics["accuracy"] <= 1.0
+    assert "accuracy" in capsys.readouterr().out
+    preds = [json.loads(x) for x in open(tmp_path / "pred.jsonl")]
+    assert len(preds) == 3 and all(len(p["completions"]) == 1 for p in preds)
+
+
+def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path):
+    """Seeds derive from (seed, step): 2 steps + resume 1 step == 3 steps straight (adapter bits)."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = ["--model", tiny_model, "--save-every", "1", "--eval-limit", "1", *FAST]
+    train.main([*common, "--output-dir", a, "--max-steps", "3"])
+    train.main([*common, "--output-dir", b, "--max-steps", "2"])
+    train.main([*common, "--output-dir", b, "--max-steps", "3", "--resume"])
+    from safetensors.torch import load_file
+    wa = load_file(os.path.join(a, "checkpoint-000003", lora.ADAPTER_WEIGHTS))
+    wb = load_file(os.path.join(b, "checkpoint-000003", lora.ADAPTER_WEIGHTS))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    ra, rb = read_metrics(a), read_metrics(b)
+    assert [r["reward"] for r in ra] == [r["reward"] for r in rb]
+
+
+def test_sigkill_mid_run_then_resume(tiny_model, tmp_path):
+    """Kill -9 at an arbitrary point after the first checkpoint; --resume continues from the last
+    complete checkpoint and never reads a half-written one."""
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", tiny_model, "--output-dir", out,
+           "--save-every", "1", "--eval-limit", "1", *FAST]
+    proc = subprocess.Popen([*cmd, "--max-steps", "50"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not os.path.exists(os.path.join(out, "checkpoint-000002")) and time.time() < deadline:
+            assert proc.poll() is None, "train.py exited early"
+            time.sleep(0.05)
+        assert os.path.exists(os.path.join(out, "checkpoint-000002")), "no checkpoint within the time limit"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    last = int(open(os.path.join(out, train.LATEST)).read().split("-")[1])
+    assert last >= 2
+    res = subprocess.run([*cmd, "--max-steps", str(last + 1), "--resume"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed from" in res.stdout and f"at step {last}" in res.stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(last + 1)), [r["step"] for r in rows]
+    assert not [d for d in os.listdir(out) if d.startswith(".tmp-")]
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_output_dir_with_another_run_is_refused(tiny_model, tmp_path):
+    out = str(tmp_path / "run")
+    train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "1", *FAST])
+    before = sorted(os.listdir(out))
+    with pytest.raises(SystemExit, match="already holds a run"):
+        train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "1", *FAST])
+    with pytest.raises(SystemExit, match="lora_rank: saved 4, given 8"):
+        train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "2", "--resume",
+                    *FAST[:-2], "--lora-rank", "8"])
+    assert sorted(os.listdir(out)) == before, "a refused run must not touch the directory"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not empty"):
+        train.main(["--model", tiny_model, "--output-dir", str(other), "--max-steps", "1", *FAST])
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_eval_adapter_of_another_rank_is_refused(tiny_model, tmp_path):
+    model = load_model(tiny_model, quant="bf16", dtype=torch.float32, device="cpu")
+    lora.apply_lora(model, lora.LoRAConfig(r=4, alpha=8))
+    lora.save_adapter(model, str(tmp_path / "ad"), tiny_model)
+    fresh = load_model(tiny_model, quant="bf16", dtype=torch.float32, device="cpu")
+    lora.apply_lora(fresh, lora.LoRAConfig(r=8, alpha=8))
+    with pytest.raises(ValueError, match="rank mismatch"):
+        lora.load_adapter(fresh, str(tmp_path / "ad"), tiny_model)
+
+
+# ----------------------------------------------------------------------------------------------
+# the pieces
+
+
+def test_completion_logprobs_match_dense_log_softmax(tiny_model):
+    torch.manual_seed(1)
+    model = load_model(tiny_model, quant="nvfp4", dtype=torch.float32, device="cpu")
+    lora.apply_lora(model, lora.LoRAConfig(r=4, alpha=8))
+    for m in lora.lora_modules(model).values():
+        torch.nn.init.normal_(m.lora_B, std=0.05)
+    prompt_lens, comp_lens = torch.tensor([5, 3, 7]), torch.tensor([4, 6, 1])
+    T = int((prompt_lens + comp_lens).max())
+    ids = torch.randint(0, model.config.vocab_size, (3, T))
+    temp = 0.7
+    logp, ent = train.completion_logprobs(model, ids, prompt_lens, comp_lens, temp, chunk=3)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids).double() / temp, dim=-1)              # (B, T, V) float64
+    for b in range(3):
+        for j in range(int(comp_lens[b])):
+            t = int(prompt_lens[b]) + j
+            want = ref[b, t - 1, ids[b, t]]
+            want_ent = -(ref[b, t - 1].exp() * ref[b, t - 1]).sum()
+            assert abs(logp[b, j].item() - want.item()) < 1e-4, (b, j, logp[b, j].item(), want.item())
+            assert abs(ent[b, j].item() - want_ent.item()) < 1e-3
+        assert (logp[b, int(comp_lens[b]):] == 0).all()
+    # Gradient through the chunked, checkpointed path equals the dense one.
+    params = lora.lora_parameters(model)
+    g1 = torch.autograd.grad(logp.sum(), params)
+    dense = torch.log_softmax(model(ids).float() / temp, dim=-1)
+    tot = sum(dense[b, int(prompt_lens[b]) + j - 1, ids[b, int(prompt_lens[b]) + j]]
+              for b in range(3) for j in range(int(comp_lens[b])))
+    g2 = torch.autograd.grad(tot, params)
+    err = max((a - b).abs().max().item() / (b.abs().max().item() + 1e-12) for a, b in zip(g1, g2))
+    assert err < 1e-4, f"chunked vs dense gradient: max rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_micro_batches_give_the_whole_batch_gradient(tiny_model, loss_type):
+    """train_step's reweighting: micro-batch 2 and micro-batch 8 give the same LoRA update."""
+    import argparse
+    import grpo
+    from rollout import Completion
+    torch.manual_seed(2)
+    V = 49152
+    groups = []
+    for g in range(2):
+        prompt = torch.randint(0, V, (4 + g,)).tolist()
+        comps = [Completion(g, i, torch.randint(0, V, (2 + i,)).tolist(), [-1.0] * (2 + i),
+                            "length" if i == 3 else "stop") for i in range(4)]
+        groups.append((None, prompt, comps, None))
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    grads = []
+    for mb in (8, 2):
+        torch.manual_seed(3)
+        model = load_model(tiny_model, quant="bf16", dtype=torch.float32, device="cpu")
+        lora.apply_lora(model, lora.LoRAConfig(r=4, alpha=8), generator=torch.Generator().manual_seed(0))
+        for m in lora.lora_modules(model).values():
+            torch.nn.init.normal_(m.lora_B, generator=torch.Generator().manual_seed(1), std=0.05)
+        params = lora.lora_parameters(model)
+        opt = torch.optim.SGD(params, lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        before = [p.detach().clone() for p in params]
+        args = argparse.Namespace(group_size=4, micro_batch=mb, temperature=1.0, logprob_chunk=5, max_grad_norm=1e9)
+        gcfg = grpo.GRPOConfig(loss_type=loss_type, max_completion_len=8)
+        import aqn
+        train.train_step(model, opt, sched, gcfg, aqn.AQNConfig(), {}, groups, rewards, 0, args, "cpu")
+        grads.append([b - p.detach() for b, p in zip(before, params)])
+    err = max((a - b).abs().max().item() / (b.abs().max().item() + 1e-12) for a, b in zip(*grads))
+    assert err < 1e-4, f"{loss_type}: micro-batch vs whole-batch update, max rel err {err:.2e}"

@@ -1,0 +1,515 @@
+"""train.py: GRPO / DAPO post-training of an NVFP4 + LoRA policy with Adaptive Quantization Noise.
+
+    python train.py --model Qwen/Qwen2.5-7B-Instruct --dataset gsm8k --output-dir runs/gsm8k
+
+One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
+
+    σ_step  = aqn.sigma_at(step)                     noise level of this step's stage
+    z       ~ N(0, σ_step²) per norm channel         drawn once, used by rollout and training
+    rollout : P prompts × G samples from the model itself (rollout.py; NVFP4 base + live LoRA + z)
+    reward  : tasks.reward on each completion (+ DAPO overlong shaping); DAPO dynamic sampling
+              drops groups whose G rewards are all equal and samples more prompts
+    A       = grpo.advantages(r)                     one advantage per completion
+    train   : log π_θ(completion) through the same model in micro-batches (gradient checkpointing,
+              lm_head in chunks, never a (tokens × vocab) fp32 tensor for the whole batch), the
+              clipped surrogate (+ k3 KL to the adapter-disabled model when β > 0), backward into
+              the LoRA parameters only, μ AdamW steps per rollout
+
+There is one model in memory: the sampler and the trainer are the same modules, so there is no
+weight sync, and the only sampler/trainer mismatch is the numerics of decode vs dense attention
+(logged as `sampling/sampling_logp_difference/mean`). The KV cache is released before backward.
+
+The output directory holds run_config.json (the arguments), metrics.jsonl (one line per step,
+TRL's metric names where they exist), plots.png, and checkpoints `checkpoint-<step>/` (PEFT
+adapter + optimizer + schedule + step + data position). Checkpoints are written under a temporary
+name and renamed, and `latest` names the newest complete one, so a run killed at any instant
+resumes from its last checkpoint with `--resume` and never reads a half-written one. Every
+random draw (data order, AQN noise, sampling) is seeded from (seed, step), so a resumed run
+samples what the uninterrupted run would have.
+
+Left out here: multi-GPU data parallelism (torchrun), a learning-rate decay schedule.
+Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run).
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import time
+
+import torch
+from tqdm import tqdm
+
+import aqn
+import grpo
+import lora
+import rollout
+import tasks
+from model import load_model, load_tokenizer
+
+# ----------------------------------------------------------------------------------------------
+# constants
+
+RUN_CONFIG = "run_config.json"
+METRICS = "metrics.jsonl"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+# Arguments that must match for --resume to continue the same run.
+# grpo.policy_loss metric -> the name TRL logs it under.
+METRIC_NAMES = {"logprob_mismatch": "sampling/sampling_logp_difference/mean",
+                "tis_weight_mean": "sampling/importance_sampling_ratio/mean"}
+RUN_IDENTITY = ("model", "quant", "dataset", "lora_rank", "lora_alpha", "group_size", "prompts_per_step", "seed")
+
+
+def step_seed(seed: int, step: int, stream: int) -> int:
+    """A distinct, reproducible seed for each (run seed, step, stream): resume-safe randomness."""
+    return (seed * 1_000_003 + step * 101 + stream) % (2 ** 63)
+
+
+# ----------------------------------------------------------------------------------------------
+# the output directory: run config, checkpoints, metrics
+
+
+def prepare_output_dir(args) -> str | None:
+    """Create or check the output directory; return the checkpoint to resume from (or None).
+
+    A directory that holds another run is never overwritten: without --resume that is an error,
+    and with --resume the run's identity (model, dataset, LoRA shape, ...) must match."""
+    out = args.output_dir
+    cfg_path = os.path.join(out, RUN_CONFIG)
+    if os.path.exists(cfg_path):
+        if not args.resume:
+            raise SystemExit(f"error: {out} already holds a run ({RUN_CONFIG}); pass --resume to continue it "
+                             f"or choose another --output-dir")
+        with open(cfg_path) as f:
+            old = json.load(f)
+        diff = {k: (old.get(k), getattr(args, k)) for k in RUN_IDENTITY if old.get(k) != getattr(args, k)}
+        if diff:
+            raise SystemExit(f"error: --resume with settings that differ from the run in {out}: "
+                             + ", ".join(f"{k}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items()))
+    elif os.path.isdir(out) and os.listdir(out):
+        raise SystemExit(f"error: {out} is not empty and holds no qerl run ({RUN_CONFIG} missing); "
+                         f"choose another --output-dir")
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(out):  # half-written checkpoints of a killed run
+        if name.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    write_json_atomic(cfg_path, vars(args))
+    return latest_checkpoint(out) if args.resume else None
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(out: str) -> str | None:
+    """The newest complete checkpoint, as named by `latest` (written after the rename)."""
+    path = os.path.join(out, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    ckpt = os.path.join(out, name)
+    if not os.path.exists(os.path.join(ckpt, TRAINER_STATE)):
+        raise SystemExit(f"error: {path} names {name}, which is missing or incomplete")
+    return ckpt
+
+
+def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: int, base_model: str, keep: int):
+    """checkpoint-<step>/ = PEFT adapter + trainer_state.pt, written as .tmp-... and renamed."""
+    name = f"checkpoint-{step:06d}"
+    tmp, final = os.path.join(out, f".tmp-{name}"), os.path.join(out, name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    lora.save_adapter(model, tmp, base_model)
+    state = {"step": step, "data_pos": data_pos, "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict()}
+    torch.save(state, os.path.join(tmp, TRAINER_STATE))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    with open(os.path.join(out, f"{LATEST}.tmp"), "w") as f:
+        f.write(name)
+    os.replace(os.path.join(out, f"{LATEST}.tmp"), os.path.join(out, LATEST))
+    old = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-") and d != name)
+    for d in old[:max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+
+
+def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> dict:
+    lora.load_adapter(model, ckpt, base_model)
+    # Optimizer state holds only tensors and numbers: weights_only refuses anything that would unpickle code.
+    state = torch.load(os.path.join(ckpt, TRAINER_STATE), map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state
+
+
+def truncate_metrics(out: str, step: int) -> None:
+    """Keep the metric lines of steps before `step`: a resumed run rewrites what came after."""
+    path = os.path.join(out, METRICS)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [ln for ln in f if ln.strip()]
+    kept = []
+    for ln in lines:
+        try:
+            if json.loads(ln)["step"] < step:
+                kept.append(ln)
+        except (ValueError, KeyError):  # a line cut by a kill mid-write
+            pass
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(f"{path}.tmp", path)
+
+
+def plot_metrics(out: str) -> None:
+    """plots.png: reward, eval accuracy, entropy and completion length against step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(os.path.join(out, METRICS)) as f:
+        rows = [json.loads(ln) for ln in f if ln.strip()]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    for ax, key in zip(axes, ("reward", "eval/accuracy", "entropy", "completions/mean_length")):
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "plots.png"), dpi=100)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probabilities of completions through the training forward
+
+
+def completion_logprobs(model, input_ids, prompt_lens, comp_lens, temperature: float, chunk: int = 1024):
+    """log π(token) and entropy for every completion token, lm_head applied in chunks.
+
+    input_ids (B, T) = prompt + completion (+ right padding); prompt_lens, comp_lens (B,).
+    Returns logp, entropy: (B, L) fp32 with L = max(comp_lens); positions past a completion are 0.
+    Only the hidden rows that predict completion tokens reach lm_head, chunk rows at a time under
+    activation checkpointing, so the (rows × vocab) logits exist for one chunk at a time, in the
+    forward and in the backward alike."""
+    B, T = input_ids.shape
+    L = int(comp_lens.max())
+    hidden = model(input_ids, return_hidden=True)                                  # (B, T, H)
+    j = torch.arange(L, device=input_ids.device)                                   # (L,)
+    valid = j[None] < comp_lens[:, None]                                           # (B, L)
+    pos = (prompt_lens[:, None] - 1 + j[None]).clamp(max=T - 2)                    # (B, L) predicting rows
+    rows_b, rows_j = valid.nonzero(as_tuple=True)                                  # (N,), (N,)
+    h = hidden[rows_b, pos[rows_b, rows_j]]                                        # (N, H)
+    target = input_ids[rows_b, pos[rows_b, rows_j] + 1]                            # (N,)
+
+    def chunk_logp(h_c, t_c):
+        logits = model.lm_head(h_c).float() / temperature                          # (n, V)
+        logz = torch.logsumexp(logits, dim=-1)                                     # (n,)
+        logp_all = logits - logz[:, None]
+        ent = -(logp_all.exp() * logp_all).sum(-1)                                 # (n,)
+        return logp_all.gather(1, t_c[:, None]).squeeze(1), ent
+
+    outs = []
+    for s in range(0, h.shape[0], chunk):
+        if torch.is_grad_enabled():
+            outs.append(torch.utils.checkpoint.checkpoint(chunk_logp, h[s:s + chunk], target[s:s + chunk],
+                                                          use_reentrant=False))
+        else:
+            outs.append(chunk_logp(h[s:s + chunk], target[s:s + chunk]))
+    logp = torch.zeros(B, L, device=h.device)
+    ent = torch.zeros(B, L, device=h.device)
+    logp = logp.index_put((rows_b, rows_j), torch.cat([o[0] for o in outs]))
+    ent = ent.index_put((rows_b, rows_j), torch.cat([o[1] for o in outs]).detach())
+    return logp, ent
+
+
+# ----------------------------------------------------------------------------------------------
+# a generation batch
+
+
+def collate(groups: list, pad_id: int, device) -> dict:
+    """groups: [(example, prompt_ids, [Completion × G], rewards)] -> padded tensors for the training forward."""
+    rows = [(p, c) for _, p, comps, _ in groups for c in comps]
+    T = max(len(p) + len(c.token_ids) for p, c in rows)
+    L = max(len(c.token_ids) for _, c in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    sampler_logp = torch.zeros(len(rows), L)
+    for i, (p, c) in enumerate(rows):
+        seq = p + c.token_ids
+        ids[i, :len(seq)] = torch.tensor(seq)
+        sampler_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
+    return {"input_ids": ids.to(device),
+            "prompt_lens": torch.tensor([len(p) for p, _ in rows], device=device),
+            "comp_lens": torch.tensor([len(c.token_ids) for _, c in rows], device=device),
+            "truncated": torch.tensor([c.finish_reason == "length" for _, c in rows], device=device),
+            "sampler_logp": sampler_logp.to(device)}
+
+
+def micro_batches(batch: dict, size: int):
+    B = batch["input_ids"].shape[0]
+    for s in range(0, B, size):
+        mb = {k: v[s:s + size] for k, v in batch.items()}
+        L = int(mb["comp_lens"].max())
+        T = int((mb["prompt_lens"] + mb["comp_lens"]).max())
+        mb["input_ids"], mb["sampler_logp"] = mb["input_ids"][:, :T], mb["sampler_logp"][:, :L]
+        yield s, mb
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="GRPO/DAPO post-training with NVFP4 weights, LoRA and AQN (QeRL)")
+    # model
+    p.add_argument("--model", required=True, help="Hugging Face hub id or local checkpoint directory")
+    p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    # data
+    p.add_argument("--dataset", default="gsm8k", help="gsm8k | math500 | addition | path to JSONL (file or dir)")
+    p.add_argument("--eval-dataset", default=None, help="default: the test split of --dataset")
+    p.add_argument("--eval-limit", type=int, default=500)
+    p.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are dropped (counted)")
+    # LoRA
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--lora-alpha", type=float, default=64.0)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    # AQN
+    p.add_argument("--aqn", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--sigma-start", type=float, default=1e-2)
+    p.add_argument("--sigma-end", type=float, default=5e-4)
+    p.add_argument("--aqn-stages", type=int, default=10)
+    p.add_argument("--aqn-rollout-only", action="store_true", help="noise in rollout only (the reference code)")
+    # rollout
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="share of free memory for the KV cache")
+    # objective
+    p.add_argument("--loss-type", choices=list(grpo.LOSS_TYPES), default="dapo")
+    p.add_argument("--epsilon", type=float, default=0.2)
+    p.add_argument("--epsilon-high", type=float, default=0.28)
+    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--scale-rewards", choices=list(grpo.SCALE_REWARDS), default="group")
+    p.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--max-sampling-rounds", type=int, default=3)
+    p.add_argument("--overlong-cache", type=int, default=0, help="DAPO overlong shaping window (0 = off)")
+    p.add_argument("--mask-truncated", action="store_true", help="overlong filtering: no loss on truncated completions")
+    p.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap (e.g. 2.0)")
+    # optimization
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--updates-per-rollout", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, default=8, help="completions per training forward")
+    p.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per lm_head chunk")
+    p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-steps", type=int, default=200)
+    # bookkeeping
+    p.add_argument("--eval-every", type=int, default=0, help="0 = only at the end")
+    p.add_argument("--eval-max-new-tokens", type=int, default=None, help="default: --max-new-tokens")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--output-dir", default="runs/qerl")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
+    args = p.parse_args(argv)
+    for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch", "max_steps", "lora_rank",
+                 "max_prompt_len", "keep_checkpoints", "logprob_chunk"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.group_size < 2:
+        p.error("--group-size must be >= 2: GRPO advantages compare samples of one prompt")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    print(json.dumps(vars(args), indent=None))
+    from eval import evaluate  # eval.py imports nothing from here
+    resume_from = prepare_output_dir(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(args.seed)
+
+    # ---- data, model, adapters, optimizer
+    tokenizer = load_tokenizer(args.model)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def encode(examples):
+        ids = [tokenizer(tasks.build_prompt(tokenizer, e.question), add_special_tokens=False)["input_ids"]
+               for e in examples]
+        keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_len]
+        return [examples[i] for i in keep], [ids[i] for i in keep], len(ids) - len(keep)
+
+    train_set, train_ids, dropped = encode(tasks.load_task(args.dataset, "train", seed=args.seed))
+    if not train_set:
+        raise SystemExit(f"error: no training prompt of {args.dataset} fits --max-prompt-len {args.max_prompt_len}")
+    print(f"train prompts: {len(train_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
+    eval_set = tasks.load_task(args.eval_dataset or args.dataset, "test", limit=args.eval_limit, seed=args.seed)
+
+    dtype = getattr(torch, args.dtype)
+    model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
+    model.gradient_checkpointing = args.grad_checkpointing
+    lora.apply_lora(model, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout),
+                    generator=torch.Generator().manual_seed(args.seed))
+    params = lora.lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    gcfg = grpo.GRPOConfig(loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                           beta=args.beta, scale_rewards=args.scale_rewards,
+                           updates_per_rollout=args.updates_per_rollout, max_completion_len=args.max_new_tokens,
+                           overlong_cache_len=args.overlong_cache, mask_truncated=args.mask_truncated,
+                           tis_cap=args.tis_cap, dynamic_sampling=args.dynamic_sampling,
+                           max_sampling_rounds=args.max_sampling_rounds)
+    acfg = aqn.AQNConfig(sigma_start=args.sigma_start, sigma_end=args.sigma_end, stages=args.aqn_stages,
+                         rollout_only=args.aqn_rollout_only)
+    engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + args.max_new_tokens,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
+
+    start, data_pos = 0, 0
+    if resume_from:
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, args.model)
+        start, data_pos = state["step"], state["data_pos"]
+        print(f"resumed from {resume_from} at step {start}")
+    truncate_metrics(args.output_dir, start)
+
+    def next_prompts(n):
+        """n prompt indices in a per-epoch seeded order; data_pos makes it resumable."""
+        nonlocal data_pos
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(data_pos, len(train_set))
+            perm = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(step_seed(args.seed, epoch, 7)))
+            out.append(int(perm[i]))
+            data_pos += 1
+        return out
+
+    def run_eval(step):
+        params_eval = rollout.SamplingParams(temperature=0.0, max_tokens=args.eval_max_new_tokens or args.max_new_tokens)
+        metrics, _ = evaluate(engine, tokenizer, eval_set, params_eval)
+        return {"eval/accuracy": metrics["accuracy"]}
+
+    # ---- the loop
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="train")
+    for step in bar:
+        t_step = time.perf_counter()
+        sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
+        noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, 1)))
+        stats = tasks.RewardStats()
+        completions_all = []
+
+        def sample_round(r):
+            idx = next_prompts(args.prompts_per_step)
+            sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
+                                        n=args.group_size, seed=step_seed(args.seed, step, 10 + r))
+            with aqn.noise_applied(model, noise):
+                comps = engine.generate([train_ids[i] for i in idx], sp)
+            groups, correct = [], []
+            for i, cs in zip(idx, comps):
+                texts = tokenizer.batch_decode([c.token_ids for c in cs], skip_special_tokens=True)
+                rs = torch.tensor(tasks.rewards([train_set[i]] * len(cs), texts, stats))      # (G,)
+                shaped = rs
+                if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
+                    lens = torch.tensor([len(c.token_ids) for c in cs])
+                    shaped = rs + grpo.overlong_penalty(lens, gcfg.max_completion_len, gcfg.overlong_cache_len)
+                groups.append((train_set[i], train_ids[i], cs, shaped))
+                correct.append(rs)
+                completions_all.extend(cs)
+            return torch.cat(correct).float(), groups
+
+        t0 = time.perf_counter()
+        if gcfg.dynamic_sampling:
+            filled = grpo.fill_batch(sample_round, args.prompts_per_step, args.group_size,
+                                     gcfg.max_sampling_rounds, gcfg.dynamic_sampling_tol)
+            groups, rounds = filled.groups, filled.rounds
+        else:
+            groups, rounds = sample_round(0)[1], 1
+        rewards = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)   # (P·G,)
+        engine.free_cache()  # the KV cache goes before the backward pass needs the memory
+        t_rollout = time.perf_counter() - t0
+        m = {"step": step, "aqn/sigma": sigma, "time/rollout": t_rollout, "sampling/rounds": rounds,
+             "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
+             "completions/mean_length": sum(len(c.token_ids) for c in completions_all) / len(completions_all),
+             "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions_all) / len(completions_all)}
+        if not groups:  # dynamic sampling found no informative group: nothing to learn from this step
+            m.update(skipped=True)
+        else:
+            m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, pad_id, args, device))
+            rg = rewards.view(-1, args.group_size)
+            m.update({"reward": rewards.mean().item(), "reward_std": rg.std(1).mean().item(),
+                      "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
+        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
+            m.update(run_eval(step))
+        m["step_time"] = time.perf_counter() - t_step
+        with open(os.path.join(args.output_dir, METRICS), "a") as f:
+            f.write(json.dumps(m) + "\n")
+        bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}")
+        if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps:
+            save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, data_pos, args.model,
+                            args.keep_checkpoints)
+    plot_metrics(args.output_dir)
+    print(f"done: {args.output_dir}")
+
+
+def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, pad_id, args, device) -> dict:
+    """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics."""
+    t0 = time.perf_counter()
+    batch = collate(groups, pad_id, device)
+    adv = grpo.advantages(rewards, args.group_size, gcfg.scale_rewards).to(device)          # (B,)
+    L = int(batch["comp_lens"].max())
+    mask = grpo.completion_mask(batch["comp_lens"], L, batch["truncated"] if gcfg.mask_truncated else None)
+    batch["adv"], batch["mask"] = adv, mask
+    B, n_mb = adv.shape[0], math.ceil(adv.shape[0] / args.micro_batch)
+    num_items = mask.sum()  # DAPO: active tokens of the whole generation batch
+    train_noise = {} if acfg.rollout_only else noise
+    model.train()
+    sums, count = {}, 0
+    with aqn.noise_applied(model, train_noise):
+        old, ref = {}, {}
+        with torch.no_grad():  # old log-probs (μ > 1) and the reference policy (β > 0), once per rollout
+            for s, mb in micro_batches(batch, args.micro_batch):
+                lens = (mb["input_ids"], mb["prompt_lens"], mb["comp_lens"], args.temperature, args.logprob_chunk)
+                if gcfg.updates_per_rollout > 1:
+                    old[s] = completion_logprobs(model, *lens)[0]
+                if gcfg.beta > 0:
+                    with lora.adapters_disabled(model):
+                        ref[s] = completion_logprobs(model, *lens)[0]
+        for _ in range(gcfg.updates_per_rollout):
+            optimizer.zero_grad(set_to_none=True)
+            for s, mb in micro_batches(batch, args.micro_batch):
+                Lm = mb["sampler_logp"].shape[1]
+                logp, ent = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
+                                                args.temperature, args.logprob_chunk)
+                loss, met = grpo.policy_loss(logp, old.get(s), mb["adv"], mb["mask"][:, :Lm], gcfg,
+                                             ref_logp=ref.get(s), sampler_logp=mb["sampler_logp"],
+                                             num_items=num_items, entropy=ent)
+                # Every loss type but dapo normalises inside the micro-batch; reweight to the batch.
+                w = {"dapo": 1.0, "bnpo": 1.0 / n_mb}.get(gcfg.loss_type, mb["adv"].shape[0] / B)
+                (loss * w).backward()
+                met = {METRIC_NAMES.get(k, k): v for k, v in met.items() if k != "num_tokens"}
+                for k, v in {"loss": loss.detach() * w, **met}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * (1.0 if k == "loss" else mb["adv"].shape[0] / B)
+            grad_norm = torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            count += 1
+    model.eval()
+    out = {k: v / count for k, v in sums.items()}
+    out.update({"grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0],
+                "num_tokens": int(num_items), "time/train": time.perf_counter() - t0})
+    return out
+
+
+if __name__ == "__main__":
+    main()
