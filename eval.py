@@ -27,14 +27,14 @@ from model import load_model, load_tokenizer
 # ----------------------------------------------------------------------------------------------
 
 
-def evaluate(engine, tokenizer, examples, params, batch_size: int = 256) -> tuple[dict, list]:
+def evaluate(engine, tokenizer, examples, params, batch_size: int = 256,
+             system_prompt: str = tasks.SYSTEM_PROMPT) -> tuple[dict, list]:
     """Generate for every example and score. Returns (metrics, one record per example)."""
     stats = tasks.RewardStats()
     records, correct, strict, flexible, t0 = [], [], [], [], time.perf_counter()
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
-        ids = [tokenizer(tasks.build_prompt(tokenizer, e.question), add_special_tokens=False)["input_ids"]
-               for e in chunk]
+        ids = [tasks.encode_prompt(tokenizer, e.question, system_prompt) for e in chunk]
         for e, comps in zip(chunk, engine.generate(ids, params)):
             texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
             scores = [tasks.reward(e, t, stats) for t in texts]
@@ -65,6 +65,7 @@ def main(argv=None):
     p.add_argument("--dataset", default="gsm8k", help="gsm8k | math500 | addition | path to JSONL")
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--system-prompt", default=tasks.SYSTEM_PROMPT, help="the training run's, if it set one")
     # sampling
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -76,6 +77,9 @@ def main(argv=None):
     p.add_argument("--output", default=None, help="write one JSON line per question (predictions.jsonl)")
     args = p.parse_args(argv)
     print(json.dumps(vars(args)))
+    for name in ("samples", "max_new_tokens", "max_model_len") + (("limit",) if args.limit is not None else ()):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.samples > 1 and args.temperature == 0:
         p.error("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
 
@@ -89,7 +93,7 @@ def main(argv=None):
     engine = rollout.LLMEngine(model, max_model_len=args.max_model_len)
     params = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, n=args.samples,
                                     max_tokens=args.max_new_tokens, seed=args.seed)
-    metrics, records = evaluate(engine, tokenizer, examples, params)
+    metrics, records = evaluate(engine, tokenizer, examples, params, system_prompt=args.system_prompt)
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(f"{args.output}.tmp", "w") as f:

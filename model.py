@@ -461,6 +461,33 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
     return _finish(model, device)
 
 
+# Qwen2.5 config.json values (vocab, norms, RoPE, shapes), for random-init runs and benchmarks on
+# machines without the weights: `build_model(SHAPES["qwen2.5-7b"])`, `train.py --random-init`.
+_QWEN25 = dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1e6,
+               max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+               bos_token_id=151643, eos_token_id=151645)
+SHAPES = {
+    "qwen2.5-7b": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4),
+    "qwen2.5-14b": dict(_QWEN25, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8),
+    "qwen2.5-32b": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8),
+}
+
+
+def random_init_config(name_or_path: str) -> dict:
+    """The config for a random-init model: a SHAPES name or a local directory with config.json."""
+    if name_or_path.lower() in SHAPES:
+        return SHAPES[name_or_path.lower()]
+    path = os.path.join(os.path.expanduser(name_or_path), "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    raise ValueError(f"random init needs one of {sorted(SHAPES)} or a directory with config.json, "
+                     f"got {name_or_path!r}")
+
+
 def build_model(config, quant: str = "nvfp4", device=None, dtype=torch.bfloat16, seed: int = 0) -> Transformer:
     """Random weights (N(0, 0.02²), norms 1) with real shapes and no checkpoint: for benchmarks.
     Quantized linears are drawn and quantized one at a time, so peak ≈ final + one bf16 matrix."""

@@ -67,6 +67,7 @@ FP8_MAX = 448.0          # largest E4M3 (fn) magnitude
 BLOCK = 16               # weights per E4M3 block scale, along the input dim
 ZERO_BLOCK_SCALE = 0.125 # the scale compressed-tensors stores for a block of zeros (E4M3 "eps")
 FORMAT = "nvfp4-pack-quantized"
+QUANT_CHUNK = 1 << 22    # weights per quantize() chunk: bounds its temporary memory
 
 # code -> value; codes 8..15 are the negatives of 0..7 (code 8 is -0.0)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -114,9 +115,12 @@ def compute_global_scale(w: torch.Tensor) -> torch.Tensor:
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Round x (already in [-6, 6]) to E2M1 codes (uint8 0..15), ties to even."""
     a = x.abs()
-    mag = sum((a > t).to(torch.uint8) for t in _ROUND_UP_ABOVE)        # index of the magnitude
-    mag = mag + sum((a >= t).to(torch.uint8) for t in _ROUND_UP_FROM)    # in (0, .5, 1, ... 6)
-    return mag | ((x < 0).to(torch.uint8) << 3)                          # sign in bit 3
+    # bucketize counts boundaries t with t < a (right=False) or t <= a (right=True): two passes
+    # over the tensor instead of one comparison per boundary.
+    above = torch.tensor(_ROUND_UP_ABOVE, dtype=a.dtype, device=a.device)
+    from_ = torch.tensor(_ROUND_UP_FROM, dtype=a.dtype, device=a.device)
+    mag = torch.bucketize(a, above, right=False) + torch.bucketize(a, from_, right=True)  # 0..7
+    return mag.to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)          # sign in bit 3
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -150,8 +154,18 @@ def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None, name: st
             raise ValueError(f"nvfp4.quantize{_where(name)}: global_scale must be one positive "
                              f"finite number, got {global_scale}")
         global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
+    # Rows are independent given g: quantize them in chunks, so the temporaries stay a few times
+    # one chunk (≤ 2^22 weights) whatever the matrix (loading a 7B/32B model streams through here).
+    rows = max(1, QUANT_CHUNK // K)
+    parts = [_quantize_rows(w[i:i + rows], global_scale) for i in range(0, N, rows)]
+    return torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts]), global_scale
+
+
+def _quantize_rows(w: torch.Tensor, global_scale: torch.Tensor):
+    """quantize() of a (n, K) slice with a given global scale -> (packed, scale)."""
+    K = w.shape[1]
     cdt = torch.promote_types(w.dtype, torch.float32)                   # fp32 (fp64 for fp64 w)
-    blocks = w.unflatten(1, (K // BLOCK, BLOCK))                         # (N, K/16, 16)
+    blocks = w.unflatten(1, (K // BLOCK, BLOCK))                         # (n, K/16, 16)
 
     # block scales: amax/6 in w's dtype (a tensor divisor: true division on every device)
     six = torch.tensor(FP4_MAX, dtype=w.dtype, device=w.device)
@@ -161,8 +175,8 @@ def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None, name: st
 
     # elements: W / (s/g), clamped to the E2M1 range and rounded
     x = blocks.to(cdt) / (scale / global_scale).unsqueeze(-1)            # (N, K/16, 16)
-    codes = _e2m1_codes(x.clamp(-FP4_MAX, FP4_MAX)).flatten(1)           # (N, K) uint8
-    return pack_fp4(codes), scale.to(torch.float8_e4m3fn), global_scale
+    codes = _e2m1_codes(x.clamp(-FP4_MAX, FP4_MAX)).flatten(1)           # (n, K) uint8
+    return pack_fp4(codes), scale.to(torch.float8_e4m3fn)
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,

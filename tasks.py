@@ -180,6 +180,11 @@ def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -
     return f"{system_prompt}\n\nQuestion: {question}\nAnswer:"
 
 
+def encode_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
+    """build_prompt as token ids (the template already holds its special tokens: none added)."""
+    return tokenizer(build_prompt(tokenizer, question, system_prompt), add_special_tokens=False)["input_ids"]
+
+
 def last_boxed(text: str) -> str | None:
     r"""Content of the last complete \boxed{...} or \fbox{...} (nested braces), or `\boxed 5`."""
     for m in reversed(list(re.finditer(r"\\(?:boxed|fbox)\b", text))):

@@ -31,6 +31,8 @@ Left out here: multi-GPU data parallelism (torchrun), a learning-rate decay sche
 Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run).
 """
 import argparse
+import functools
+import hashlib
 import json
 import math
 import os
@@ -45,7 +47,7 @@ import grpo
 import lora
 import rollout
 import tasks
-from model import load_model, load_tokenizer
+from model import build_model, load_model, load_tokenizer, random_init_config
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -54,16 +56,17 @@ RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
-# Arguments that must match for --resume to continue the same run.
 # grpo.policy_loss metric -> the name TRL logs it under.
 METRIC_NAMES = {"logprob_mismatch": "sampling/sampling_logp_difference/mean",
                 "tis_weight_mean": "sampling/importance_sampling_ratio/mean"}
-RUN_IDENTITY = ("model", "quant", "dataset", "lora_rank", "lora_alpha", "group_size", "prompts_per_step", "seed")
+# Arguments that must match for --resume to continue the same run (max_steps sets the AQN schedule).
+RUN_IDENTITY = ("max_steps", "model", "quant", "dataset", "lora_rank", "lora_alpha", "group_size", "prompts_per_step", "seed")
 
 
-def step_seed(seed: int, step: int, stream: int) -> int:
+def step_seed(seed: int, step: int, stream: str) -> int:
     """A distinct, reproducible seed for each (run seed, step, stream): resume-safe randomness."""
-    return (seed * 1_000_003 + step * 101 + stream) % (2 ** 63)
+    digest = hashlib.sha256(f"{seed}/{step}/{stream}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,14 +97,14 @@ def prepare_output_dir(args) -> str | None:
     for name in os.listdir(out):  # half-written checkpoints of a killed run
         if name.startswith(".tmp-"):
             shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-    write_json_atomic(cfg_path, vars(args))
     return latest_checkpoint(out) if args.resume else None
 
 
-def write_json_atomic(path: str, obj) -> None:
+def write_atomic(path: str, text: str) -> None:
+    """Write under a temporary name, flush to disk, rename: readers see the old or the new file."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -131,9 +134,7 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
     torch.save(state, os.path.join(tmp, TRAINER_STATE))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    with open(os.path.join(out, f"{LATEST}.tmp"), "w") as f:
-        f.write(name)
-    os.replace(os.path.join(out, f"{LATEST}.tmp"), os.path.join(out, LATEST))
+    write_atomic(os.path.join(out, LATEST), name)
     old = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-") and d != name)
     for d in old[:max(0, len(old) - (keep - 1))]:
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
@@ -162,9 +163,7 @@ def truncate_metrics(out: str, step: int) -> None:
                 kept.append(ln)
         except (ValueError, KeyError):  # a line cut by a kill mid-write
             pass
-    with open(f"{path}.tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(f"{path}.tmp", path)
+    write_atomic(path, "".join(kept))
 
 
 def plot_metrics(out: str) -> None:
@@ -177,6 +176,9 @@ def plot_metrics(out: str) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
     for ax, key in zip(axes, ("reward", "eval/accuracy", "entropy", "completions/mean_length")):
         pts = [(r["step"], r[key]) for r in rows if key in r]
+        if key == "eval/accuracy":  # x = optimizer updates applied when it was measured
+            pts = [(0, r["eval/accuracy_initial"]) for r in rows if "eval/accuracy_initial" in r]
+            pts += [(r["eval/updates"], r[key]) for r in rows if key in r]
         if pts:
             ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None)
         ax.set_title(key)
@@ -270,14 +272,18 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="GRPO/DAPO post-training with NVFP4 weights, LoRA and AQN (QeRL)")
     # model
     p.add_argument("--model", required=True, help="Hugging Face hub id or local checkpoint directory")
+    p.add_argument("--random-init", action="store_true",
+                   help="random weights of --model's shape (qwen2.5-7b|14b|32b or a dir with config.json): benchmarks")
+    p.add_argument("--tokenizer", default=None, help="default: --model")
     p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     # data
     p.add_argument("--dataset", default="gsm8k", help="gsm8k | math500 | addition | path to JSONL (file or dir)")
     p.add_argument("--eval-dataset", default=None, help="default: the test split of --dataset")
-    p.add_argument("--eval-limit", type=int, default=500)
+    p.add_argument("--eval-limit", type=int, default=500, help="0 = no evaluation")
     p.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are dropped (counted)")
+    p.add_argument("--system-prompt", default=tasks.SYSTEM_PROMPT)
     # LoRA
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--lora-alpha", type=float, default=64.0)
@@ -315,7 +321,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=8, help="completions per training forward")
     p.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per lm_head chunk")
     p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--max-steps", type=int, default=200, help="the run's length (sets the AQN schedule)")
+    p.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit after this step (resume later)")
     # bookkeeping
     p.add_argument("--eval-every", type=int, default=0, help="0 = only at the end")
     p.add_argument("--eval-max-new-tokens", type=int, default=None, help="default: --max-new-tokens")
@@ -329,9 +336,90 @@ def parse_args(argv=None):
                  "max_prompt_len", "keep_checkpoints", "logprob_chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("save_every", "eval_max_new_tokens", "stop_at"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_every < 0 or args.eval_limit < 0:
+        p.error("--eval-every and --eval-limit must be >= 0")
     if args.group_size < 2:
         p.error("--group-size must be >= 2: GRPO advantages compare samples of one prompt")
+    if args.temperature <= 0:
+        p.error("--temperature must be > 0: training log-probs are taken under logits / temperature")
+    if args.tis_cap is not None and args.top_p < 1:
+        p.error("--tis-cap needs --top-p 1: with top-p the sampler's log-probs are of a truncated distribution")
     return args
+
+
+def clock(device) -> float:
+    """Wall time after the device's queued work is done (honest step-time splits on CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, pad_id, args, device) -> dict:
+    """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics."""
+    t0 = clock(device)
+    times = {"time/logprob_pass": 0.0, "time/forward_backward": 0.0, "time/optimizer": 0.0}
+    batch = collate(groups, pad_id, device)
+    adv = grpo.advantages(rewards, args.group_size, gcfg.scale_rewards).to(device)          # (B,)
+    L = int(batch["comp_lens"].max())
+    mask = grpo.completion_mask(batch["comp_lens"], L, batch["truncated"] if gcfg.mask_truncated else None)
+    batch["adv"], batch["mask"] = adv, mask
+    B, n_mb = adv.shape[0], math.ceil(adv.shape[0] / args.micro_batch)
+    num_items = mask.sum().clamp(min=1)  # DAPO: active tokens of the whole generation batch
+    train_noise = {} if acfg.rollout_only else noise
+    sums, count, skipped = {}, 0, 0
+
+    def logprobs_no_grad(out: dict):  # once per rollout, in eval mode (no dropout)
+        with torch.no_grad():
+            for s, mb in micro_batches(batch, args.micro_batch):
+                out[s] = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
+                                             args.temperature, args.logprob_chunk)[0]
+        return out
+
+    model.eval()
+    ref = {}
+    if gcfg.beta > 0:  # the reference policy: the base model, adapters off, no AQN noise
+        with lora.adapters_disabled(model):
+            logprobs_no_grad(ref)
+    with aqn.noise_applied(model, train_noise):
+        old = logprobs_no_grad({}) if gcfg.updates_per_rollout > 1 else {}  # the policy that sampled
+        model.train()
+        t1 = clock(device)
+        times["time/logprob_pass"] = t1 - t0
+        for _ in range(gcfg.updates_per_rollout):
+            optimizer.zero_grad(set_to_none=True)
+            for s, mb in micro_batches(batch, args.micro_batch):
+                Lm = mb["sampler_logp"].shape[1]
+                logp, ent = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
+                                                args.temperature, args.logprob_chunk)
+                loss, met = grpo.policy_loss(logp, old.get(s), mb["adv"], mb["mask"][:, :Lm], gcfg,
+                                             ref_logp=ref.get(s), sampler_logp=mb["sampler_logp"],
+                                             num_items=num_items, entropy=ent)
+                # Every loss type but dapo normalises inside the micro-batch; reweight to the batch.
+                w = {"dapo": 1.0, "bnpo": 1.0 / n_mb}.get(gcfg.loss_type, mb["adv"].shape[0] / B)
+                (loss * w).backward()
+                met = {METRIC_NAMES.get(k, k): v for k, v in met.items() if k != "num_tokens"}
+                for k, v in {"loss": loss.detach() * w, **met}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * (1.0 if k == "loss" else mb["adv"].shape[0] / B)
+            t2 = clock(device)
+            times["time/forward_backward"] += t2 - t1
+            grad_norm = torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), args.max_grad_norm)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:  # never write NaN/Inf into the adapters: skip the update and say so
+                skipped += 1
+            scheduler.step()
+            count += 1
+            t1 = clock(device)
+            times["time/optimizer"] += t1 - t2
+    model.eval()
+    out = {k: v / count for k, v in sums.items()}
+    out.update({"grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0],
+                "num_tokens": int(mask.sum()), "skipped_nonfinite_updates": skipped,
+                "time/train": clock(device) - t0, **times})
+    return out
 
 
 def main(argv=None):
@@ -340,15 +428,13 @@ def main(argv=None):
     from eval import evaluate  # eval.py imports nothing from here
     resume_from = prepare_output_dir(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(args.seed)
 
     # ---- data, model, adapters, optimizer
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def encode(examples):
-        ids = [tokenizer(tasks.build_prompt(tokenizer, e.question), add_special_tokens=False)["input_ids"]
-               for e in examples]
+        ids = [tasks.encode_prompt(tokenizer, e.question, args.system_prompt) for e in examples]
         keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_len]
         return [examples[i] for i in keep], [ids[i] for i in keep], len(ids) - len(keep)
 
@@ -356,10 +442,16 @@ def main(argv=None):
     if not train_set:
         raise SystemExit(f"error: no training prompt of {args.dataset} fits --max-prompt-len {args.max_prompt_len}")
     print(f"train prompts: {len(train_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
-    eval_set = tasks.load_task(args.eval_dataset or args.dataset, "test", limit=args.eval_limit, seed=args.seed)
+    eval_set, _, dropped = encode(tasks.load_task(args.eval_dataset or args.dataset, "test", limit=args.eval_limit,
+                                                  seed=args.seed) if args.eval_limit else [])
+    if dropped:
+        print(f"eval prompts: {len(eval_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
 
     dtype = getattr(torch, args.dtype)
-    model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
+    if args.random_init:
+        model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype, seed=args.seed)
+    else:
+        model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
     model.gradient_checkpointing = args.grad_checkpointing
     lora.apply_lora(model, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout),
                     generator=torch.Generator().manual_seed(args.seed))
@@ -374,8 +466,11 @@ def main(argv=None):
                            max_sampling_rounds=args.max_sampling_rounds)
     acfg = aqn.AQNConfig(sigma_start=args.sigma_start, sigma_end=args.sigma_end, stages=args.aqn_stages,
                          rollout_only=args.aqn_rollout_only)
-    engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + args.max_new_tokens,
+    eval_new = args.eval_max_new_tokens or args.max_new_tokens
+    engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
                                gpu_memory_utilization=args.gpu_memory_utilization)
+    if not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # the run exists once it can start
+        write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps(vars(args), indent=2))
 
     start, data_pos = 0, 0
     if resume_from:
@@ -390,29 +485,38 @@ def main(argv=None):
         out = []
         for _ in range(n):
             epoch, i = divmod(data_pos, len(train_set))
-            perm = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(step_seed(args.seed, epoch, 7)))
-            out.append(int(perm[i]))
+            out.append(epoch_order(epoch)[i])
             data_pos += 1
         return out
 
-    def run_eval(step):
-        params_eval = rollout.SamplingParams(temperature=0.0, max_tokens=args.eval_max_new_tokens or args.max_new_tokens)
-        metrics, _ = evaluate(engine, tokenizer, eval_set, params_eval)
+    @functools.lru_cache(maxsize=2)
+    def epoch_order(epoch):
+        return torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
+            step_seed(args.seed, epoch, "data"))).tolist()
+
+    def run_eval():
+        params_eval = rollout.SamplingParams(temperature=0.0, max_tokens=eval_new)
+        metrics, _ = evaluate(engine, tokenizer, eval_set, params_eval, system_prompt=args.system_prompt)
         return {"eval/accuracy": metrics["accuracy"]}
 
     # ---- the loop
+    initial = {}
+    if eval_set and args.eval_every and start == 0:  # the starting point of the learning curve
+        initial = {"eval/accuracy_initial": run_eval()["eval/accuracy"]}
+        print(f"accuracy before training: {initial['eval/accuracy_initial']:.4f}")
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="train")
     for step in bar:
         t_step = time.perf_counter()
+        torch.manual_seed(step_seed(args.seed, step, "torch"))  # LoRA dropout: the same after a resume
         sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
-        noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, 1)))
+        noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
         stats = tasks.RewardStats()
         completions_all = []
 
         def sample_round(r):
             idx = next_prompts(args.prompts_per_step)
             sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                        n=args.group_size, seed=step_seed(args.seed, step, 10 + r))
+                                        n=args.group_size, seed=step_seed(args.seed, step, f"sample{r}"))
             with aqn.noise_applied(model, noise):
                 comps = engine.generate([train_ids[i] for i in idx], sp)
             groups, correct = [], []
@@ -438,9 +542,11 @@ def main(argv=None):
         rewards = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)   # (P·G,)
         engine.free_cache()  # the KV cache goes before the backward pass needs the memory
         t_rollout = time.perf_counter() - t0
-        m = {"step": step, "aqn/sigma": sigma, "time/rollout": t_rollout, "sampling/rounds": rounds,
+        new_tokens = sum(len(c.token_ids) for c in completions_all)
+        m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, "time/rollout": t_rollout,
+             "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
              "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
-             "completions/mean_length": sum(len(c.token_ids) for c in completions_all) / len(completions_all),
+             "completions/mean_length": new_tokens / len(completions_all),
              "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions_all) / len(completions_all)}
         if not groups:  # dynamic sampling found no informative group: nothing to learn from this step
             m.update(skipped=True)
@@ -449,66 +555,23 @@ def main(argv=None):
             rg = rewards.view(-1, args.group_size)
             m.update({"reward": rewards.mean().item(), "reward_std": rg.std(1).mean().item(),
                       "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
-        if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps:
-            m.update(run_eval(step))
+        if eval_set and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
+            m.update(run_eval(), **{"eval/updates": step + 1})
         m["step_time"] = time.perf_counter() - t_step
+        if device.type == "cuda":
+            m["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+            torch.cuda.reset_peak_memory_stats(device)
         with open(os.path.join(args.output_dir, METRICS), "a") as f:
             f.write(json.dumps(m) + "\n")
         bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}")
-        if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps:
+        stop = step + 1 == args.max_steps or step + 1 == args.stop_at
+        if (step + 1) % args.save_every == 0 or stop:
             save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, data_pos, args.model,
                             args.keep_checkpoints)
+        if stop:
+            break
     plot_metrics(args.output_dir)
     print(f"done: {args.output_dir}")
-
-
-def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, pad_id, args, device) -> dict:
-    """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics."""
-    t0 = time.perf_counter()
-    batch = collate(groups, pad_id, device)
-    adv = grpo.advantages(rewards, args.group_size, gcfg.scale_rewards).to(device)          # (B,)
-    L = int(batch["comp_lens"].max())
-    mask = grpo.completion_mask(batch["comp_lens"], L, batch["truncated"] if gcfg.mask_truncated else None)
-    batch["adv"], batch["mask"] = adv, mask
-    B, n_mb = adv.shape[0], math.ceil(adv.shape[0] / args.micro_batch)
-    num_items = mask.sum()  # DAPO: active tokens of the whole generation batch
-    train_noise = {} if acfg.rollout_only else noise
-    model.train()
-    sums, count = {}, 0
-    with aqn.noise_applied(model, train_noise):
-        old, ref = {}, {}
-        with torch.no_grad():  # old log-probs (μ > 1) and the reference policy (β > 0), once per rollout
-            for s, mb in micro_batches(batch, args.micro_batch):
-                lens = (mb["input_ids"], mb["prompt_lens"], mb["comp_lens"], args.temperature, args.logprob_chunk)
-                if gcfg.updates_per_rollout > 1:
-                    old[s] = completion_logprobs(model, *lens)[0]
-                if gcfg.beta > 0:
-                    with lora.adapters_disabled(model):
-                        ref[s] = completion_logprobs(model, *lens)[0]
-        for _ in range(gcfg.updates_per_rollout):
-            optimizer.zero_grad(set_to_none=True)
-            for s, mb in micro_batches(batch, args.micro_batch):
-                Lm = mb["sampler_logp"].shape[1]
-                logp, ent = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
-                                                args.temperature, args.logprob_chunk)
-                loss, met = grpo.policy_loss(logp, old.get(s), mb["adv"], mb["mask"][:, :Lm], gcfg,
-                                             ref_logp=ref.get(s), sampler_logp=mb["sampler_logp"],
-                                             num_items=num_items, entropy=ent)
-                # Every loss type but dapo normalises inside the micro-batch; reweight to the batch.
-                w = {"dapo": 1.0, "bnpo": 1.0 / n_mb}.get(gcfg.loss_type, mb["adv"].shape[0] / B)
-                (loss * w).backward()
-                met = {METRIC_NAMES.get(k, k): v for k, v in met.items() if k != "num_tokens"}
-                for k, v in {"loss": loss.detach() * w, **met}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * (1.0 if k == "loss" else mb["adv"].shape[0] / B)
-            grad_norm = torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            count += 1
-    model.eval()
-    out = {k: v / count for k, v in sums.items()}
-    out.update({"grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0],
-                "num_tokens": int(num_items), "time/train": time.perf_counter() - t0})
-    return out
 
 
 if __name__ == "__main__":

@@ -32,22 +32,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 import rollout
-from model import build_model
+from model import SHAPES, build_model
 
 # ----------------------------------------------------------------------------------------------
-# Qwen2.5 config.json values (ANCHORS.md)
+# Qwen2.5 shapes (model.SHAPES, ANCHORS.md)
 
-COMMON = dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1e6,
-              max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
-              bos_token_id=151643, eos_token_id=151643)
-CONFIGS = {
-    "7b": dict(COMMON, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4),
-    "32b": dict(COMMON, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                num_attention_heads=40, num_key_value_heads=8),
-    "tiny": dict(COMMON, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,   # a smoke test
-                 num_attention_heads=8, num_key_value_heads=2),
-}
+CONFIGS = {"7b": SHAPES["qwen2.5-7b"], "14b": SHAPES["qwen2.5-14b"], "32b": SHAPES["qwen2.5-32b"],
+           "tiny": dict(SHAPES["qwen2.5-7b"], hidden_size=512, intermediate_size=1024,   # a smoke test
+                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)}
 WORKLOADS = {"batch1": dict(prompts=1, n=1, prompt_len=256, new=512),
              "grpo": dict(prompts=16, n=8, prompt_len=256, new=1024)}
 
