@@ -67,7 +67,7 @@ FP8_MAX = 448.0          # largest E4M3 (fn) magnitude
 BLOCK = 16               # weights per E4M3 block scale, along the input dim
 ZERO_BLOCK_SCALE = 0.125 # the scale compressed-tensors stores for a block of zeros (E4M3 "eps")
 FORMAT = "nvfp4-pack-quantized"
-QUANT_CHUNK = 1 << 22    # weights per quantize() chunk: bounds its temporary memory
+QUANT_CHUNK = 1 << 21    # weights per quantize() chunk: its temporaries stay under ~32 bytes each
 
 # code -> value; codes 8..15 are the negatives of 0..7 (code 8 is -0.0)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -119,7 +119,7 @@ def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     # over the tensor instead of one comparison per boundary.
     above = torch.tensor(_ROUND_UP_ABOVE, dtype=a.dtype, device=a.device)
     from_ = torch.tensor(_ROUND_UP_FROM, dtype=a.dtype, device=a.device)
-    mag = torch.bucketize(a, above, right=False) + torch.bucketize(a, from_, right=True)  # 0..7
+    mag = torch.bucketize(a, above, out_int32=True) + torch.bucketize(a, from_, out_int32=True, right=True)  # 0..7
     return mag.to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)          # sign in bit 3
 
 
@@ -155,7 +155,7 @@ def quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None, name: st
                              f"finite number, got {global_scale}")
         global_scale = global_scale.to(device=w.device, dtype=torch.float32).reshape(1)
     # Rows are independent given g: quantize them in chunks, so the temporaries stay a few times
-    # one chunk (≤ 2^22 weights) whatever the matrix (loading a 7B/32B model streams through here).
+    # one chunk (≤ 2^21 weights) whatever the matrix (loading a 7B/32B model streams through here).
     rows = max(1, QUANT_CHUNK // K)
     parts = [_quantize_rows(w[i:i + rows], global_scale) for i in range(0, N, rows)]
     return torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts]), global_scale
