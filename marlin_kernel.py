@@ -196,6 +196,16 @@ def _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
 
 # M is not specialized: Triton would otherwise compile a separate M == 1 kernel, which ran
 # 3-28% slower than the general one at M = 2 on the H100 (bench/NOTES.md).
+@triton.jit
+def _grouped_order(pid, num_pid_w, num_pid_m, GROUP: tl.constexpr):
+    """Program id -> (weight tile, m tile), GROUP weight tiles swept over every m tile together,
+    so a weight tile is read from HBM once and reused from L2 (the Triton tutorial's swizzle)."""
+    num_pid_in_group = GROUP * num_pid_m
+    first = (pid // num_pid_in_group) * GROUP
+    group_size = min(num_pid_w - first, GROUP)
+    return first + (pid % num_pid_in_group) % group_size, (pid % num_pid_in_group) // group_size
+
+
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_mm_kernel(
     # pointers
@@ -211,15 +221,8 @@ def _nvfp4_mm_kernel(
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k]; one (BN, BM) tile of yᵀ per program."""
     # ---- grouped program order: GROUP_N weight tiles are swept over all m-tiles together (L2)
-    pid = tl.program_id(0)
+    pid_n, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
     pid_k = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BN)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_in_group = GROUP_N * num_pid_m
-    first_n = (pid // num_pid_in_group) * GROUP_N
-    group_size = min(num_pid_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % num_pid_in_group) % group_size
-    pid_m = (pid % num_pid_in_group) // group_size
 
     # rows past N or M are clamped (wrapped) instead of masked: loads stay unmasked and
     # vectorized, and those rows of the result are never stored
@@ -271,15 +274,8 @@ def _nvfp4_mm_dx_kernel(
 ):
     """dx[m, k] = sum_n dy[m, n] · W[n, k]; one (BK, BM) tile of dxᵀ per program."""
     # ---- grouped program order over (k-tile, m-tile)
-    pid = tl.program_id(0)
+    pid_k, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(K, BK), tl.cdiv(M, BM), GROUP_K)
     pid_s = tl.program_id(1)
-    num_pid_k = tl.cdiv(K, BK)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_in_group = GROUP_K * num_pid_m
-    first_k = (pid // num_pid_in_group) * GROUP_K
-    group_size = min(num_pid_k - first_k, GROUP_K)
-    pid_k = first_k + (pid % num_pid_in_group) % group_size
-    pid_m = (pid % num_pid_in_group) // group_size
 
     k0 = tl.multiple_of(pid_k * BK, BK)                  # BK divides K: no tail in k
     offs_m = (pid_m * BM + tl.arange(0, BM)) % M         # rows past M wrapped, never stored
