@@ -35,7 +35,8 @@ gradient of one big batch (the caller counts num_items once, before the first mi
 grpo/bnpo/dr_grpo return the micro-batch value: divide by the number of micro-batches when
 accumulating, as TRL does; for bnpo this is still not the big-batch token mean when micro-batches
 hold different numbers of tokens. With several data-parallel ranks whose gradients are averaged,
-pass num_items / world_size (TRL's convention).
+pass num_items / world_size (TRL's convention); train.py sums the gradients instead and passes
+the global num_items, which is the same update.
 
 DAPO's other two pieces: overlong shaping adds a length penalty that ramps from 0 to -1 over the
 last `cache_len` tokens before max_len (`overlong_penalty`), and overlong filtering drops
@@ -215,7 +216,8 @@ def policy_loss(
     sampler_logp: (B, T) log-probs the sampler reported; enables TIS when cfg.tis_cap is set and
                   the mismatch metric always.
     num_items:    dapo only: active completion tokens in the whole generation batch (all
-                  micro-batches, all ranks; divide by world size under gradient averaging).
+                  micro-batches, all ranks; divide by world size under gradient averaging,
+                  keep it whole when gradients are summed across ranks as train.py does).
                   None = this call is the whole batch.
     entropy:      (B, T) optional per-token entropy, only logged.
     Returns (loss: 0-dim tensor, metrics: dict of detached 0-dim tensors).

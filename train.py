@@ -27,8 +27,19 @@ resumes from its last checkpoint with `--resume` and never reads a half-written 
 random draw (data order, AQN noise, sampling) is seeded from (seed, step), so a resumed run
 samples what the uninterrupted run would have.
 
-Left out here: multi-GPU data parallelism (torchrun), a learning-rate decay schedule.
-Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run).
+Data parallel: `torchrun --nproc-per-node N train.py ...` (one process never touches torch.distributed).
+The N ranks are replicas of one policy (same adapters, same AQN noise, same AdamW steps). Each
+samples its share of the global --prompts-per-step with its own seed, and one all_gather_object
+per sampling round gives every rank the whole generation batch (ids and rewards: small), so the
+advantages, dynamic sampling (filling the *global* batch), data position and loss normalisers are
+those of one process. Each rank trains on its slice of the groups; the adapter gradients are summed
+(one flat all_reduce) before clipping, which gives the one-process gradient for dapo, grpo and
+dr_grpo, and for bnpo the mean of micro-batch means as TRL does. Rank 0 writes all files. A run
+may resume with another N (the same global batch; the per-rank sampling seeds make it a new draw).
+
+Left out here: multi-node (the output directory must be shared), a learning-rate decay schedule.
+Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run);
+tests/test_distributed.py (2 CPU processes over gloo give the single-process update).
 """
 import argparse
 import functools
@@ -73,11 +84,12 @@ def step_seed(seed: int, step: int, stream: str) -> int:
 # the output directory: run config, checkpoints, metrics
 
 
-def prepare_output_dir(args) -> str | None:
-    """Create or check the output directory; return the checkpoint to resume from (or None).
+def prepare_output_dir(args, write: bool = True) -> str | None:
+    """Check (and, if write, create) the output directory; return the checkpoint to resume from.
 
     A directory that holds another run is never overwritten: without --resume that is an error,
-    and with --resume the run's identity (model, dataset, LoRA shape, ...) must match."""
+    and with --resume the run's identity (model, dataset, LoRA shape, ...) must match. Every rank
+    checks, before rank 0 writes anything, so a refusal stops all ranks with the same message."""
     out = args.output_dir
     cfg_path = os.path.join(out, RUN_CONFIG)
     if os.path.exists(cfg_path):
@@ -93,10 +105,11 @@ def prepare_output_dir(args) -> str | None:
     elif os.path.isdir(out) and os.listdir(out):
         raise SystemExit(f"error: {out} is not empty and holds no qerl run ({RUN_CONFIG} missing); "
                          f"choose another --output-dir")
-    os.makedirs(out, exist_ok=True)
-    for name in os.listdir(out):  # half-written checkpoints of a killed run
-        if name.startswith(".tmp-"):
-            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    if write:
+        os.makedirs(out, exist_ok=True)
+        for name in os.listdir(out):  # half-written checkpoints of a killed run
+            if name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     return latest_checkpoint(out) if args.resume else None
 
 
@@ -154,15 +167,13 @@ def truncate_metrics(out: str, step: int) -> None:
     path = os.path.join(out, METRICS)
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        lines = [ln for ln in f if ln.strip()]
     kept = []
-    for ln in lines:
-        try:
-            if json.loads(ln)["step"] < step:
-                kept.append(ln)
-        except (ValueError, KeyError):  # a line cut by a kill mid-write
-            pass
+    with open(path) as f:
+        for ln in f:
+            try:
+                kept += [ln] if json.loads(ln)["step"] < step else []
+            except (ValueError, KeyError):  # a blank line, or one cut by a kill mid-write
+                pass
     write_atomic(path, "".join(kept))
 
 
@@ -181,12 +192,55 @@ def plot_metrics(out: str) -> None:
             pts += [(r["eval/updates"], r[key]) for r in rows if key in r]
         if pts:
             ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None)
-        ax.set_title(key)
-        ax.set_xlabel("step")
+        ax.set(title=key, xlabel="step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "plots.png"), dpi=100)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# distributed: torchrun's environment, one process per GPU; all no-ops in a single process
+
+
+def dist_setup(device_arg: str | None) -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Joins the process group only when torchrun set WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(device_arg or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if world == 1:
+        return 0, 1, device
+    if device.type == "cuda":  # one GPU per rank; Triton kernels and CUDA graphs use the current device
+        per_node, n_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.cuda.device_count()
+        if per_node > n_gpus:
+            raise SystemExit(f"error: {per_node} processes per node asked for, but {n_gpus} CUDA devices visible")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         device_id=device if device.type == "cuda" else None)
+    return torch.distributed.get_rank(), world, device
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) in a single process."""
+    d = torch.distributed
+    return (d.get_rank(), d.get_world_size()) if d.is_available() and d.is_initialized() else (0, 1)
+
+
+def gather(obj) -> list:
+    """Every rank's obj (any picklable value), in rank order; [obj] in a single process."""
+    out = [obj] * rank_world()[1]
+    if len(out) > 1:
+        torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_grads(params: list) -> None:
+    """Sum the adapter gradients over ranks: one flat buffer, one collective (not one per tensor)."""
+    if rank_world()[1] > 1:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+        torch.distributed.all_reduce(flat)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,7 +331,7 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", default=None, help="default: --model")
     p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu (torchrun: cuda:LOCAL_RANK)")
     # data
     p.add_argument("--dataset", default="gsm8k", help="gsm8k | math500 | addition | path to JSONL (file or dir)")
     p.add_argument("--eval-dataset", default=None, help="default: the test split of --dataset")
@@ -304,7 +358,7 @@ def parse_args(argv=None):
     # objective
     p.add_argument("--loss-type", choices=list(grpo.LOSS_TYPES), default="dapo")
     p.add_argument("--epsilon", type=float, default=0.2)
-    p.add_argument("--epsilon-high", type=float, default=0.28)
+    p.add_argument("--epsilon-high", type=float, default=None, help="default: 0.28 for dapo, else --epsilon")
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--scale-rewards", choices=list(grpo.SCALE_REWARDS), default="group")
     p.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False)
@@ -347,6 +401,10 @@ def parse_args(argv=None):
         p.error("--temperature must be > 0: training log-probs are taken under logits / temperature")
     if args.tis_cap is not None and args.top_p < 1:
         p.error("--tis-cap needs --top-p 1: with top-p the sampler's log-probs are of a truncated distribution")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+    if args.prompts_per_step % world:
+        p.error(f"--prompts-per-step ({args.prompts_per_step}, the global count) must divide by the "
+                f"number of processes ({world})")
     return args
 
 
@@ -358,7 +416,8 @@ def clock(device) -> float:
 
 
 def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, pad_id, args, device) -> dict:
-    """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics."""
+    """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics.
+    groups, rewards: the whole generation batch; each rank trains on its slice of the groups."""
     t0 = clock(device)
     times = {"time/logprob_pass": 0.0, "time/forward_backward": 0.0, "time/optimizer": 0.0}
     batch = collate(groups, pad_id, device)
@@ -366,8 +425,11 @@ def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, 
     L = int(batch["comp_lens"].max())
     mask = grpo.completion_mask(batch["comp_lens"], L, batch["truncated"] if gcfg.mask_truncated else None)
     batch["adv"], batch["mask"] = adv, mask
-    B, n_mb = adv.shape[0], math.ceil(adv.shape[0] / args.micro_batch)
-    num_items = mask.sum().clamp(min=1)  # DAPO: active tokens of the whole generation batch
+    B, num_items = adv.shape[0], mask.sum().clamp(min=1)  # DAPO: active tokens of the whole batch (all ranks)
+    rank, world = rank_world()
+    lo, hi = (len(groups) * r // world * args.group_size for r in (rank, rank + 1))       # this rank's groups
+    batch = {k: v[lo:hi] for k, v in batch.items()}
+    n_mb = math.ceil(batch["adv"].shape[0] / args.micro_batch)
     train_noise = {} if acfg.rollout_only else noise
     sums, count, skipped = {}, 0, 0
 
@@ -397,14 +459,15 @@ def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, 
                 loss, met = grpo.policy_loss(logp, old.get(s), mb["adv"], mb["mask"][:, :Lm], gcfg,
                                              ref_logp=ref.get(s), sampler_logp=mb["sampler_logp"],
                                              num_items=num_items, entropy=ent)
-                # Every loss type but dapo normalises inside the micro-batch; reweight to the batch.
-                w = {"dapo": 1.0, "bnpo": 1.0 / n_mb}.get(gcfg.loss_type, mb["adv"].shape[0] / B)
+                # Every loss type but dapo normalises inside the micro-batch; reweight to the global batch.
+                w = {"dapo": 1.0, "bnpo": 1.0 / (n_mb * world)}.get(gcfg.loss_type, mb["adv"].shape[0] / B)
                 (loss * w).backward()
                 met = {METRIC_NAMES.get(k, k): v for k, v in met.items() if k != "num_tokens"}
                 for k, v in {"loss": loss.detach() * w, **met}.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * (1.0 if k == "loss" else mb["adv"].shape[0] / B)
             t2 = clock(device)
             times["time/forward_backward"] += t2 - t1
+            all_reduce_grads(lora.lora_parameters(model))  # then every rank holds the same gradient
             grad_norm = torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), args.max_grad_norm)
             if torch.isfinite(grad_norm):
                 optimizer.step()
@@ -415,7 +478,8 @@ def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, 
             t1 = clock(device)
             times["time/optimizer"] += t1 - t2
     model.eval()
-    out = {k: v / count for k, v in sums.items()}
+    keys = sorted(sums)  # each rank's metrics are its share of the global mean: sum them
+    out = {k: sum(part) / count for k, part in zip(keys, zip(*gather([sums[k] for k in keys])))}
     out.update({"grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0],
                 "num_tokens": int(mask.sum()), "skipped_nonfinite_updates": skipped,
                 "time/train": clock(device) - t0, **times})
@@ -424,10 +488,13 @@ def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, 
 
 def main(argv=None):
     args = parse_args(argv)
-    print(json.dumps(vars(args), indent=None))
+    rank, world, device = dist_setup(args.device)
+    log = print if rank == 0 else lambda *a, **k: None
+    log(json.dumps(vars(args), indent=None))
     from eval import evaluate  # eval.py imports nothing from here
-    resume_from = prepare_output_dir(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    resume_from = prepare_output_dir(args, write=rank == 0)
+    if world > 1:
+        torch.distributed.barrier()  # every rank has checked the directory before rank 0 writes to it
 
     # ---- data, model, adapters, optimizer
     tokenizer = load_tokenizer(args.tokenizer or args.model)
@@ -441,11 +508,11 @@ def main(argv=None):
     train_set, train_ids, dropped = encode(tasks.load_task(args.dataset, "train", seed=args.seed))
     if not train_set:
         raise SystemExit(f"error: no training prompt of {args.dataset} fits --max-prompt-len {args.max_prompt_len}")
-    print(f"train prompts: {len(train_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
+    log(f"train prompts: {len(train_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
     eval_set, _, dropped = encode(tasks.load_task(args.eval_dataset or args.dataset, "test", limit=args.eval_limit,
                                                   seed=args.seed) if args.eval_limit else [])
     if dropped:
-        print(f"eval prompts: {len(eval_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
+        log(f"eval prompts: {len(eval_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
 
     dtype = getattr(torch, args.dtype)
     if args.random_init:
@@ -469,54 +536,53 @@ def main(argv=None):
     eval_new = args.eval_max_new_tokens or args.max_new_tokens
     engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
                                gpu_memory_utilization=args.gpu_memory_utilization)
-    if not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # the run exists once it can start
-        write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps(vars(args), indent=2))
+    if rank == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # it exists once it can start
+        write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps({**vars(args), "world_size": world}, indent=2))
 
     start, data_pos = 0, 0
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, args.model)
         start, data_pos = state["step"], state["data_pos"]
-        print(f"resumed from {resume_from} at step {start}")
-    truncate_metrics(args.output_dir, start)
+        log(f"resumed from {resume_from} at step {start}")
+    if rank == 0:
+        truncate_metrics(args.output_dir, start)
 
     def next_prompts(n):
         """n prompt indices in a per-epoch seeded order; data_pos makes it resumable."""
         nonlocal data_pos
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(data_pos, len(train_set))
-            out.append(epoch_order(epoch)[i])
-            data_pos += 1
-        return out
+        data_pos += n
+        return [epoch_order(i // len(train_set))[i % len(train_set)] for i in range(data_pos - n, data_pos)]
 
     @functools.lru_cache(maxsize=2)
     def epoch_order(epoch):
         return torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
             step_seed(args.seed, epoch, "data"))).tolist()
 
-    def run_eval():
+    def run_eval():  # each rank answers every world-th question
         params_eval = rollout.SamplingParams(temperature=0.0, max_tokens=eval_new)
-        metrics, _ = evaluate(engine, tokenizer, eval_set, params_eval, system_prompt=args.system_prompt)
-        return {"eval/accuracy": metrics["accuracy"]}
+        _, recs = evaluate(engine, tokenizer, eval_set[rank::world], params_eval, system_prompt=args.system_prompt)
+        hits = gather((sum(sum(r["scores"]) for r in recs), sum(len(r["scores"]) for r in recs)))
+        return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
 
     # ---- the loop
     initial = {}
     if eval_set and args.eval_every and start == 0:  # the starting point of the learning curve
         initial = {"eval/accuracy_initial": run_eval()["eval/accuracy"]}
-        print(f"accuracy before training: {initial['eval/accuracy_initial']:.4f}")
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="train")
+        log(f"accuracy before training: {initial['eval/accuracy_initial']:.4f}")
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="train", disable=rank > 0)
+    per_rank = f"/rank{rank}" if world > 1 else ""  # the ranks' own streams (AQN noise is the same on all)
     for step in bar:
         t_step = time.perf_counter()
-        torch.manual_seed(step_seed(args.seed, step, "torch"))  # LoRA dropout: the same after a resume
+        torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
         sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
         noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
         stats = tasks.RewardStats()
         completions_all = []
 
-        def sample_round(r):
-            idx = next_prompts(args.prompts_per_step)
+        def sample_round(r):  # this rank's slice of the prompts; returns every rank's groups
+            idx = next_prompts(args.prompts_per_step)[rank::world]
             sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                        n=args.group_size, seed=step_seed(args.seed, step, f"sample{r}"))
+                                        n=args.group_size, seed=step_seed(args.seed, step, f"sample{r}{per_rank}"))
             with aqn.noise_applied(model, noise):
                 comps = engine.generate([train_ids[i] for i in idx], sp)
             groups, correct = [], []
@@ -529,8 +595,10 @@ def main(argv=None):
                     shaped = rs + grpo.overlong_penalty(lens, gcfg.max_completion_len, gcfg.overlong_cache_len)
                 groups.append((train_set[i], train_ids[i], cs, shaped))
                 correct.append(rs)
-                completions_all.extend(cs)
-            return torch.cat(correct).float(), groups
+            parts = gather((torch.cat(correct).float(), groups))
+            groups = [g for _, gs in parts for g in gs]
+            completions_all.extend(c for g in groups for c in g[2])
+            return torch.cat([rs for rs, _ in parts]), groups
 
         t0 = time.perf_counter()
         if gcfg.dynamic_sampling:
@@ -542,13 +610,14 @@ def main(argv=None):
         rewards = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)   # (P·G,)
         engine.free_cache()  # the KV cache goes before the backward pass needs the memory
         t_rollout = time.perf_counter() - t0
-        new_tokens = sum(len(c.token_ids) for c in completions_all)
+        new_tokens = sum(len(c.token_ids) for c in completions_all)   # of all ranks
+        errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
         m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, "time/rollout": t_rollout,
              "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
-             "reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
+             "reward_errors": errors, "reward_timeouts": timeouts,
              "completions/mean_length": new_tokens / len(completions_all),
              "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions_all) / len(completions_all)}
-        if not groups:  # dynamic sampling found no informative group: nothing to learn from this step
+        if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
             m.update(skipped=True)
         else:
             m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, pad_id, args, device))
@@ -561,17 +630,23 @@ def main(argv=None):
         if device.type == "cuda":
             m["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
             torch.cuda.reset_peak_memory_stats(device)
-        with open(os.path.join(args.output_dir, METRICS), "a") as f:
-            f.write(json.dumps(m) + "\n")
+        if rank == 0:
+            with open(os.path.join(args.output_dir, METRICS), "a") as f:
+                f.write(json.dumps(m) + "\n")
         bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}")
         stop = step + 1 == args.max_steps or step + 1 == args.stop_at
-        if (step + 1) % args.save_every == 0 or stop:
+        if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
             save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, data_pos, args.model,
                             args.keep_checkpoints)
+        if world > 1:
+            torch.distributed.barrier()  # rank 0 has finished the checkpoint before any rank goes on
         if stop:
             break
-    plot_metrics(args.output_dir)
-    print(f"done: {args.output_dir}")
+    if rank == 0:
+        plot_metrics(args.output_dir)
+    log(f"done: {args.output_dir}")
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

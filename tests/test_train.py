@@ -26,19 +26,63 @@ FAST = ["--dataset", "addition", "--group-size", "4", "--prompts-per-step", "2",
         "--eval-limit", "4", "--dtype", "float32", "--micro-batch", "4", "--lora-rank", "4"]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(smollm2_path, tmp_path_factory):
+def make_tiny_model(smollm2_path: str, path: str) -> str:
+    """Write a random 2-layer Llama (SmolLM2's vocab and tokenizer) to path; return path."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    path = tmp_path_factory.mktemp("tiny") / "model"
     LlamaForCausalLM(cfg).save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if os.path.exists(os.path.join(smollm2_path, f)):
             shutil.copy(os.path.join(smollm2_path, f), path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(smollm2_path, tmp_path_factory):
+    return make_tiny_model(smollm2_path, str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def make_groups(n_groups: int, seed: int) -> list:
+    """n_groups fake rollout groups of G = 4 random completions (lengths 2..5, the last one truncated)."""
+    from rollout import Completion
+    torch.manual_seed(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = torch.randint(0, 49152, (4 + g,)).tolist()
+        comps = [Completion(g, i, torch.randint(0, 49152, (2 + i,)).tolist(), [-1.0] * (2 + i),
+                            "length" if i == 3 else "stop") for i in range(4)]
+        groups.append((None, prompt, comps, None))
+    return groups
+
+
+def adapted_model(model_dir: str, quant: str = "nvfp4", seed: int = 0):
+    """The tiny model (fp32, CPU) with r=4 LoRA adapters whose B is random, so they matter."""
+    model = load_model(model_dir, quant=quant, dtype=torch.float32, device="cpu")
+    lora.apply_lora(model, lora.LoRAConfig(r=4, alpha=8), generator=torch.Generator().manual_seed(seed))
+    for m in lora.lora_modules(model).values():
+        torch.nn.init.normal_(m.lora_B, generator=torch.Generator().manual_seed(seed + 1), std=0.05)
+    return model
+
+
+def lora_update(model_dir: str, groups: list, rewards, loss_type: str, micro_batch: int,
+                device="cpu") -> tuple[list, dict]:
+    """One train_step (SGD, lr 1, no clipping) from a fixed adapter: (parameter change = gradient, metrics)."""
+    import argparse
+    import aqn
+    import grpo
+    torch.manual_seed(3)
+    model = adapted_model(model_dir, quant="bf16").to(device)
+    params = lora.lora_parameters(model)
+    opt = torch.optim.SGD(params, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    before = [p.detach().clone() for p in params]
+    args = argparse.Namespace(group_size=4, micro_batch=micro_batch, temperature=1.0, logprob_chunk=5, max_grad_norm=1e9)
+    gcfg = grpo.GRPOConfig(loss_type=loss_type, max_completion_len=8)
+    met = train.train_step(model, opt, sched, gcfg, aqn.AQNConfig(), {}, groups, rewards, 0, args, device)
+    return [(b - p.detach()).cpu() for b, p in zip(before, params)], met
 
 
 def read_metrics(out):
@@ -183,10 +227,7 @@ def test_eval_adapter_of_another_rank_is_refused(tiny_model, tmp_path):
 
 def test_completion_logprobs_match_dense_log_softmax(tiny_model):
     torch.manual_seed(1)
-    model = load_model(tiny_model, quant="nvfp4", dtype=torch.float32, device="cpu")
-    lora.apply_lora(model, lora.LoRAConfig(r=4, alpha=8))
-    for m in lora.lora_modules(model).values():
-        torch.nn.init.normal_(m.lora_B, std=0.05)
+    model = adapted_model(tiny_model)
     prompt_lens, comp_lens = torch.tensor([5, 3, 7]), torch.tensor([4, 6, 1])
     T = int((prompt_lens + comp_lens).max())
     ids = torch.randint(0, model.config.vocab_size, (3, T))
@@ -216,34 +257,8 @@ def test_completion_logprobs_match_dense_log_softmax(tiny_model):
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_micro_batches_give_the_whole_batch_gradient(tiny_model, loss_type):
     """train_step's reweighting: micro-batch 2 and micro-batch 8 give the same LoRA update."""
-    import argparse
-    import grpo
-    from rollout import Completion
-    torch.manual_seed(2)
-    V = 49152
-    groups = []
-    for g in range(2):
-        prompt = torch.randint(0, V, (4 + g,)).tolist()
-        comps = [Completion(g, i, torch.randint(0, V, (2 + i,)).tolist(), [-1.0] * (2 + i),
-                            "length" if i == 3 else "stop") for i in range(4)]
-        groups.append((None, prompt, comps, None))
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-    grads = []
-    for mb in (8, 2):
-        torch.manual_seed(3)
-        model = load_model(tiny_model, quant="bf16", dtype=torch.float32, device="cpu")
-        lora.apply_lora(model, lora.LoRAConfig(r=4, alpha=8), generator=torch.Generator().manual_seed(0))
-        for m in lora.lora_modules(model).values():
-            torch.nn.init.normal_(m.lora_B, generator=torch.Generator().manual_seed(1), std=0.05)
-        params = lora.lora_parameters(model)
-        opt = torch.optim.SGD(params, lr=1.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        before = [p.detach().clone() for p in params]
-        args = argparse.Namespace(group_size=4, micro_batch=mb, temperature=1.0, logprob_chunk=5, max_grad_norm=1e9)
-        gcfg = grpo.GRPOConfig(loss_type=loss_type, max_completion_len=8)
-        import aqn
-        train.train_step(model, opt, sched, gcfg, aqn.AQNConfig(), {}, groups, rewards, 0, args, "cpu")
-        grads.append([b - p.detach() for b, p in zip(before, params)])
+    groups, rewards = make_groups(2, seed=2), torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    grads = [lora_update(tiny_model, groups, rewards, loss_type, mb)[0] for mb in (8, 2)]
     err = max((a - b).abs().max().item() / (b.abs().max().item() + 1e-12) for a, b in zip(*grads))
     assert err < 1e-4, f"{loss_type}: micro-batch vs whole-batch update, max rel err {err:.2e}"
 
@@ -253,20 +268,13 @@ def test_train_step_with_kl_reference_and_two_updates(tiny_model):
     import argparse
     import aqn
     import grpo
-    from rollout import Completion
-    torch.manual_seed(4)
-    model = load_model(tiny_model, quant="nvfp4", dtype=torch.float32, device="cpu")
-    lora.apply_lora(model, lora.LoRAConfig(r=4, alpha=8))
-    for m in lora.lora_modules(model).values():
-        torch.nn.init.normal_(m.lora_B, std=0.05)
-    groups = [(None, torch.randint(0, 49152, (5,)).tolist(),
-               [Completion(0, i, torch.randint(0, 49152, (3,)).tolist(), [-1.0] * 3, "stop") for i in range(4)], None)]
+    model, groups = adapted_model(tiny_model, seed=4), make_groups(1, seed=4)
     params = lora.lora_parameters(model)
     before = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     args = argparse.Namespace(group_size=4, micro_batch=2, temperature=1.0, logprob_chunk=4, max_grad_norm=1.0)
-    gcfg = grpo.GRPOConfig(loss_type="grpo", beta=0.1, updates_per_rollout=2, max_completion_len=3)
+    gcfg = grpo.GRPOConfig(loss_type="grpo", beta=0.1, updates_per_rollout=2, max_completion_len=5)
     noise = aqn.sample_noise(model, 1e-2, torch.Generator().manual_seed(0))
     out = train.train_step(model, opt, sched, gcfg, aqn.AQNConfig(), noise, groups,
                            torch.tensor([1.0, 0.0, 0.0, 1.0]), 0, args, "cpu")
