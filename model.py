@@ -423,6 +423,24 @@ def _device(device) -> torch.device:
     return device
 
 
+def weight_bytes(model: Transformer) -> int:
+    """Bytes the model's tensors take on the device (tied tensors once); exact on a meta model."""
+    seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def check_fits(model: Transformer, device: torch.device) -> None:
+    """Fail before loading anything when the weights (+ one bf16 matrix in flight) cannot fit."""
+    if device.type != "cuda":
+        return
+    cfg = model.config
+    transient = 2 * max(cfg.hidden_size * 2 * cfg.intermediate_size, cfg.vocab_size * cfg.hidden_size)
+    need, free = weight_bytes(model) + transient, torch.cuda.mem_get_info(device)[0]
+    if need > free:
+        raise ValueError(f"the {model.quant} model needs {need / 2**30:.1f} GiB for its weights (+ one matrix in "
+                         f"flight) but {device} has {free / 2**30:.1f} GiB free; try quant='nvfp4' or a larger GPU")
+
+
 def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch.bfloat16) -> Transformer:
     """Hub id or directory (config.json + model.safetensors or sharded) -> Transformer on `device`."""
     path = resolve(name_or_path)
@@ -435,6 +453,7 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
         raise ValueError(f"{name_or_path} is an NVFP4 (compressed-tensors) checkpoint: load it with quant='nvfp4'")
     with torch.device("meta"):
         model = Transformer(cfg, quant, dtype)
+    check_fits(model, device)
     by_file, shapes = {}, {}
     for key, file in checkpoint_files(path).items():
         by_file.setdefault(file, []).append(key)
@@ -495,6 +514,7 @@ def build_model(config, quant: str = "nvfp4", device=None, dtype=torch.bfloat16,
     device = _device(device)
     with torch.device("meta"):
         model = Transformer(cfg, quant, dtype)
+    check_fits(model, device)
     gen = torch.Generator(device).manual_seed(seed)
     skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     for key, t in model.state_dict(keep_vars=True).items():

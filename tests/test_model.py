@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import model as M
 import nvfp4
-from conftest import TINY
+from conftest import TINY, make_tiny_hf
 
 ARCHS = [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)]
 
@@ -458,3 +458,37 @@ def test_gpu_nvfp4_model_matches_dequantized_bf16_and_loads_in_bounded_memory(tm
     emb = q.model.embed_tokens.weight.requires_grad_(True)
     q(ids).float().logsumexp(-1).mean().backward()
     assert torch.isfinite(emb.grad).all() and emb.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# memory: the footprint is known before loading, and a model that cannot fit fails early
+
+
+@pytest.mark.parametrize("arch,tie,quant", [("qwen2", False, "nvfp4"), ("llama", True, "nvfp4"), ("qwen2", False, "bf16")])
+def test_weight_bytes_of_the_meta_model_equal_the_built_model(arch, tie, quant):
+    cfg = M.ModelConfig.from_hf(make_tiny_hf(arch, tie).config.to_dict())
+    with torch.device("meta"):
+        meta = M.Transformer(cfg, quant)
+    built = M.build_model(cfg, quant, "cpu")
+    tensors = {t.data_ptr(): t for t in list(built.parameters()) + list(built.buffers())}  # tied: once
+    assert M.weight_bytes(meta) == sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.mark.parametrize("name,paper_gb", [("qwen2.5-7b", 5.9), ("qwen2.5-14b", 10.6), ("qwen2.5-32b", 20.7)])
+def test_nvfp4_weight_memory_matches_the_paper(name, paper_gb):
+    """QeRL reports 5.9 / 10.6 / 20.7 GB of NVFP4 weights (lm_head and embeddings in bf16)."""
+    with torch.device("meta"):
+        model = M.Transformer(M.ModelConfig.from_hf(M.SHAPES[name]), "nvfp4")
+    gb = M.weight_bytes(model) / 1e9
+    print(f"{name}: {gb:.2f} GB (paper {paper_gb})")
+    assert abs(gb - paper_gb) / paper_gb < 0.015
+
+
+def test_a_model_that_cannot_fit_fails_before_loading(monkeypatch):
+    with torch.device("meta"):
+        model = M.Transformer(M.ModelConfig.from_hf(M.SHAPES["qwen2.5-32b"]), "bf16")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30))
+    M.check_fits(model, torch.device("cuda", 0))  # 61 GiB of bf16 weights fit in 80 GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    with pytest.raises(ValueError, match=r"needs 62\.\d GiB .* has 40\.0 GiB free"):
+        M.check_fits(model, torch.device("cuda", 0))
