@@ -35,21 +35,30 @@ def free_port() -> int:
 def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, device: str) -> None:
     """One rank: torchrun's environment, train.dist_setup, then one update per loss type."""
     torch.set_num_threads(1)
+    # As under torchrun, the rendezvous store lives outside the ranks (here: in the test process), so
+    # no rank takes it down while the other is still tearing its process group down.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
     rank_, world_, dev = train.dist_setup(device)   # gloo on CPU, nccl on cuda:<rank>
     assert (rank_, world_) == (rank, world)
     for loss_type in LOSS_TYPES:
         update, metrics = lora_update(model_dir, make_groups(4, seed=5), REWARDS, loss_type, micro_batch=2, device=dev)
         torch.save((update, metrics), os.path.join(out_dir, f"{loss_type}-{rank}.pt"))
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # Results are on disk: leave without C++ static teardown, where gloo's threads have been seen to
+    # abort the process ("terminate called without an active exception") after the work was done.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_two_ranks_give_the_single_process_update(tiny_model, tmp_path, device):
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), tiny_model, str(tmp_path), device), nprocs=2, join=True)
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    torch.multiprocessing.spawn(_worker, args=(2, port, tiny_model, str(tmp_path), device), nprocs=2, join=True)
+    del store
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: the CPU matmul blocking (and so the rounding) depends on it
     try:
