@@ -145,6 +145,9 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
     state = {"step": step, "data_pos": data_pos, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict()}
     torch.save(state, os.path.join(tmp, TRAINER_STATE))
+    for f in os.listdir(tmp):  # on disk before the rename makes them the checkpoint (power loss, not just kill)
+        with open(os.path.join(tmp, f), "rb") as fh:
+            os.fsync(fh.fileno())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     write_atomic(os.path.join(out, LATEST), name)
