@@ -390,10 +390,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
     args = p.parse_args(argv)
     for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch", "max_steps", "lora_rank",
-                 "max_prompt_len", "keep_checkpoints", "logprob_chunk"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("save_every", "eval_max_new_tokens", "stop_at"):
+                 "max_prompt_len", "keep_checkpoints", "logprob_chunk", "save_every",
+                 "eval_max_new_tokens", "stop_at"):  # the last two may be None (unset)
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_every < 0 or args.eval_limit < 0:
