@@ -17,11 +17,15 @@ gradients to the parameters (the cast's backward upcasts). The base layer may be
 `in_features` / `out_features` and a forward (nn.Linear, nvfp4.NVFP4Linear): LoRA never reads
 its weight, except in `merge_lora`, where an NVFP4 base is dequantized first.
 
-The cost of the cast: each forward reads A and B in fp32 and writes bf16 copies, ~8 bytes per
-adapter weight against 0.56 for an NVFP4 base weight, so at batch-1 decode the r = 32 adapters
-add roughly 0.65 GB to the 4.8 GB a 7B step reads (~13%). Caching the bf16 copies would save most
-of that, but a cache must never go stale (CUDA graphs replay without running Python, and fused AdamW
-did not bump parameter version counters when tried here), so it is left to an explicit, tested change.
+The cost of the cast: each forward reads A and B in fp32 and writes bf16 copies (two extra kernels
+per adapted linear, ~8 bytes per adapter weight). Without autograd (sampling) the bf16 copies are
+kept between calls instead: every eager call refreshes them in place, and CUDA-graph replays (which
+run no Python) read them as they are, so a graphed decode step has no cast kernels. A version
+counter cannot tell when to refresh (fused AdamW did not bump it when tried here); the rule that
+makes this safe is that rollout.py's prefill, which starts every generate() call, runs eagerly.
+The output add is fused too: y + s·(h Bᵀ) is one addmm (beta 1, alpha s), so an adapted linear is
+the base kernel plus two small GEMMs; at batch-1 decode each small kernel costs as much as a few
+megabytes of weight traffic, and a 7B model has 196 adapted linears.
 
 Names follow PEFT, so adapters move between this code and the Hugging Face stack:
 
@@ -123,14 +127,32 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(A.to(device))
         self.lora_B = nn.Parameter(B.to(device))
         self.enabled = True  # adapters_disabled() flips this to get the base (reference) policy
+        self._casts = None   # (A, B) in the activation dtype, kept for sampling (see _cast)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)                                                     # (..., out)
         if not self.enabled:
             return y
-        # Cast the fp32 adapters to the activation dtype: bf16 matmuls, fp32 grads on A and B.
-        h = F.linear(self.lora_dropout(x), self.lora_A.to(x.dtype))               # (..., r)
-        return y + F.linear(h, self.lora_B.to(x.dtype)) * self.scaling             # (..., out)
+        A, B = self._cast(x.dtype)
+        h = F.linear(self.lora_dropout(x), A)                                      # (..., r)
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, self.r), B.t(), alpha=self.scaling)
+        return out.view(y.shape)                                                   # y + s·h Bᵀ
+
+    def _cast(self, dtype):
+        """A, B in the activation dtype: bf16 matmuls, fp32 gradients (the cast's backward upcasts).
+        Without autograd the casts are kept (see the module docstring): refreshed by each eager
+        call, read unchanged while a CUDA graph is being captured."""
+        A, B = self.lora_A, self.lora_B
+        if torch.is_grad_enabled() or A.dtype == dtype:
+            return A.to(dtype), B.to(dtype)
+        casts = self._casts
+        if casts is None or casts[0].dtype != dtype or casts[0].device != A.device:
+            with torch.inference_mode(False):   # plain tensors, writable outside inference mode too
+                casts = self._casts = (torch.empty_like(A, dtype=dtype), torch.empty_like(B, dtype=dtype))
+        if not (A.is_cuda and torch.cuda.is_current_stream_capturing()):
+            casts[0].copy_(A)
+            casts[1].copy_(B)
+        return casts
 
     def delta_weight(self) -> torch.Tensor:
         """scaling · B A in fp32, shape (out, in)."""

@@ -68,6 +68,12 @@ from torch.utils.checkpoint import checkpoint
 
 import nvfp4
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path below needs no triton
+    triton = None
+
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -205,10 +211,97 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))  # fp32: AQN noise must be representable
 
-    def forward(self, x):  # (..., C) -> (..., C) in x.dtype
+    def forward(self, x, residual=None):
+        """(..., C) -> norm(x) in x.dtype; with residual: (norm(x + residual), x + residual)."""
+        if fused(x):
+            return rms_norm_triton(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight).to(x.dtype)
+        h = (h * self.weight).to(x.dtype)
+        return h if residual is None else (h, x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused inference kernels. A decode step runs every layer on one token per sequence, so the
+# torch ops above (about 7 small kernels per norm, 8 per RoPE call) cost more GPU time than the
+# 4-bit matmuls at batch 1. On CUDA without autograd (rollout) one Triton kernel does each; the
+# math is the same fp32 math (only the order of the norm's sum differs). Training keeps torch ops.
+
+FUSED = True   # bench/rollout.py --no-fused flips it to measure what the fusion buys
+
+
+def fused(x: torch.Tensor) -> bool:
+    return FUSED and triton is not None and x.is_cuda and not torch.is_grad_enabled()
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps,
+                         HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_C)
+        mask = offs < C
+        x = tl.load(x_ptr + row * C + offs, mask=mask, other=0.0)
+        if HAS_RES:     # x + residual, rounded to the activation dtype as torch's add does
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * C + offs, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * C + offs, x, mask=mask)
+        h = x.to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / C + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HKV, HALF: tl.constexpr):
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        if h < HQ:
+            base = q_ptr + (t * HQ + h) * 2 * HALF
+        else:
+            base = k_ptr + (t * HKV + h - HQ) * 2 * HALF
+        offs = tl.arange(0, HALF)
+        cos, sin = tl.load(cos_ptr + t * HALF + offs), tl.load(sin_ptr + t * HALF + offs)
+        x1 = tl.load(base + offs).to(tl.float32)
+        x2 = tl.load(base + HALF + offs).to(tl.float32)
+        tl.store(base + offs, (x1 * cos - x2 * sin).to(base.dtype.element_ty))
+        tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(base.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK_N: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1 + tl.exp(-g))).to(out_ptr.dtype.element_ty)     # silu rounded, then the product
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x, weight, eps, residual=None):
+    """RMSNorm.forward in one kernel per row: x (..., C) contiguous, weight (C,) fp32."""
+    C = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out
+    block = triton.next_power_of_2(C)
+    _rms_norm_kernel[(x.numel() // C,)](x, residual.contiguous() if residual is not None else x, weight,
+                                        out, total, C, eps, HAS_RES=residual is not None, BLOCK_C=block,
+                                        num_warps=min(16, max(1, block // 256)))
+    return out if residual is None else (out, total)
+
+
+def rope_triton(q, k, cos, sin):
+    """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2)."""
+    B, T, HQ, D = q.shape
+    _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), HQ, k.shape[2], D // 2)
+    return q, k
+
+
+def silu_mul_triton(g, u):
+    out = torch.empty_like(g)
+    n = g.numel()
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, out, n, BLOCK_N=1024)
+    return out
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant: str, dtype) -> nn.Module:
@@ -232,7 +325,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, Hq, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)     # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)     # (B, T, Hkv, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if fused(q) and q.is_contiguous() and k.is_contiguous() and self.head_dim & (self.head_dim - 1) == 0:
+            q, k = rope_triton(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if attn_ctx is None:  # dense causal over the T tokens of each row; SDPA wants (B, heads, T, D)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=self.n_kv != self.n_heads)
@@ -251,7 +347,8 @@ class MLP(nn.Module):
         self.down_proj = make_linear(I, H, False, quant, dtype)
 
     def forward(self, x):  # (B, T, H) -> (B, T, H) through (B, T, I)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_mul_triton(g, u) if fused(g) else F.silu(g) * u)
 
 
 class Block(nn.Module):
@@ -263,8 +360,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, quant, dtype)
 
     def forward(self, x, cos, sin, attn_ctx=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, attn_ctx)
+        h, x = self.post_attention_layernorm(a, residual=x)          # norm(x + a), x + a
+        return x + self.mlp(h)
 
 
 class Decoder(nn.Module):  # HF's `model.` prefix: embeddings, layers, final norm

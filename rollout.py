@@ -253,7 +253,7 @@ class Scheduler:
 # Attention over the paged cache: torch reference (CPU, and the oracle for the kernels)
 
 def store_kv_ref(k_cache, v_cache, k, v, slots):
-    """k_cache (num_blocks, bs, Hkv, D); k (N, Hkv, D); slots (N,) long, -1 = skip (graph padding)."""
+    """k_cache (num_blocks, bs, Hkv, D); k (N, Hkv, D); slots (N,) int, -1 = skip (graph padding)."""
     keep = slots >= 0
     k_cache.view(-1, *k_cache.shape[2:])[slots[keep]] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = v[keep].to(v_cache.dtype)
@@ -293,7 +293,7 @@ if triton is not None:
     def _store_kv_kernel(
         k_ptr, v_ptr, stride_k, stride_v,        # new k, v rows: (N, Hkv*D)
         k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv*D), contiguous
-        slot_ptr,                                # (N,) int64, -1 = skip
+        slot_ptr,                                # (N,) int32 or int64, -1 = skip
         ROW: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """for i in range(N): if slot[i] >= 0: k_cache[slot[i]] = k[i]; v_cache[slot[i]] = v[i]"""
@@ -401,7 +401,7 @@ if triton is not None:
 def store_kv_triton(k_cache, v_cache, k, v, slots):
     """Same contract as store_kv_ref; k_cache must be contiguous."""
     N, Hkv, D = k.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype in (torch.int32, torch.int64)
     k, v = k.reshape(N, Hkv * D), v.reshape(N, Hkv * D)
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -459,7 +459,7 @@ class DecodeContext:
     """One new token per sequence: q (B, 1, Hq, D); K/V come from the cache via block tables."""
 
     def __init__(self, runner, slots, block_tables, context_lens):
-        self.runner, self.slots = runner, slots                     # (B,) int64
+        self.runner, self.slots = runner, slots                     # (B,) int32
         self.block_tables, self.context_lens = block_tables, context_lens  # (B, nb) / (B,) int32
 
     def attend(self, layer, q, k, v):
@@ -581,26 +581,35 @@ class Runner:
         return self._logits(hidden[0, [c - 1 for c in cu[1:]]])
 
     # ---- decode: one token per sequence
-    def _decode_inputs(self, seqs):
-        ids = [[s.token_ids[-1]] for s in seqs]
-        pos = [[len(s) - 1] for s in seqs]
-        slots = [self._slot(s, len(s) - 1) for s in seqs]
-        ctx_lens = [len(s) for s in seqs]
+    def _decode_inputs(self, seqs, rows):
+        """-> (4, rows) int32 [token, position, KV slot, context length] and (rows, width) block
+        tables, built on the host in one tensor each; rows past len(seqs) are padding that writes
+        no KV (slot -1) and attends to nothing (length 0)."""
+        pad = rows - len(seqs)
+        meta = torch.tensor([[s.token_ids[-1] for s in seqs] + [0] * pad,
+                             [len(s) - 1 for s in seqs] + [0] * pad,
+                             [self._slot(s, len(s) - 1) for s in seqs] + [-1] * pad,
+                             [len(s) for s in seqs] + [0] * pad], dtype=torch.int32)
         width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return ids, pos, slots, ctx_lens, tables
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+                              + [[0] * width] * pad, dtype=torch.int32)
+        if self.device.type == "cuda":
+            meta, tables = meta.pin_memory(), tables.pin_memory()
+        return meta, tables
 
     @torch.inference_mode()
     def decode(self, seqs):
         """-> logits (B, V) for the next token of each sequence."""
-        ids, pos, slots, ctx_lens, tables = self._decode_inputs(seqs)
-        if self.cuda_graphs and len(seqs) <= self.BUCKETS[-1]:
-            return self._logits(self._decode_graph(ids, pos, slots, ctx_lens, tables))
-        ctx = DecodeContext(self, self._tensor(slots, torch.int64), self._tensor(tables, torch.int32),
-                            self._tensor(ctx_lens, torch.int32))
-        hidden = self.model(self._tensor(ids, torch.int64), self._tensor(pos, torch.int64),
-                            attn_ctx=ctx, return_hidden=True)                      # (B, 1, H)
-        return self._logits(hidden[:, 0])
+        B = len(seqs)
+        if self.cuda_graphs and B <= self.BUCKETS[-1]:
+            return self._logits(self._decode_graph(seqs)[:B])
+        meta, tables = (t.to(self.device, non_blocking=True) for t in self._decode_inputs(seqs, B))
+        return self._logits(self._run_decode(meta, tables)[:, 0])
+
+    def _run_decode(self, meta, tables):
+        """meta (4, B), tables (B, width) on the device -> final hidden states (B, 1, H)."""
+        ctx = DecodeContext(self, meta[2], tables, meta[3])
+        return self.model(meta[0][:, None], meta[1][:, None], attn_ctx=ctx, return_hidden=True)
 
     # ---- CUDA graphs: one per batch-size bucket, captured lazily, sharing one memory pool
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -608,46 +617,34 @@ class Runner:
     def _static_buffers(self):
         if self._static is None:
             n, d = self.BUCKETS[-1], self.device
-            self._static = dict(
-                ids=torch.zeros(n, 1, dtype=torch.int64, device=d),
-                pos=torch.zeros(n, 1, dtype=torch.int64, device=d),
-                slots=torch.full((n,), -1, dtype=torch.int64, device=d),
-                ctx_lens=torch.zeros(n, dtype=torch.int32, device=d),
-                tables=torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d))
+            self._static = (torch.zeros(4, n, dtype=torch.int32, device=d),
+                            torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d))
         return self._static
 
     def _capture(self, bucket):
-        st = self._static_buffers()
-        ctx = DecodeContext(self, st["slots"][:bucket], st["tables"][:bucket], st["ctx_lens"][:bucket])
-        run = lambda: self.model(st["ids"][:bucket], st["pos"][:bucket], attn_ctx=ctx,  # noqa: E731
-                                 return_hidden=True)
+        meta, tables = (t[..., :bucket] if i == 0 else t[:bucket] for i, t in enumerate(self._static_buffers()))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            run()                       # warm-up: autotuning and lazy inits happen outside capture
+            self._run_decode(meta, tables)   # warm-up: autotuning and lazy inits happen outside capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = run()                                                             # (bucket, 1, H)
+            out = self._run_decode(meta, tables)                                    # (bucket, 1, H)
         self.graph_pool = graph.pool()
-        self.graphs[bucket] = (graph, out)
+        self.graphs[bucket] = (graph, out[:, 0])
 
-    def _decode_graph(self, ids, pos, slots, ctx_lens, tables):
-        B = len(ids)
-        bucket = next(b for b in self.BUCKETS if b >= B)
-        st = self._static_buffers()
-        st["ids"][:B].copy_(self._tensor(ids, torch.int64))
-        st["pos"][:B].copy_(self._tensor(pos, torch.int64))
-        st["slots"].fill_(-1)                     # padding rows write nowhere ...
-        st["slots"][:B].copy_(self._tensor(slots, torch.int64))
-        st["ctx_lens"].zero_()                    # ... and attend to nothing
-        st["ctx_lens"][:B].copy_(self._tensor(ctx_lens, torch.int32))
-        st["tables"][:B, :len(tables[0])].copy_(self._tensor(tables, torch.int32))
+    def _decode_graph(self, seqs):
+        bucket = next(b for b in self.BUCKETS if b >= len(seqs))
+        meta, tables = self._decode_inputs(seqs, bucket)
+        static_meta, static_tables = self._static_buffers()
+        static_meta[:, :bucket].copy_(meta, non_blocking=True)          # two host->device copies
+        static_tables[:bucket, :tables.shape[1]].copy_(tables, non_blocking=True)
         if bucket not in self.graphs:
             self._capture(bucket)
         graph, out = self.graphs[bucket]
         graph.replay()
-        return out[:B, 0]
+        return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ Engines, on the same random weights (model.build_model, real Qwen2.5 config valu
     ours-nvfp4   LLMEngine over the NVFP4 model (Triton FP4 x BF16 linears), CUDA graphs
     ours-bf16    LLMEngine over the bf16 model, CUDA graphs
     hf-bf16      transformers' generate on a Qwen2ForCausalLM that shares the bf16 weights (7B only)
+    *-unfused    (e.g. ours-nvfp4-unfused) norms, RoPE and SiLU·mul as plain torch ops instead of the
+                 fused Triton kernels of model.py: what the fusion buys
 Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
     batch1   1 prompt of 256 random tokens, 512 new: decode tok/s = (new - 1) / (total - TTFT)
     grpo     16 prompts x 8 samples, prompt 256, 1024 new: total tok/s = new tokens / wall time,
@@ -16,6 +18,7 @@ part of the cost a training step pays (the cache and graphs are freed before eac
     python bench/rollout.py --models 32b --engines ours-nvfp4,ours-bf16
     python bench/rollout.py --workloads batch1 --out DIR      # table on stdout, DIR/rollout.json
     python bench/rollout.py --models tiny --engines ours-nvfp4,ours-bf16   # a 1-minute smoke test
+    python bench/rollout.py --engines ours-nvfp4 --profile    # + per-kernel GPU time, OUT/profile.txt
 Each model is built, measured and freed in turn; results merge into the JSON by (model, engine,
 workload), so separate invocations (e.g. under a 10-minute limit) add up to one table.
 """
@@ -31,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
+import model as model_module
 import rollout
 from model import SHAPES, build_model
 
@@ -102,9 +106,23 @@ def run_hf(hf, prompts, n, new):
 # ----------------------------------------------------------------------------------------------
 # the table
 
-def measure(model_name, engine_name, workloads, max_model_len):
+def profile(run, vocab, batch, new, path):
+    """Kernel time per decode step (torch.profiler sees the kernels inside graph replays)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    prompts = random_prompts(batch, 256, vocab, 1)
+    run(prompts, 1, new)                                              # capture this bucket first
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(prompts, 1, new)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    with open(path, "a") as f:
+        f.write(f"\n## batch {batch}, {new} new tokens ({new - 1} decode steps)\n{table}\n")
+    print(table, flush=True)
+
+
+def measure(model_name, engine_name, workloads, max_model_len, profile_path=None):
     cfg = CONFIGS[model_name]
-    quant = "nvfp4" if engine_name == "ours-nvfp4" else "bf16"
+    quant = "nvfp4" if engine_name.startswith("ours-nvfp4") else "bf16"
+    model_module.FUSED = not engine_name.endswith("-unfused")   # Triton norm/RoPE/SiLU kernels or torch ops
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -131,6 +149,9 @@ def measure(model_name, engine_name, workloads, max_model_len):
         rows.append(r)
         print(f"  {wl}: {r['tok_s']:.1f} tok/s total, ttft {r['ttft_s'] * 1e3:.0f} ms, "
               f"peak {r['peak_mem_gib']:.1f} GiB", flush=True)
+    if profile_path and engine_name != "hf-bf16":
+        for batch in (1, 128):
+            profile(run, cfg["vocab_size"], batch, 33, profile_path)
     if engine_name != "hf-bf16":
         engine.free_cache()
     del engine, run, model
@@ -152,10 +173,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="7b", help="comma-separated: 7b, 32b, tiny (a quick smoke test)")
     ap.add_argument("--engines", default="ours-nvfp4,ours-bf16,hf-bf16",
-                    help="comma-separated: ours-nvfp4, ours-bf16, hf-bf16 (hf is skipped for 32b)")
+                    help="comma-separated: ours-nvfp4, ours-bf16, hf-bf16 (hf is skipped for 32b); "
+                         "an -unfused suffix (ours-nvfp4-unfused) runs norms/RoPE/SiLU as plain torch ops")
     ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, grpo")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--profile", action="store_true", help="also write per-kernel GPU time to OUT/profile.txt")
     args = ap.parse_args()
     print(vars(args))
     if not torch.cuda.is_available():
@@ -167,7 +190,8 @@ def main():
         for e in args.engines.split(","):
             if e == "hf-bf16" and m == "32b":
                 continue
-            rows += measure(m, e, args.workloads.split(","), args.max_model_len)
+            rows += measure(m, e, args.workloads.split(","), args.max_model_len,
+                            os.path.join(args.out, "profile.txt") if args.profile else None)
     keys = {(r["model"], r["engine"], r["workload"]) for r in rows}
     rows += [r for r in old if (r["model"], r["engine"], r["workload"]) not in keys]
     print_table(rows)

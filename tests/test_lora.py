@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.nn as nn
 from conftest import make_tiny_hf
 from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -389,3 +390,52 @@ def test_lora_on_nvfp4_cuda_bf16_matches_cpu_fp32(tiny_hf_dir):
             assert pg.grad.dtype == torch.float32
             rel = (pg.grad.cpu() - pc.grad).norm() / pc.grad.norm()
             assert rel < 5e-2, f"{p}: grad relative error {rel:.3e}"
+
+
+def _bf16_linear_with_adapter(device):
+    torch.manual_seed(0)
+    m = LoRALinear(nn.Linear(32, 48, dtype=torch.bfloat16).to(device), r=4, alpha=8)
+    with torch.no_grad():
+        m.lora_B.normal_()
+    return m
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_sampling_cast_cache_follows_in_place_updates(mode):
+    """Without autograd the bf16 casts of A and B are kept; each eager call must refresh them, so an
+    optimizer-style in-place update is seen at once, and the result equals the autograd path's."""
+    m = _bf16_linear_with_adapter("cpu")
+    x = torch.randn(3, 5, 32).to(torch.bfloat16)
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for step in range(3):
+        with ctx():
+            fast = m(x)
+        slow = m(x).detach()                                 # grad enabled: fresh casts every call
+        check_close(fast, slow, 0.0, f"step {step}: cached casts vs autograd path")
+        with torch.no_grad():
+            m.lora_A.add_(0.1 * torch.randn_like(m.lora_A))  # what AdamW does, in place
+            m.lora_B.mul_(1.5)
+    with ctx():
+        assert m._casts is not None and m._casts[1].dtype == torch.bfloat16
+        assert not torch.equal(m(x), fast)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_reads_casts_refreshed_by_an_eager_call():
+    m = _bf16_linear_with_adapter("cuda")
+    x = torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        m(x)                                                 # eager: creates and fills the casts
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = m(x)
+    with torch.no_grad():
+        m.lora_B.mul_(-2.0)
+    want = m(x).detach()                                     # autograd path: fresh casts
+    with torch.inference_mode():
+        graph.replay()
+        stale = out.clone()
+        m(x)                                                 # an eager call (rollout's prefill) refreshes
+        graph.replay()
+    assert not torch.equal(stale, want), "the replay before the refresh should still see the old B"
+    check_close(out, want, 0.0, "graph replay after the eager refresh")

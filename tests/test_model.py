@@ -461,6 +461,56 @@ def test_gpu_nvfp4_model_matches_dequantized_bf16_and_loads_in_bounded_memory(tm
 
 
 # ----------------------------------------------------------------------------------------------
+# fused inference kernels (RMSNorm, RoPE, SiLU·mul) against the torch ops training uses
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_match_the_torch_ops(dtype):
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"   # on CPU: the Triton interpreter
+    x, r = (torch.randn(3, 5, 96, generator=g).to(dev, dtype) for _ in range(2))  # C=96: masked tail
+    norm = M.RMSNorm(96, 1e-6).to(dev)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=g))
+    want_h, want_sum = norm(x, residual=r)         # grad enabled: the torch path
+    got_h, got_sum = M.rms_norm_triton(x, norm.weight, 1e-6, residual=r)
+    # fp32: only the order of the norm's sum differs; bf16: at most one rounding step (the
+    # interpreter truncates fp32 -> bf16 instead of rounding to nearest; the GPU rounds)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-2)
+    if dtype == torch.float32 or dev == "cuda":
+        assert torch.equal(got_sum, want_sum)      # x + residual rounds as torch's add does
+    torch.testing.assert_close(got_sum, want_sum, **tol)
+    torch.testing.assert_close(got_h, want_h, **tol)
+    torch.testing.assert_close(M.rms_norm_triton(x, norm.weight, 1e-6), norm(x), **tol)
+    q, k = torch.randn(2, 3, 4, 32, generator=g).to(dev, dtype), torch.randn(2, 3, 2, 32, generator=g).to(dev, dtype)
+    angles = torch.rand(2, 3, 16, generator=g).to(dev) * 50
+    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+    want_q, want_k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+    got_q, got_k = M.rope_triton(q.clone(), k.clone(), cos, sin)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    a, b = torch.randn(3, 1500, generator=g).to(dev, dtype), torch.randn(3, 1500, generator=g).to(dev, dtype)
+    two_roundings = tol if dtype == torch.float32 else dict(rtol=2 ** -5, atol=2e-2)  # silu, then the product
+    torch.testing.assert_close(M.silu_mul_triton(a, b), torch.nn.functional.silu(a) * b, **two_roundings)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_inference_forward_with_fused_kernels_matches_the_training_forward(dtype):
+    cfg = M.ModelConfig("Qwen2ForCausalLM", vocab_size=4096, hidden_size=1024, intermediate_size=4096,
+                        num_layers=4, num_heads=16, num_kv_heads=4)
+    model = M.build_model(cfg, "bf16", "cuda", dtype=dtype, seed=0)
+    ids = torch.randint(0, 4096, (4, 64), device="cuda")
+    with torch.no_grad():
+        fused = model(ids).float()                 # Triton norm / RoPE / SiLU·mul
+    with torch.enable_grad():
+        plain = model(ids).float()                 # torch ops (the training forward)
+    err = rel_err(fused, plain)
+    print(f"fused vs torch-op forward ({dtype}): logits rel err {err:.2e}")
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+# ----------------------------------------------------------------------------------------------
 # memory: the footprint is known before loading, and a model that cannot fit fails early
 
 
