@@ -487,6 +487,34 @@ def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, 
     return out
 
 
+def build_policy(args, device):
+    """The flags -> (model with LoRA, AdamW, schedule, GRPOConfig, AQNConfig, sampler): everything a
+    step needs. bench/step.py builds its policy here too, so it measures the step this file runs."""
+    dtype = getattr(torch, args.dtype)
+    if args.random_init:
+        model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype, seed=args.seed)
+    else:
+        model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
+    model.gradient_checkpointing = args.grad_checkpointing
+    lora.apply_lora(model, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout),
+                    generator=torch.Generator().manual_seed(args.seed))
+    params = lora.lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    gcfg = grpo.GRPOConfig(loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                           beta=args.beta, scale_rewards=args.scale_rewards,
+                           updates_per_rollout=args.updates_per_rollout, max_completion_len=args.max_new_tokens,
+                           overlong_cache_len=args.overlong_cache, mask_truncated=args.mask_truncated,
+                           tis_cap=args.tis_cap, dynamic_sampling=args.dynamic_sampling,
+                           max_sampling_rounds=args.max_sampling_rounds)
+    acfg = aqn.AQNConfig(sigma_start=args.sigma_start, sigma_end=args.sigma_end, stages=args.aqn_stages,
+                         rollout_only=args.aqn_rollout_only)
+    eval_new = args.eval_max_new_tokens or args.max_new_tokens
+    engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
+                               gpu_memory_utilization=args.gpu_memory_utilization)
+    return model, optimizer, scheduler, gcfg, acfg, engine
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = dist_setup(args.device)
@@ -515,28 +543,8 @@ def main(argv=None):
     if dropped:
         log(f"eval prompts: {len(eval_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
 
-    dtype = getattr(torch, args.dtype)
-    if args.random_init:
-        model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype, seed=args.seed)
-    else:
-        model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
-    model.gradient_checkpointing = args.grad_checkpointing
-    lora.apply_lora(model, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout),
-                    generator=torch.Generator().manual_seed(args.seed))
-    params = lora.lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    gcfg = grpo.GRPOConfig(loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                           beta=args.beta, scale_rewards=args.scale_rewards,
-                           updates_per_rollout=args.updates_per_rollout, max_completion_len=args.max_new_tokens,
-                           overlong_cache_len=args.overlong_cache, mask_truncated=args.mask_truncated,
-                           tis_cap=args.tis_cap, dynamic_sampling=args.dynamic_sampling,
-                           max_sampling_rounds=args.max_sampling_rounds)
-    acfg = aqn.AQNConfig(sigma_start=args.sigma_start, sigma_end=args.sigma_end, stages=args.aqn_stages,
-                         rollout_only=args.aqn_rollout_only)
+    model, optimizer, scheduler, gcfg, acfg, engine = build_policy(args, device)
     eval_new = args.eval_max_new_tokens or args.max_new_tokens
-    engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
-                               gpu_memory_utilization=args.gpu_memory_utilization)
     if rank == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # it exists once it can start
         write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps({**vars(args), "world_size": world}, indent=2))
 
