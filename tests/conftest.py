@@ -78,6 +78,16 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(request):
+    """A directory with SmolLM2's tokenizer files: QERL_TOKENIZER (e.g. on a GPU machine that has the
+    tokenizer but not the weights), else the SmolLM2 checkpoint (smollm2_path's rules)."""
+    path = os.environ.get("QERL_TOKENIZER")
+    if path and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    return request.getfixturevalue("smollm2_path")
+
+
+@pytest.fixture(scope="session")
 def shared_data():
     """Path to ../shared/data (GSM8K and MATH500 JSONL); read in place, never copied."""
     path = os.path.join(SHARED, "data")

@@ -22,8 +22,8 @@ REWARDS = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1])
 
 
 @pytest.fixture(scope="module")
-def tiny_model(smollm2_path, tmp_path_factory):
-    return make_tiny_model(smollm2_path, str(tmp_path_factory.mktemp("tiny") / "model"))
+def tiny_model(smollm2_tokenizer, tmp_path_factory):
+    return make_tiny_model(smollm2_tokenizer, str(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ FAST = ["--dataset", "addition", "--group-size", "4", "--prompts-per-step", "2",
         "--eval-limit", "4", "--dtype", "float32", "--micro-batch", "4", "--lora-rank", "4"]
 
 
-def make_tiny_model(smollm2_path: str, path: str) -> str:
+def make_tiny_model(tokenizer_dir: str, path: str) -> str:
     """Write a random 2-layer Llama (SmolLM2's vocab and tokenizer) to path; return path."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -35,14 +35,14 @@ def make_tiny_model(smollm2_path: str, path: str) -> str:
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     LlamaForCausalLM(cfg).save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if os.path.exists(os.path.join(smollm2_path, f)):
-            shutil.copy(os.path.join(smollm2_path, f), path)
+        if os.path.exists(os.path.join(tokenizer_dir, f)):
+            shutil.copy(os.path.join(tokenizer_dir, f), path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def tiny_model(smollm2_path, tmp_path_factory):
-    return make_tiny_model(smollm2_path, str(tmp_path_factory.mktemp("tiny") / "model"))
+def tiny_model(smollm2_tokenizer, tmp_path_factory):
+    return make_tiny_model(smollm2_tokenizer, str(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 def make_groups(n_groups: int, seed: int) -> list:
