@@ -40,7 +40,20 @@ Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and the interpreter's
 wrong (triton 3.9), so the wrapper sets INTERPRET: the codes are decoded with plain tl ops to the
 same bf16 operand and the dot runs on fp32 copies.
 
+The CUDA-core kernel (M <= 4, no tensor cores: an MMA tile of 16 rows would waste >= 3/4 of its
+work on padding) uses the same bit trick in fp32: magnitude bits to fp32 bits 22..24, sign to bit
+31 gives exactly e2m1 · 2^-126 (±0.5 is an fp32 subnormal, kept since nothing runs with .ftz).
+x is multiplied by 2^64 so that the products stay normal (|x| < 2^64 assumed), and per row of x
+
+    acc[BN, K/16] += (sum over each 16-weight block of w·x) · scale·2^55    # fp32, FMAs
+    y[m, n-tile] = sum(acc) · 2^7/global_scale (+ bias)
+
+so the scale costs one multiply per 16 weights. x is read as int32 words, each the bf16 pair
+(x[2j], x[2j+1]) that meets byte j of W (low nibble = even k): no interleaving on either side.
+Deterministic: one program owns its rows over all of K (or writes fp32 partials for the reduce).
+
 Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
+  * M <= 4 (batch-1..4 decode): the CUDA-core kernel, 16 weight rows x 1024 k per program step.
   * M <= 64 (decode, memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
     weight rows per program, split-K until there are >= 4 programs per SM; the fp32 partial sums
     are reduced (with scale, bias, cast) by a second small kernel: deterministic, no atomics.
@@ -69,8 +82,11 @@ BLOCK = 16               # NVFP4 scale block along K
 MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded wrong on the H100);
                          # a reduction dim that is not a multiple of 64 is zero-padded
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
+GEMV_MAX_M = 4           # up to this M: the CUDA-core kernel (no tensor cores); it keeps <= 4 rows
 OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all normal bf16 numbers) ...
 OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
+X_SHIFT = tl.constexpr(64)           # the CUDA-core kernel multiplies x by 2^64 (weights are ·2^-126)
+X_SCALE = tl.constexpr(2.0 ** 64)
 
 
 def _interpreting() -> bool:
@@ -146,14 +162,29 @@ def _e4m3_to_f32(bits, EXP_SHIFT: tl.constexpr):
     return tl.where((b & 0x80) != 0, -v, v)
 
 
+# Four packed bytes -> eight fp32 e2m1·2^-126 ($0..$3: low nibbles of bytes 0..3, $4..$7: high
+# nibbles; $8: the 4 bytes). Each nibble is shifted up so that its sign lands on bit 31; an
+# arithmetic shift by 6 then puts the magnitude on bits 22..24 and one AND keeps bits 31, 22..24.
+_E2M1X4_TO_F32_PTX = tl.constexpr("{ .reg .b32 t; " + " ".join(
+    f"shl.b32 t, $8, {s}; shr.s32 t, t, 6; and.b32 ${i}, t, 0x81C00000;"
+    for i, s in enumerate((28, 20, 12, 4, 24, 16, 8, 0))) + " }")
+
+
 @triton.jit
-def _e2m1_to_f32(code):
-    """E2M1 code (int32 tensor, 0..15) -> float32 value (reference decode for the interpreter)."""
-    e = (code >> 1) & 3
-    m = code & 1
-    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)   # 2^(e-1)·(1+m/2)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-    return tl.where((code & 8) != 0, -mag, mag)
+def _e2m1x2_to_f32(p, INTERPRET: tl.constexpr):
+    """Packed bytes (uint8 tensor) -> (lo, hi) float32 e2m1·2^-126 of the low / high nibble, exact:
+    the magnitude bits on fp32 bits 22..24, the sign on bit 31 (module docstring). Code ±1 (±0.5)
+    becomes an fp32 subnormal, which the GPU keeps (our PTX has no .ftz; bench/kernel.py checks)."""
+    if INTERPRET:
+        b = p.to(tl.int32)
+        lo = ((b << 28) >> 6) & -0x7E400000             # -0x7E400000 == 0x81C00000
+        hi = ((b << 24) >> 6) & -0x7E400000
+        lo, hi = lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1X4_TO_F32_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [p],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    return lo, hi
 
 
 @triton.jit
@@ -175,16 +206,14 @@ def _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
     offs_s = k0 // 16 + tl.arange(0, BK // 16)           # scale columns
     p = tl.load(packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :])    # (BN, BK/2) u8
     sb = tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_s[None, :])    # (BN, BK/16) u8
+    # scale·2^119 times the pseudo-value e2m1·2^-126 = e2m1·scale·2^-7 (exact in bf16)
+    s = _e4m3_to_f32(sb, 126 - OPERAND_SHIFT)
     if INTERPRET:
-        s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                               # scale·2^-7
         s = tl.broadcast_to(s[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)
-        pi = p.to(tl.int32)
-        lo = (_e2m1_to_f32(pi & 15) * s).to(tl.bfloat16)
-        hi = (_e2m1_to_f32(pi >> 4) * s).to(tl.bfloat16)
+        lo, hi = _e2m1x2_to_f32(p, INTERPRET)
+        lo, hi = (lo * s).to(tl.bfloat16), (hi * s).to(tl.bfloat16)
     else:
-        # scale·2^119 times the bf16 pseudo-value e2m1·2^-126 = e2m1·scale·2^-7
-        s = _e4m3_to_f32(sb, 126 - OPERAND_SHIFT).to(tl.bfloat16)
-        s = tl.broadcast_to(s[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)
+        s = tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)
         lo, hi = tl.inline_asm_elementwise(
             _E2M1X4_TO_BF16_PTX, "=r,=r,=r,=r,r,r,r", [p, s],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -257,6 +286,91 @@ def _nvfp4_mm_kernel(
             y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], _to_bf16(y, INTERPRET),
                  mask=mask)
+
+
+@triton.jit
+def _gemv_block_sums(lo, hi, x2_ptr, offs_b, K2, BN: tl.constexpr, BK: tl.constexpr):
+    """One row of x against the decoded (BN, BK/2) weight pairs: (BN, BK/16) sums of 16 products.
+    x2_ptr points at the row as int32 words, each the bf16 pair (x[2j], x[2j+1]) that meets byte j
+    of the weights (low nibble = even k), so neither side is interleaved."""
+    xw = tl.load(x2_ptr + offs_b, mask=offs_b < K2, other=0)                      # (BK/2,) i32
+    xe = (xw << 16).to(tl.float32, bitcast=True) * X_SCALE       # x·2^64: products of x and
+    xo = (xw & -65536).to(tl.float32, bitcast=True) * X_SCALE    # e2m1·2^-126 stay normal
+    # two in-thread sums of 8 products each: chains of FMAs
+    g = tl.sum((lo * xe[None, :]).reshape(BN, BK // 16, 8), axis=2)              # (BN, BK/16)
+    return g + tl.sum((hi * xo[None, :]).reshape(BN, BK // 16, 8), axis=2)
+
+
+@triton.jit
+def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om,
+                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Row m of y (or of the fp32 partial sums) from its (BN, BK/16) accumulator."""
+    y = tl.sum(acc, axis=1)                                                       # (BN,)
+    if not PARTIAL:
+        y = y * (OPERAND_POST / tl.load(gs_ptr))
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        y = _to_bf16(y, INTERPRET)
+    if m < M:
+        tl.store(out_ptr + m * stride_om + offs_n, y, mask=offs_n < N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_gemv_kernel(
+    # pointers (x2: x viewed as int32 words, one bf16 pair each)
+    x2_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    # sizes: x (M, K), W (N, K), K2 = K/2 (bytes per row of W, words per row of x2);
+    # each program of split pid_k reduces the bytes [pid_k·SPLIT2, +SPLIT2) of its rows
+    M, N, K2, SPLIT2,
+    # strides (the innermost stride of every tensor is 1)
+    stride_x2m, stride_pn, stride_sn, stride_om, stride_os,
+    # meta
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program,
+    one fp32 accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are
+    wrapped, computed and never stored)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N         # rows past N wrapped, never stored
+    kb_start = pid_k * SPLIT2
+    kb_end = min(K2, kb_start + SPLIT2)                  # SPLIT2 is a multiple of BK/2
+
+    # ---- main loop over the bytes of the rows, BK/2 at a time; only the very last step is masked
+    # and the mask is constant over each 16-byte load (K2 % 16 == 0), so loads stay vectorized
+    acc0 = tl.zeros((BN, BK // 16), dtype=tl.float32)
+    acc1 = tl.zeros((BN, BK // 16), dtype=tl.float32)
+    acc2 = tl.zeros((BN, BK // 16), dtype=tl.float32)
+    acc3 = tl.zeros((BN, BK // 16), dtype=tl.float32)
+    for kb0 in range(kb_start, kb_end, BK // 2):
+        kb0 = tl.multiple_of(kb0, BK // 2)
+        offs_b = kb0 + tl.arange(0, BK // 2)                                   # byte = x2 word
+        offs_s = kb0 // 8 + tl.arange(0, BK // 16)
+        p = tl.load(packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :],
+                    mask=(offs_b < K2)[None, :], other=0)                        # (BN, BK/2) u8
+        sb = tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_s[None, :],
+                     mask=(offs_s < K2 // 8)[None, :], other=0)                  # (BN, BK/16) u8
+        lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (BN, BK/2)
+        # scale e4m3·2^55 per 16-weight sum: g·s = (x·W)·global_scale·2^-7, as in the MMA kernel
+        s = _e4m3_to_f32(sb, 126 - X_SHIFT - OPERAND_SHIFT)
+        acc0 += _gemv_block_sums(lo, hi, x2_ptr, offs_b, K2, BN, BK) * s
+        if BM > 1:
+            acc1 += _gemv_block_sums(lo, hi, x2_ptr + (1 % M) * stride_x2m, offs_b, K2, BN, BK) * s
+        if BM > 2:
+            acc2 += _gemv_block_sums(lo, hi, x2_ptr + (2 % M) * stride_x2m, offs_b, K2, BN, BK) * s
+            acc3 += _gemv_block_sums(lo, hi, x2_ptr + (3 % M) * stride_x2m, offs_b, K2, BN, BK) * s
+
+    # ---- epilogue: rows of y (or fp32 partial sums for the split-K reduce)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    out_ptr += pid_k * stride_os
+    _gemv_store(acc0, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+    if BM > 1:
+        _gemv_store(acc1, 1, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+    if BM > 2:
+        _gemv_store(acc2, 2, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+        _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -364,6 +478,23 @@ class TileConfig:
             raise ValueError(f"TileConfig: stages >= 1, split >= 0, group >= 1 needed, got {self}")
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch shape of the CUDA-core kernel (M <= GEMV_MAX_M). bn: weight rows per program; bk: k
+    per loop step; split: programs along K (0 = choose: split until ~2 programs per SM exist)."""
+    bn: int = 16
+    bk: int = 1024
+    warps: int = 4
+    stages: int = 1
+    split: int = 0
+
+    def __post_init__(self):
+        if self.bn < 1 or self.bn & (self.bn - 1) or self.bk < 32 or self.bk & (self.bk - 1):
+            raise ValueError(f"GemvConfig.bn/bk must be powers of two (bk >= 32), got {self}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.split < 0:
+            raise ValueError(f"GemvConfig: warps in 1..16 (power of two), stages >= 1, split >= 0, got {self}")
+
+
 def _num_sms(device) -> int:
     if device.type != "cuda":
         return 4
@@ -385,8 +516,10 @@ def _pick_split(tiles: int, red: int, block: int, sms: int) -> int:
     return split
 
 
-def fwd_config(M: int, N: int, K: int) -> TileConfig:
+def fwd_config(M: int, N: int, K: int):
     """Launch shape for y = x·Wᵀ: the sweep winners on an H100 (bench/NOTES.md)."""
+    if M <= GEMV_MAX_M:
+        return GemvConfig()
     if M <= 16:
         return TileConfig(bm=16, bn=64, bk=128, warps=4, stages=4)
     if M <= 32:
@@ -506,6 +639,33 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
     return _reduce(part, global_scale, bias, out) if split > 1 else out
 
 
+def _gemv(x, packed, scale, global_scale, bias, cfg):
+    """y = x·Wᵀ (+bias) on CUDA cores for M <= 4 (any K that is a multiple of 16, no padding)."""
+    M, K = x.shape
+    N = packed.shape[0]
+    if M > 4:
+        raise ValueError(f"the CUDA-core kernel takes at most 4 rows of x, got {M}")
+    out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
+    if M == 0:
+        return out
+    bk = min(cfg.bk, max(32, triton.next_power_of_2(K)))
+    tiles = triton.cdiv(N, cfg.bn)
+    split = cfg.split or _pick_split(tiles, K, bk, _num_sms(x.device) // 2)
+    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_split)
+    part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else out
+    x2 = x.view(torch.int32)                 # (M, K/2): one bf16 pair per word
+    sb = scale.view(torch.uint8)             # E4M3 bits; decoded in-kernel
+    _nvfp4_gemv_kernel[(tiles, split)](
+        x2, packed, sb, global_scale, bias if bias is not None else out, part,
+        M, N, K // 2, k_split // 2,
+        x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, INTERPRET=_interpreting(),
+        num_warps=cfg.warps, num_stages=cfg.stages)
+    return _reduce(part, global_scale, bias, out) if split > 1 else out
+
+
 def _matmul_dx(dy, packed, scale, global_scale, cfg):
     K0 = packed.shape[1] * 2
     scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
@@ -545,7 +705,10 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None):
                              f"{bias.dtype} {tuple(bias.shape)}")
     if use_dequant(x.shape[0], N, K):
         return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale), bias)
-    return _matmul(x, packed, scale, global_scale, bias, fwd_config(x.shape[0], N, K))
+    cfg = fwd_config(x.shape[0], N, K)
+    if isinstance(cfg, GemvConfig):
+        return _gemv(x, packed, scale, global_scale, bias, cfg)
+    return _matmul(x, packed, scale, global_scale, bias, cfg)
 
 
 def nvfp4_matmul_dx(dy, packed, scale, global_scale):

@@ -12,6 +12,8 @@ and speedup = cuBLAS time / our time.
     python bench/kernel.py                    # check + benchmark, table + bench/kernel.json
     python bench/kernel.py --check            # GPU correctness on the real shapes only
     python bench/kernel.py --sweep            # try several tile configs per (shape, M)
+    python bench/kernel.py --sweep-gemv --no-bench   # launch shapes of the CUDA-core kernel (M <= 4)
+    python bench/kernel.py --ms 1,2,4,8,16 --fwd-only   # a subset; "old" = pre-v4 tensor-core path
     python bench/kernel.py --out DIR          # where the JSON and log go
 
 The weights are random codes and random E4M3 scales (the kernel's speed does not depend on the
@@ -79,6 +81,11 @@ def check(device, log):
         log(f"DECODE MISMATCH at {int(bad.sum())} elements; codes {sorted(set(codes.tolist()))}")
     else:
         log("decode: all codes exact")
+    # the CUDA-core kernel (M <= 4) decodes through fp32 subnormals (code 1 = 0.5): same check
+    y = torch.cat([mk._gemv(eye[k:k + 4], packed, scale, gs, None, mk.GemvConfig()) for k in range(0, 256, 4)])
+    bad = (y.double() - W.t()).abs() > 2.0 ** -8 * W.t().abs()
+    ok &= not bad.any()
+    log(f"gemv decode: {'all codes exact' if not bad.any() else f'MISMATCH at {int(bad.sum())} elements'}")
     # 2. real shapes, odd M, bias on/off, against float64
     cases = [(m, name) for name in ("7B qkv", "7B down", "32B gate_up") for m in (1, 7, 16, 33, 100, 300, 1000)]
     cases += [(4096, "7B o"), (1, (16, 16)), (3, (16, 32)), (5, (48, 80)), (129, (272, 176))]
@@ -139,7 +146,10 @@ class Rotating:
         return self.items[self.i]
 
 
-def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,)):
+OLD_SMALL_M = mk.TileConfig(16, 64, 128)     # the tensor-core split-K config used for M <= 16 before v4
+
+
+def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,), fwd_only=False):
     q_bytes = N * K * 4.5 / 8
     b_bytes = N * K * 2
     qs = Rotating([random_weight(N, K, device, gen) for _ in range(copies_for(q_bytes, device))])
@@ -156,11 +166,15 @@ def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,)):
         def ours_dx():
             mk.nvfp4_matmul_dx(dy, *qs.next())
 
-        r = dict(shape=name, N=N, K=K, M=M, path="dequant+cublas" if mk.use_dequant(M, N, K) else "fused")
+        cfg = mk.fwd_config(M, N, K)
+        path = "dequant+cublas" if mk.use_dequant(M, N, K) else "gemv" if isinstance(cfg, mk.GemvConfig) else "fused"
+        r = dict(shape=name, N=N, K=K, M=M, path=path)
         r["fwd_ms"] = bench_ms(ours_fwd)
-        r["dx_ms"] = bench_ms(ours_dx)
         r["cublas_fwd_ms"] = bench_ms(lambda: x @ ws.next().t())
-        r["cublas_dx_ms"] = bench_ms(lambda: dy @ ws.next())
+        if M <= 16:          # the pre-v4 tensor-core kernel, same run: honest old/new ratios
+            r["old_fwd_ms"] = bench_ms(lambda: mk._matmul(x, *qs.next(), None, OLD_SMALL_M))
+        r["dx_ms"] = float("nan") if fwd_only else bench_ms(ours_dx)
+        r["cublas_dx_ms"] = float("nan") if fwd_only else bench_ms(lambda: dy @ ws.next())
         if M in eager_ms:
             r["eager_fwd_ms"] = bench_ms(ours_fwd, graph=False)
             r["eager_cublas_fwd_ms"] = bench_ms(lambda: x @ ws.next().t(), graph=False)
@@ -195,6 +209,32 @@ SWEEP_DX = {
     "large": [T(128, 64, 128, warps=8), T(128, 128, 128, warps=8, stages=3), T(256, 64, 128, warps=8, stages=3),
               T(64, 64, 128, warps=8)],
 }
+G = mk.GemvConfig
+SWEEP_GEMV = [G(16, 1024), G(16, 512), G(16, 2048, warps=8), G(8, 1024, warps=2), G(32, 1024, warps=8),
+              G(16, 1024, split=1), G(16, 1024, split=2), G(16, 512, split=4), G(16, 1024, stages=2),
+              G(64, 256, warps=4)]
+
+
+def sweep_gemv(device, log, Ms=(1, 2, 4), budget_s=120.0):
+    """Launch shapes of the CUDA-core kernel on every shape (weights rotated as in the table)."""
+    gen = torch.Generator(device=device).manual_seed(8)
+    results, t0 = [], time.time()
+    for name, (N, K) in SHAPES.items():
+        qs = Rotating([random_weight(N, K, device, gen) for _ in range(copies_for(N * K * 4.5 / 8, device))])
+        for M in Ms:
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            for cfg in SWEEP_GEMV:
+                if time.time() - t0 > budget_s:
+                    log(f"sweep_gemv: time budget of {budget_s:.0f} s spent, stopping")
+                    return results
+                ms = bench_ms(lambda: mk._gemv(x, *qs.next(), None, cfg))
+                tbps = N * K * 4.5 / 8 / ms / 1e9
+                results.append(dict(kind="gemv", shape=name, M=M, cfg=str(cfg), ms=ms, TBps=tbps))
+                log(f"sweep gemv {name:>11} M={M} {str(cfg):60s} {ms * 1e3:7.1f} us {tbps:5.2f} TB/s")
+        torch.cuda.empty_cache()
+    return results
+
+
 SWEEP_CASES = [("7B qkv", (1, 16, 64, 256, 1024)), ("7B o", (1, 16, 64)), ("7B gate_up", (1, 16, 64, 256, 1024)),
                ("7B down", (1, 16, 64)), ("32B gate_up", (1, 16, 64, 1024)), ("32B down", (1, 16, 64, 256, 1024)),
                ("32B qkv", (1, 16)), ("32B o", (1, 16))]
@@ -255,6 +295,9 @@ def main():
     ap.add_argument("--sweep-budget", type=float, default=240.0, help="seconds the sweep may take")
     ap.add_argument("--no-bench", action="store_true", help="skip the main benchmark table")
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward only (no dx)")
+    ap.add_argument("--sweep-gemv", action="store_true", help="sweep the CUDA-core kernel's launch shapes")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -277,6 +320,10 @@ def main():
     log(f"# check took {time.time() - t0:.0f} s")
     if args.check:
         return
+    if args.sweep_gemv:
+        t1 = time.time()
+        out["sweep_gemv"] = sweep_gemv(device, log, budget_s=args.sweep_budget)
+        log(f"# gemv sweep took {time.time() - t1:.0f} s")
     if args.sweep:
         t1 = time.time()
         out["sweep"] = sweep(device, log, args.sweep_budget)
@@ -287,19 +334,21 @@ def main():
         rows = []
         for name in names:
             try:
-                rows += time_shape(name, *SHAPES[name], MS, device, gen)
+                rows += time_shape(name, *SHAPES[name], [int(m) for m in args.ms.split(",")], device, gen,
+                                   fwd_only=args.fwd_only)
             except Exception as e:                               # keep the other shapes' rows
                 log(f"bench {name}: ERROR {type(e).__name__}: {str(e)[:300]}")
             torch.cuda.empty_cache()
         out["rows"] = rows
         log(f"# total {time.time() - t0:.0f} s")
         log("# CUDA-graph timing (GPU time). TB/s: NVFP4 weight bytes (4.5 bit) / time; x = cuBLAS / ours")
-        log(f"{'shape':>11} {'M':>5} | {'fwd us':>8} {'cuBLAS':>8} {'x':>5} {'TB/s':>5} | "
+        log(f"{'shape':>11} {'M':>5} | {'fwd us':>8} {'cuBLAS':>8} {'x':>5} {'TB/s':>5} {'old us':>7} {'old x':>5} | "
             f"{'dx us':>8} {'cuBLAS':>8} {'x':>5} | path")
         for r in rows:
+            old = r.get("old_fwd_ms", float("nan"))
             log(f"{r['shape']:>11} {r['M']:5d} | {r['fwd_ms'] * 1e3:8.1f} {r['cublas_fwd_ms'] * 1e3:8.1f} "
-                f"{r['fwd_speedup']:5.2f} {r['fwd_TBps']:5.2f} | {r['dx_ms'] * 1e3:8.1f} "
-                f"{r['cublas_dx_ms'] * 1e3:8.1f} {r['dx_speedup']:5.2f} | {r['path']}")
+                f"{r['fwd_speedup']:5.2f} {r['fwd_TBps']:5.2f} {old * 1e3:7.1f} {r['cublas_fwd_ms'] / old:5.2f} | "
+                f"{r['dx_ms'] * 1e3:8.1f} {r['cublas_dx_ms'] * 1e3:8.1f} {r['dx_speedup']:5.2f} | {r['path']}")
         for r in rows:
             if "eager_fwd_ms" in r:
                 log(f"eager (no graph) {r['shape']:>11} M={r['M']}: ours {r['eager_fwd_ms'] * 1e3:.1f} us, "

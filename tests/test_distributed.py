@@ -67,7 +67,7 @@ def test_two_ranks_give_the_single_process_update(tiny_model, tmp_path, device):
     finally:
         torch.set_num_threads(threads)
     for loss_type, (want, want_met) in reference.items():
-        (got, met), (got1, _) = [torch.load(tmp_path / f"{loss_type}-{r}.pt", weights_only=False) for r in (0, 1)]
+        (got, met), (got1, _) = [torch.load(tmp_path / f"{loss_type}-{r}.pt", weights_only=True) for r in (0, 1)]
         assert all(torch.equal(a, b) for a, b in zip(got, got1)), f"{loss_type}: the replicas differ"
         assert any(g.abs().max() > 0 for g in want), "the update is zero: nothing is tested"
         err = max((a - b).abs().max().item() / (b.abs().max().item() + 1e-12) for a, b in zip(got, want))

@@ -93,6 +93,59 @@ def test_split_and_tile_variants_agree(cfg, poisoned):
                  dy.double() @ mk.reference_dequantize(packed, scale, gs), f"dx {cfg}")
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 16, 16), (3, 16, 32), (4, 48, 80), (2, 32, 272), (1, 64, 1056)])
+@pytest.mark.parametrize("cfg", [mk.GemvConfig(), mk.GemvConfig(bn=16, bk=64, split=3), mk.GemvConfig(bn=32, bk=32)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
+    """The CUDA-core kernel (M <= 4): odd M, minimum N and K, a K tail, split-K and single pass."""
+    gen = torch.Generator().manual_seed(M * 1000 + N + K + cfg.bk + has_bias)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    y = mk._gemv(x, packed, scale, gs, bias, cfg)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"gemv M={M} N={N} K={K} {cfg}")
+    assert e < 4e-3, f"typical error too large: {e:.2e}"
+
+
+def test_cuda_core_gemv_decodes_every_code_exactly():
+    """x = 4 rows of the identity at a time: y = Wᵀ within one bf16 rounding, code 1 (0.5, an fp32
+    subnormal inside the kernel) included."""
+    K = 32
+    packed = torch.arange(256, dtype=torch.uint8).reshape(16, 16).repeat(1, K // 32).to(DEV)
+    scale = torch.tensor([2.0 ** -9, 2.0 ** -7, 0.375, 448.0]).repeat(16, 1)[:, :K // 16]
+    scale, gs = scale.to(torch.float8_e4m3fn).to(DEV), torch.tensor([3.0], device=DEV)
+    eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
+    y = torch.cat([mk._gemv(eye[k:k + 4], packed, scale, gs, None, mk.GemvConfig()) for k in range(0, K, 4)])
+    W = mk.reference_dequantize(packed, scale, gs)
+    err = (y.double().t() - W).abs()
+    assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
+
+
+@pytest.mark.parametrize("M", [1, 3, 4])
+def test_wrapper_picks_cuda_core_path_for_tiny_m(M, monkeypatch):
+    """nvfp4_matmul must run the CUDA-core kernel (and not the MMA one) for M <= GEMV_MAX_M."""
+    launched = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.kernel)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(mk, "_nvfp4_gemv_kernel", Spy(mk._nvfp4_gemv_kernel))
+    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", Spy(mk._nvfp4_mm_kernel))
+    gen = torch.Generator().manual_seed(M)
+    packed, scale, gs = random_weight(32, 64, gen)
+    x = torch.randn(M, 64, generator=gen).bfloat16().to(DEV)
+    assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
+    assert launched and all(k is mk._nvfp4_gemv_kernel.kernel for k in launched), "MMA kernel used"
+    assert M <= mk.GEMV_MAX_M and isinstance(mk.fwd_config(M, 32, 64), mk.GemvConfig)
+    assert not isinstance(mk.fwd_config(mk.GEMV_MAX_M + 1, 32, 64), mk.GemvConfig)
+
+
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_large_m_dequantize_then_matmul_path(has_bias, monkeypatch, poisoned):
     """From DEQUANT_MIN_M rows on, W is dequantized to bf16 once and cuBLAS does the product."""
@@ -179,6 +232,8 @@ def test_bad_inputs_raise_clear_errors():
         mk.nvfp4_matmul_dx(torch.randn(2, 64).bfloat16().to(DEV), packed, scale, gs)
     with pytest.raises(ValueError, match="TileConfig.bk"):
         mk.TileConfig(16, 16, 24)
+    with pytest.raises(ValueError, match="GemvConfig.bn/bk"):
+        mk.GemvConfig(bk=48)
 
 
 # ----------------------------------------------------------------------------------------------
