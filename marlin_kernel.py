@@ -40,7 +40,7 @@ Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and the interpreter's
 wrong (triton 3.9), so the wrapper sets INTERPRET: the codes are decoded with plain tl ops to the
 same bf16 operand and the dot runs on fp32 copies.
 
-The CUDA-core kernel (M <= 4, no tensor cores: an MMA tile of 16 rows would waste >= 3/4 of its
+The CUDA-core kernel (M <= 2, no tensor cores: an MMA tile of 16 rows would waste >= 3/4 of its
 work on padding) uses the same bit trick in fp32: magnitude bits to fp32 bits 22..24, sign to bit
 31 gives exactly e2m1 · 2^-126 (±0.5 is an fp32 subnormal, kept since nothing runs with .ftz).
 x is multiplied by 2^64 so that the products stay normal (|x| < 2^64 assumed), and per row of x
@@ -53,7 +53,7 @@ so the scale costs one multiply per 16 weights. x is read as int32 words, each t
 Deterministic: one program owns its rows over all of K (or writes fp32 partials for the reduce).
 
 Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
-  * M <= 4 (batch-1..4 decode): the CUDA-core kernel, 16 weight rows x 1024 k per program step.
+  * M <= 2 (batch-1/2 decode): the CUDA-core kernel, 16 weight rows x 1024 (M = 2: 512) k per step.
   * M <= 64 (decode, memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
     weight rows per program, split-K until there are >= 4 programs per SM; the fp32 partial sums
     are reduced (with scale, bias, cast) by a second small kernel: deterministic, no atomics.
@@ -61,7 +61,8 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
   * M >= 512 (compute-bound; M >= 128 for weights under 40M elements): the fused kernel reaches only
     ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
     copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
-Measured on an H100 at M <= 16: 1.1-1.9x over cuBLAS bf16 (0.65-1.45 TB/s of NVFP4 weights).
+Measured on an H100 (fwd): M = 1 1.4-2.9x over cuBLAS bf16 (0.9-2.3 TB/s of NVFP4 weights),
+M = 2 1.2-2.1x, M = 4..16 1.0-1.9x.
 
 What it leaves out: activation quantization (this is W4A16), a Marlin-style re-layout of the
 weights (decode straight into the MMA register layout), fused q/k/v, a warp-specialized schedule.
@@ -82,7 +83,7 @@ BLOCK = 16               # NVFP4 scale block along K
 MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded wrong on the H100);
                          # a reduction dim that is not a multiple of 64 is zero-padded
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
-GEMV_MAX_M = 4           # up to this M: the CUDA-core kernel (no tensor cores); it keeps <= 4 rows
+GEMV_MAX_M = 2           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all normal bf16 numbers) ...
 OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
 X_SHIFT = tl.constexpr(64)           # the CUDA-core kernel multiplies x by 2^64 (weights are ·2^-126)
@@ -518,8 +519,8 @@ def _pick_split(tiles: int, red: int, block: int, sms: int) -> int:
 
 def fwd_config(M: int, N: int, K: int):
     """Launch shape for y = x·Wᵀ: the sweep winners on an H100 (bench/NOTES.md)."""
-    if M <= GEMV_MAX_M:
-        return GemvConfig()
+    if M <= GEMV_MAX_M:          # CUDA cores; the tensor-core kernel wins from M = 4 (NOTES.md v4)
+        return GemvConfig(bk=512 if M == 2 and K <= 20480 else 1024)   # M=2, 32B down: 1024 was faster
     if M <= 16:
         return TileConfig(bm=16, bn=64, bk=128, warps=4, stages=4)
     if M <= 32:
@@ -640,7 +641,7 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
 
 
 def _gemv(x, packed, scale, global_scale, bias, cfg):
-    """y = x·Wᵀ (+bias) on CUDA cores for M <= 4 (any K that is a multiple of 16, no padding)."""
+    """y = x·Wᵀ (+bias) on CUDA cores for M <= 4 (K a multiple of 16; no padding needed)."""
     M, K = x.shape
     N = packed.shape[0]
     if M > 4:

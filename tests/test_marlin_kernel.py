@@ -122,7 +122,7 @@ def test_cuda_core_gemv_decodes_every_code_exactly():
     assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
 
 
-@pytest.mark.parametrize("M", [1, 3, 4])
+@pytest.mark.parametrize("M", [1, 2])
 def test_wrapper_picks_cuda_core_path_for_tiny_m(M, monkeypatch):
     """nvfp4_matmul must run the CUDA-core kernel (and not the MMA one) for M <= GEMV_MAX_M."""
     launched = []
