@@ -31,8 +31,16 @@ Sampling. logits / T, then top-k, then top-p, renormalised: `logp`. The token is
 argmax(logp - log E) with E ~ Exp(1) (the exponential race: P(argmax = i) = p_i), with no
 host sync inside the sampler; temperature 0 takes the explicit greedy branch. The recorded logprob
 of each token is `logp[token]`, i.e. under the sampling distribution after temperature/top-k/top-p
-(under greedy: the plain log-softmax of the logits). Token ids and logprobs reach the host once
-per step, in one copy, because the Python scheduler needs them.
+(under greedy: the plain log-softmax of the logits).
+
+One step late. The Python scheduler needs the sampled tokens (stop tokens end sequences), but
+waiting for them after every step would leave the GPU idle while Python prepares the next one.
+So the engine queues step t+1 first and only then reads step t's tokens (one asynchronous copy per
+step): the scheduler works with lengths, each new token is a placeholder (-1) until its value
+lands, and the next step takes that token straight from the GPU tensor of the step before. The
+price: a sequence that sampled its stop token at step t is still decoded at t+1 (a spare row,
+whose output is dropped). Before a prefill (new prompts, or a recompute after preemption) the
+step in flight is drained, so prefills only ever see real tokens.
 
 Preemption by recompute. When a decode step needs a block and none is free, the most recently
 admitted sequence is evicted (its blocks freed) and later re-prefilled from prompt + its tokens
@@ -224,7 +232,11 @@ class Scheduler:
             return "prefill", groups, []
         if not self.running and self.waiting:  # unreachable when the up-front size check passed
             raise RuntimeError("scheduler stuck: a waiting sequence can never fit in the KV cache")
-        scheduled, copies, queue = [], [], deque(self.running)
+        # a sequence whose last allowed token is still on the GPU (the engine reads results one
+        # step late) is not decoded again; it keeps its blocks until that token arrives
+        waiting_for_last = [s for s in self.running if len(s) - s.num_prompt_tokens >= s.max_tokens]
+        scheduled, copies = [], []
+        queue = deque(s for s in self.running if len(s) - s.num_prompt_tokens < s.max_tokens)
         while queue:
             seq = queue.popleft()
             while self.bm.needs_block(seq) and self.bm.num_free() == 0:
@@ -236,7 +248,8 @@ class Scheduler:
                 if copy is not None:
                     copies.append(copy)
                 scheduled.append(seq)
-        self.running = list(scheduled)   # a copy: finish() edits running while callers iterate
+        keep = {id(s) for s in scheduled + waiting_for_last}
+        self.running = [s for s in self.running if id(s) in keep]   # admission order; preempted ones left
         return "decode", scheduled, copies
 
     def _preempt(self, seq):
@@ -245,8 +258,12 @@ class Scheduler:
         self.waiting.appendleft([seq])   # re-prefilled from prompt + completion so far
 
     def finish(self, seq):
+        """seq is done: free its blocks. It may be waiting, preempted after its last token was sampled."""
         self.bm.free(seq)
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting = deque(g for g in self.waiting if g != [seq])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -581,15 +598,17 @@ class Runner:
         return self._logits(hidden[0, [c - 1 for c in cu[1:]]])
 
     # ---- decode: one token per sequence
-    def _decode_inputs(self, seqs, rows):
-        """-> (4, rows) int32 [token, position, KV slot, context length] and (rows, width) block
-        tables, built on the host in one tensor each; rows past len(seqs) are padding that writes
-        no KV (slot -1) and attends to nothing (length 0)."""
+    def _decode_inputs(self, seqs, rows, src_rows):
+        """-> (5, rows) int32 [token, position, KV slot, context length, source row] and (rows, width)
+        block tables, built on the host in one tensor each. A token still on the GPU (sampled by the
+        step in flight) is 0 here and its row in that step's output is the source row (else -1).
+        Rows past len(seqs) are padding that writes no KV (slot -1) and attends to nothing (length 0)."""
         pad = rows - len(seqs)
-        meta = torch.tensor([[s.token_ids[-1] for s in seqs] + [0] * pad,
+        meta = torch.tensor([[max(s.token_ids[-1], 0) for s in seqs] + [0] * pad,
                              [len(s) - 1 for s in seqs] + [0] * pad,
                              [self._slot(s, len(s) - 1) for s in seqs] + [-1] * pad,
-                             [len(s) for s in seqs] + [0] * pad], dtype=torch.int32)
+                             [len(s) for s in seqs] + [0] * pad,
+                             list(src_rows) + [-1] * pad], dtype=torch.int32)
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
                               + [[0] * width] * pad, dtype=torch.int32)
@@ -597,17 +616,25 @@ class Runner:
             meta, tables = meta.pin_memory(), tables.pin_memory()
         return meta, tables
 
+    @staticmethod
+    def _fill_tokens(meta, prev_tokens):
+        """meta[0] = prev_tokens[meta[4]] where meta[4] >= 0: tokens that never visited the host."""
+        if prev_tokens is not None:
+            src = meta[4].long()
+            meta[0].copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)].to(meta.dtype), meta[0]))
+
     @torch.inference_mode()
-    def decode(self, seqs):
-        """-> logits (B, V) for the next token of each sequence."""
+    def decode(self, seqs, src_rows, prev_tokens=None):
+        """-> logits (B, V) for the next token of each sequence; src_rows/prev_tokens: see above."""
         B = len(seqs)
         if self.cuda_graphs and B <= self.BUCKETS[-1]:
-            return self._logits(self._decode_graph(seqs)[:B])
-        meta, tables = (t.to(self.device, non_blocking=True) for t in self._decode_inputs(seqs, B))
+            return self._logits(self._decode_graph(seqs, src_rows, prev_tokens)[:B])
+        meta, tables = (t.to(self.device, non_blocking=True) for t in self._decode_inputs(seqs, B, src_rows))
+        self._fill_tokens(meta, prev_tokens)
         return self._logits(self._run_decode(meta, tables)[:, 0])
 
     def _run_decode(self, meta, tables):
-        """meta (4, B), tables (B, width) on the device -> final hidden states (B, 1, H)."""
+        """meta (5, B), tables (B, width) on the device -> final hidden states (B, 1, H)."""
         ctx = DecodeContext(self, meta[2], tables, meta[3])
         return self.model(meta[0][:, None], meta[1][:, None], attn_ctx=ctx, return_hidden=True)
 
@@ -617,7 +644,7 @@ class Runner:
     def _static_buffers(self):
         if self._static is None:
             n, d = self.BUCKETS[-1], self.device
-            self._static = (torch.zeros(4, n, dtype=torch.int32, device=d),
+            self._static = (torch.zeros(5, n, dtype=torch.int32, device=d),
                             torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d))
         return self._static
 
@@ -634,12 +661,13 @@ class Runner:
         self.graph_pool = graph.pool()
         self.graphs[bucket] = (graph, out[:, 0])
 
-    def _decode_graph(self, seqs):
+    def _decode_graph(self, seqs, src_rows, prev_tokens):
         bucket = next(b for b in self.BUCKETS if b >= len(seqs))
-        meta, tables = self._decode_inputs(seqs, bucket)
+        meta, tables = self._decode_inputs(seqs, bucket, src_rows)
         static_meta, static_tables = self._static_buffers()
         static_meta[:, :bucket].copy_(meta, non_blocking=True)          # two host->device copies
         static_tables[:bucket, :tables.shape[1]].copy_(tables, non_blocking=True)
+        self._fill_tokens(static_meta[:, :bucket], prev_tokens)
         if bucket not in self.graphs:
             self._capture(bucket)
         graph, out = self.graphs[bucket]
@@ -715,6 +743,57 @@ class LLMEngine:
             if not all(isinstance(t, int) and 0 <= t < V for t in p):
                 raise ValueError(f"prompt {i} has a token id outside [0, {V}) or not an int")
 
+    def _launch(self, kind, batch, copies, pending, params, gen):
+        """Queue one step on the GPU: forward, sampling, and an asynchronous copy of the tokens and
+        logprobs to the host. Each sequence gets a placeholder token (-1) at once, so the scheduler
+        sees its true length while the value is still on the GPU. -> the step record."""
+        r = self.runner
+        if kind == "prefill":
+            assert pending is None, "a prefill reads every token on the host: drain the step in flight first"
+            seqs = [s for g in batch for s in g]
+            logits = r.prefill(batch)                                        # (groups, V)
+            logits = logits[[i for i, g in enumerate(batch) for _ in g]]     # a row per sample
+        else:
+            seqs = batch
+            r.copy_blocks(copies)
+            rows = {id(s): i for i, s in enumerate(pending["seqs"])} if pending else {}
+            src = [rows[id(s)] if s.token_ids[-1] < 0 else -1 for s in seqs]
+            logits = r.decode(seqs, src, pending["tokens"] if pending else None)   # (B, V)
+        tokens, logprobs = sample(logits, params, gen)
+        out = torch.stack([tokens.double(), logprobs.double()])                  # (2, B)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
+        host.copy_(out, non_blocking=True)
+        event = torch.cuda.Event() if out.is_cuda else None
+        if event is not None:
+            event.record()
+        index = []
+        for seq in seqs:
+            index.append(len(seq))
+            seq.token_ids.append(-1)
+            seq.logprobs.append(float("nan"))
+        return dict(seqs=seqs, index=index, tokens=tokens, host=host, event=event)
+
+    def _apply(self, step, sched, stop, done):
+        """Wait for a launched step's tokens; fill the placeholders; finish sequences that sampled a
+        stop token or reached max_tokens, dropping whatever was sampled after that. -> None"""
+        if step["event"] is not None:
+            step["event"].synchronize()
+        self._ttft = self._ttft if self._ttft is not None else time.perf_counter() - self._t0
+        host = step["host"]
+        for seq, i, tok, lp in zip(step["seqs"], step["index"], host[0].long().tolist(), host[1].tolist()):
+            if seq.finish_reason:        # finished by an earlier step: this row was a spare
+                continue
+            seq.token_ids[i], seq.logprobs[i - seq.num_prompt_tokens] = tok, lp
+            if tok in stop:
+                seq.finish_reason = "stop"
+            elif i + 1 - seq.num_prompt_tokens >= seq.max_tokens:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                del seq.token_ids[i + 1:], seq.logprobs[i + 1 - seq.num_prompt_tokens:]
+                sched.finish(seq)
+                done.append(seq)
+        return None
+
     @torch.inference_mode()
     def generate(self, prompts, params: SamplingParams):
         """prompts: list of token-id lists -> completions[prompt_index][sample_index]."""
@@ -743,32 +822,23 @@ class LLMEngine:
             gen = torch.Generator(device=r.device).manual_seed(params.seed)
         was_training = self.model.training
         self.model.eval()                                  # LoRA dropout off while sampling
-        done, steps, ttft = [], {"prefill": 0, "decode": 0}, None
+        done, steps, self._ttft, self._t0 = [], {"prefill": 0, "decode": 0}, None, t0
+        pending = None                     # the step in flight: its tokens are not on the host yet
         try:
             while not sched.done():
+                if pending and sched.waiting:          # a prefill (or a recompute) needs every token
+                    pending = self._apply(pending, sched, stop, done)
                 kind, batch, copies = sched.schedule()
+                if not batch:                          # everything running waits for its last token
+                    pending = self._apply(pending, sched, stop, done)
+                    continue
                 steps[kind] += 1
-                if kind == "prefill":
-                    seqs = [s for g in batch for s in g]
-                    logits = r.prefill(batch)                                        # (groups, V)
-                    logits = logits[[i for i, g in enumerate(batch) for _ in g]]     # a row per sample
-                else:
-                    seqs = batch
-                    r.copy_blocks(copies)
-                    logits = r.decode(batch)                                         # (B, V)
-                tokens, logprobs = sample(logits, params, gen)
-                host = torch.stack([tokens.double(), logprobs.double()]).cpu()     # the one sync
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                for seq, tok, lp in zip(seqs, host[0].long().tolist(), host[1].tolist()):
-                    seq.token_ids.append(tok)
-                    seq.logprobs.append(lp)
-                    if tok in stop:
-                        seq.finish_reason = "stop"
-                    elif len(seq) - seq.num_prompt_tokens >= seq.max_tokens:
-                        seq.finish_reason = "length"
-                    if seq.finish_reason:
-                        sched.finish(seq)
-                        done.append(seq)
+                step = self._launch(kind, batch, copies, pending, params, gen)
+                if pending:                            # the GPU runs `step` while the host reads this
+                    self._apply(pending, sched, stop, done)
+                pending = step
+            if pending:                                # only rows of finished sequences are left
+                self._apply(pending, sched, stop, done)
         finally:
             self.model.train(was_training)
         assert sched.bm.num_free() == sched.bm.num_blocks, "KV blocks leaked"
@@ -777,7 +847,7 @@ class LLMEngine:
             out[s.prompt_index][s.sample_index] = Completion(
                 s.prompt_index, s.sample_index, s.completion_ids, s.logprobs, s.finish_reason)
         self.stats = dict(num_blocks=r.k_cache.shape[1], preemptions=sched.num_preemptions,
-                          prefill_steps=steps["prefill"], decode_steps=steps["decode"], ttft_s=ttft,
+                          prefill_steps=steps["prefill"], decode_steps=steps["decode"], ttft_s=self._ttft,
                           total_s=time.perf_counter() - t0,
                           new_tokens=sum(len(s) - s.num_prompt_tokens for s in done))
         return out

@@ -102,6 +102,38 @@ def test_scheduler_preempts_newest_and_resumes_by_recompute():
     assert kind == "prefill" and groups == [[b]] and len(b.block_table) == 2
 
 
+def test_scheduler_skips_a_sequence_whose_last_token_is_in_flight_and_finishes_a_waiting_one():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = Sequence(0, 0, 0, [1, 2], 1), Sequence(1, 1, 0, [3, 4], 5)
+    sched.add([a])
+    sched.add([b])
+    sched.schedule()                                     # prefill both
+    a.token_ids.append(-1)                               # a's one allowed token: still on the GPU
+    b.token_ids.append(-1)
+    kind, seqs, _ = sched.schedule()
+    assert kind == "decode" and seqs == [b]              # a is not decoded past max_tokens ...
+    assert a in sched.running and a.block_table          # ... and keeps its blocks until the token lands
+    sched.finish(a)
+    sched.finish(b)
+    assert sched.done() and bm.num_free() == 8
+    # preempted while its token is in flight, then that token turns out to be a stop token
+    bm = BlockManager(num_blocks=3, block_size=2)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = Sequence(0, 0, 0, [1, 2], 5), Sequence(1, 1, 0, [3, 4], 5)
+    sched.add([a])
+    sched.add([b])
+    sched.schedule()
+    a.token_ids.append(-1)
+    b.token_ids.append(-1)
+    kind, seqs, _ = sched.schedule()                     # one free block: b is evicted
+    assert seqs == [a] and list(sched.waiting) == [[b]]
+    sched.finish(b)                                      # b's in-flight token was a stop
+    assert not sched.waiting and sched.running == [a]
+    sched.finish(a)
+    assert sched.done() and bm.num_free() == 3
+
+
 # ----------------------------------------------------------------------------------------------
 # Sampler
 
@@ -270,6 +302,30 @@ def test_stop_token_ends_completion_with_reason_stop(tiny_hf_dir):
     (c,), = LLMEngine(model, block_size=4).generate(
         [prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
     assert c.token_ids == ref[:first + 1] and c.finish_reason == "stop"
+
+
+def test_stops_at_different_steps_with_preemption_match_hf(tiny_hf_dir):
+    """Results reach the host one step late (the next step is already queued), so a sequence that
+    stops leaves a spare row behind. With early stops at different steps, 2 samples per prompt and a
+    cache small enough to preempt, each completion must still be HF's greedy one cut at its first
+    stop token, with a real logprob per token; generate() itself asserts that no KV block leaks."""
+    path, hf = tiny_hf_dir("qwen2")
+    model = _load(path)
+    prompts = _prompts([3, 11, 20, 6], seed=4)
+    refs = [_hf_greedy(hf, p, 24) for p in prompts]
+    stops = {refs[0][2], refs[1][9], refs[3][15]}
+    engine = LLMEngine(model, block_size=4, num_blocks=12)
+    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, n=2, stop_token_ids=stops))
+    assert engine.stats["preemptions"] > 0, engine.stats
+    cuts = []
+    for ref, comps in zip(refs, out):
+        cut = next((i + 1 for i, t in enumerate(ref) if t in stops), len(ref))
+        cuts.append(cut)
+        for c in comps:
+            assert c.token_ids == ref[:cut], (c.token_ids, ref[:cut])
+            assert c.finish_reason == ("stop" if ref[cut - 1] in stops else "length")
+            assert len(c.logprobs) == cut and all(math.isfinite(x) for x in c.logprobs)
+    assert len(set(cuts)) >= 3, f"stops should end completions at different steps: {cuts}"
 
 
 def test_length_is_cut_at_the_context(tiny_hf_dir):
