@@ -84,14 +84,21 @@ def test_scheduler_prefills_group_once_then_decodes():
     assert len({s.block_table[1] for s in group}) == 3
 
 
-def test_scheduler_preempts_newest_and_resumes_by_recompute():
-    bm = BlockManager(num_blocks=3, block_size=2)
+def _two_prefilled(num_blocks, max_a, max_b):
+    """A scheduler (2-token blocks) that has just prefilled a = [1, 2] and b = [3, 4]."""
+    bm = BlockManager(num_blocks=num_blocks, block_size=2)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
-    a, b = Sequence(0, 0, 0, [1, 2], 10), Sequence(1, 1, 0, [3, 4], 10)
+    a, b = Sequence(0, 0, 0, [1, 2], max_a), Sequence(1, 1, 0, [3, 4], max_b)
     sched.add([a])
     sched.add([b])
     kind, groups, _ = sched.schedule()
-    assert kind == "prefill" and groups == [[a], [b]] and bm.num_free() == 1
+    assert kind == "prefill" and groups == [[a], [b]]
+    return bm, sched, a, b
+
+
+def test_scheduler_preempts_newest_and_resumes_by_recompute():
+    bm, sched, a, b = _two_prefilled(3, 10, 10)
+    assert bm.num_free() == 1
     a.token_ids.append(5)
     b.token_ids.append(6)
     kind, seqs, _ = sched.schedule()                     # both need a new block, one is free: b is evicted
@@ -103,12 +110,7 @@ def test_scheduler_preempts_newest_and_resumes_by_recompute():
 
 
 def test_scheduler_skips_a_sequence_whose_last_token_is_in_flight_and_finishes_a_waiting_one():
-    bm = BlockManager(num_blocks=8, block_size=2)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
-    a, b = Sequence(0, 0, 0, [1, 2], 1), Sequence(1, 1, 0, [3, 4], 5)
-    sched.add([a])
-    sched.add([b])
-    sched.schedule()                                     # prefill both
+    bm, sched, a, b = _two_prefilled(8, 1, 5)
     a.token_ids.append(-1)                               # a's one allowed token: still on the GPU
     b.token_ids.append(-1)
     kind, seqs, _ = sched.schedule()
@@ -118,12 +120,7 @@ def test_scheduler_skips_a_sequence_whose_last_token_is_in_flight_and_finishes_a
     sched.finish(b)
     assert sched.done() and bm.num_free() == 8
     # preempted while its token is in flight, then that token turns out to be a stop token
-    bm = BlockManager(num_blocks=3, block_size=2)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
-    a, b = Sequence(0, 0, 0, [1, 2], 5), Sequence(1, 1, 0, [3, 4], 5)
-    sched.add([a])
-    sched.add([b])
-    sched.schedule()
+    bm, sched, a, b = _two_prefilled(3, 5, 5)
     a.token_ids.append(-1)
     b.token_ids.append(-1)
     kind, seqs, _ = sched.schedule()                     # one free block: b is evicted
