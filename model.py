@@ -527,13 +527,18 @@ def weight_bytes(model: Transformer) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
+def load_bytes(model: Transformer) -> int:
+    """What loading needs: the weights + one bf16 matrix in flight (the largest: gate_proj, or the
+    embedding) and quantize's temporaries for it."""
+    cfg = model.config
+    return weight_bytes(model) + 2 * max(cfg.hidden_size * 2 * cfg.intermediate_size, cfg.vocab_size * cfg.hidden_size)
+
+
 def check_fits(model: Transformer, device: torch.device) -> None:
     """Fail before loading anything when the weights (+ one bf16 matrix in flight) cannot fit."""
     if device.type != "cuda":
         return
-    cfg = model.config
-    transient = 2 * max(cfg.hidden_size * 2 * cfg.intermediate_size, cfg.vocab_size * cfg.hidden_size)
-    need, free = weight_bytes(model) + transient, torch.cuda.mem_get_info(device)[0]
+    need, free = load_bytes(model), torch.cuda.mem_get_info(device)[0]
     if need > free:
         raise ValueError(f"the {model.quant} model needs {need / 2**30:.1f} GiB for its weights (+ one matrix in "
                          f"flight) but {device} has {free / 2**30:.1f} GiB free; try quant='nvfp4' or a larger GPU")
