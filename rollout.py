@@ -334,13 +334,13 @@ if triton is not None:
         part_out_ptr, part_lse_ptr,              # (B, Hq, P, D) fp32, (B, Hq, P) fp32
         scale, num_parts,
         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-        BS: tl.constexpr, PARTITION: tl.constexpr, FP32_DOT: tl.constexpr,
+        BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, FP32_DOT: tl.constexpr,
     ):
         """One program = (sequence b, kv head h, partition p): the G query heads of h attend to
         positions [p*PARTITION, min((p+1)*PARTITION, ctx)) with an online softmax.
 
-        for each cache block j of the partition:
-            s = q @ K_j^T * scale             (G, BS), masked beyond ctx
+        for each tile j of TILE positions (gathered from TILE / BS cache blocks) of the partition:
+            s = q @ K_j^T * scale             (G, TILE), masked beyond the partition
             m' = max(m, rowmax s); l = l*e^(m-m') + rowsum e^(s-m'); acc = acc*e^(m-m') + e^(s-m') @ V_j
         out[p] = acc / l ; lse[p] = m + log l         (merged across partitions by the next kernel)
         """
@@ -353,7 +353,7 @@ if triton is not None:
             # ---- the G query heads that share kv head h, padded to a dot-friendly G_PAD
             offs_g = tl.arange(0, G_PAD)
             offs_d = tl.arange(0, D)
-            offs_n = tl.arange(0, BS)
+            offs_n = tl.arange(0, TILE)
             g_mask = offs_g < G
             q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
                         mask=g_mask[:, None], other=0.0)                        # (G_PAD, D)
@@ -363,18 +363,20 @@ if triton is not None:
             l = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
             end = tl.minimum(start + PARTITION, ctx)
-            # ---- walk the partition one cache block at a time
-            for tok0 in range(start, end, BS):
-                block = tl.load(block_table_ptr + b * stride_bt + tok0 // BS).to(tl.int64)
-                kv_off = ((block * BS + offs_n[:, None]) * HKV + h) * D + offs_d[None, :]  # (BS, D)
-                k = tl.load(k_cache_ptr + kv_off)
-                v = tl.load(v_cache_ptr + kv_off)
+            # ---- walk the partition TILE positions (TILE / BS cache blocks) at a time
+            for tok0 in range(start, end, TILE):
+                pos = tok0 + offs_n                                                # (TILE,)
+                valid = pos < end
+                block = tl.load(block_table_ptr + b * stride_bt + pos // BS, mask=valid, other=0).to(tl.int64)
+                kv_off = ((block * BS + pos % BS)[:, None] * HKV + h) * D + offs_d[None, :]  # (TILE, D)
+                k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+                v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
                 if FP32_DOT:
-                    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (G_PAD, BS)
+                    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (G_PAD, TILE)
                 else:
                     s = tl.dot(q, tl.trans(k))                                   # bf16 MMA
                 s = s * scale
-                s = tl.where((tok0 + offs_n)[None, :] < ctx, s, float("-inf"))
+                s = tl.where(valid[None, :], s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, 1))
                 alpha = tl.exp(m - m_new)
                 pr = tl.exp(s - m_new[:, None])
@@ -429,9 +431,10 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts,
-                           partition_size=256):
+                           partition_size=256, tile=64):
     """Same contract as paged_attention_ref. num_parts * partition_size >= every context length;
-    it is fixed per engine (not per step) so that a captured CUDA graph stays valid."""
+    it is fixed per engine (not per step) so that a captured CUDA graph stays valid. Each program
+    reads `tile` positions (a power of 2, several cache blocks) per step: bigger loads, fewer steps."""
     B, Hq, D = q.shape
     _, BS, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -446,7 +449,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
         context_lens, part_out, part_lse, scale, num_parts,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BS=BS,
-        PARTITION=partition_size, FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32)
+        PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
+        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32)
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
     _paged_decode_merge_kernel[(B, Hq)](
         part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,

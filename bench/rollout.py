@@ -19,6 +19,7 @@ part of the cost a training step pays (the cache and graphs are freed before eac
     python bench/rollout.py --workloads batch1 --out DIR      # table on stdout, DIR/rollout.json
     python bench/rollout.py --models tiny --engines ours-nvfp4,ours-bf16   # a 1-minute smoke test
     python bench/rollout.py --engines ours-nvfp4 --profile    # + per-kernel GPU time, OUT/profile.txt
+    python bench/rollout.py --attention --out DIR             # paged attention alone, per tile size
 Each model is built, measured and freed in turn; results merge into the JSON by (model, engine,
 workload), so separate invocations (e.g. under a 10-minute limit) add up to one table.
 """
@@ -119,6 +120,32 @@ def profile(run, vocab, batch, new, path):
     print(table, flush=True)
 
 
+def attention(path):
+    """Paged decode attention alone at 7B heads (28 q / 4 kv, D 128, 16-token blocks, contexts of
+    768 = GRPO's mean): µs and KV TB/s per tile size (positions read per program step)."""
+    import triton
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    rows = []
+    for B, part in ((1, 32), (16, 512), (128, 512)):
+        ctx, bs = 768, 16
+        nb = B * ctx // bs
+        kc, vc = (torch.randn(nb, bs, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        tables = torch.randperm(nb, device="cuda", dtype=torch.int32).view(B, ctx // bs)
+        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(B, 28, 128, device="cuda", dtype=torch.bfloat16)
+        for tile in (16, 32, 64, 128):
+            fn = functools.partial(rollout.paged_attention_triton, q, kc, vc, tables, lens, 0.088,
+                                   num_parts=2048 // part, partition_size=part, tile=tile)
+            fn()
+            us = triton.testing.do_bench_cudagraph(fn) * 1e3
+            rows.append(dict(batch=B, ctx=ctx, partition=part, tile=tile, us=us,
+                             kv_tb_s=2 * kc.numel() * 2 / us / 1e6))
+            print(f"  attention B={B} ctx={ctx} partition={part} tile={tile}: {us:.1f} us, "
+                  f"{rows[-1]['kv_tb_s']:.2f} TB/s of KV", flush=True)
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
 def measure(model_name, engine_name, workloads, max_model_len, profile_path=None):
     cfg = CONFIGS[model_name]
     quant = "nvfp4" if engine_name.startswith("ours-nvfp4") else "bf16"
@@ -179,10 +206,13 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--profile", action="store_true", help="also write per-kernel GPU time to OUT/profile.txt")
+    ap.add_argument("--attention", action="store_true", help="only time paged attention per tile size (OUT/attention.json)")
     args = ap.parse_args()
     print(vars(args))
     if not torch.cuda.is_available():
         sys.exit("bench/rollout.py needs a CUDA GPU")
+    if args.attention:
+        return attention(os.path.join(args.out, "attention.json"))
     path = os.path.join(args.out, "rollout.json")
     old = json.load(open(path))["rows"] if os.path.exists(path) else []
     rows = []

@@ -178,12 +178,15 @@ def _random_paged(B, Hq, Hkv, D, bs, num_blocks, ctx_lens, dtype, device="cpu", 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_triton_matches_reference(dtype):
-    # GQA 6/2 (G=3, padded to 16), contexts spanning 1..4 partitions of 32, one empty row
+@pytest.mark.parametrize("partition, tile", [(32, 16), (32, 64), (64, 64), (48, 64)])
+def test_paged_attention_triton_matches_reference(dtype, partition, tile):
+    # GQA 6/2 (G=3, padded to 16), contexts spanning 1..4 partitions, one empty row; tiles of one
+    # block, of several blocks, and (48, 64 -> 32) not dividing the partition
     ctx = [1, 17, 40, 0, 97]
     q, kc, vc, tables, lens = _random_paged(5, 6, 2, 16, 16, 48, ctx, dtype)
     ref = paged_attention_ref(q, kc, vc, tables, lens, 0.25)
-    out = rollout.paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=4, partition_size=32)
+    out = rollout.paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=-(-128 // partition),
+                                         partition_size=partition, tile=tile)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = (out.float() - ref.float()).abs()
     assert err.max() < tol, f"max err {err.max():.2e} mean {err.mean():.2e}"
