@@ -431,7 +431,7 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts,
-                           partition_size=256, tile=64):
+                           partition_size=256, tile=128):
     """Same contract as paged_attention_ref. num_parts * partition_size >= every context length;
     it is fixed per engine (not per step) so that a captured CUDA graph stays valid. Each program
     reads `tile` positions (a power of 2, several cache blocks) per step: bigger loads, fewer steps."""
