@@ -229,7 +229,7 @@ class RMSNorm(nn.Module):
 # 4-bit matmuls at batch 1. On CUDA without autograd (rollout) one Triton kernel does each; the
 # math is the same fp32 math (only the order of the norm's sum differs). Training keeps torch ops.
 
-FUSED = True   # bench/rollout.py --no-fused flips it to measure what the fusion buys
+FUSED = True   # bench/rollout.py's *-unfused engines turn it off to measure what the fusion buys
 
 
 def fused(x: torch.Tensor) -> bool:

@@ -123,6 +123,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def at_max_tokens(self):
+        """Has the last allowed token been sampled (it may still be on the GPU)?"""
+        return len(self) - self.num_prompt_tokens >= self.max_tokens
+
+    @property
     def completion_ids(self):
         return self.token_ids[self.num_prompt_tokens:]
 
@@ -234,9 +239,9 @@ class Scheduler:
             raise RuntimeError("scheduler stuck: a waiting sequence can never fit in the KV cache")
         # a sequence whose last allowed token is still on the GPU (the engine reads results one
         # step late) is not decoded again; it keeps its blocks until that token arrives
-        waiting_for_last = [s for s in self.running if len(s) - s.num_prompt_tokens >= s.max_tokens]
+        waiting_for_last = [s for s in self.running if s.at_max_tokens]
         scheduled, copies = [], []
-        queue = deque(s for s in self.running if len(s) - s.num_prompt_tokens < s.max_tokens)
+        queue = deque(s for s in self.running if not s.at_max_tokens)
         while queue:
             seq = queue.popleft()
             while self.bm.needs_block(seq) and self.bm.num_free() == 0:
@@ -779,10 +784,9 @@ class LLMEngine:
 
     def _apply(self, step, sched, stop, done):
         """Wait for a launched step's tokens; fill the placeholders; finish sequences that sampled a
-        stop token or reached max_tokens, dropping whatever was sampled after that. -> None"""
+        stop token or reached max_tokens, dropping whatever was sampled after that."""
         if step["event"] is not None:
             step["event"].synchronize()
-        self._ttft = self._ttft if self._ttft is not None else time.perf_counter() - self._t0
         host = step["host"]
         for seq, i, tok, lp in zip(step["seqs"], step["index"], host[0].long().tolist(), host[1].tolist()):
             if seq.finish_reason:        # finished by an earlier step: this row was a spare
@@ -796,7 +800,6 @@ class LLMEngine:
                 del seq.token_ids[i + 1:], seq.logprobs[i + 1 - seq.num_prompt_tokens:]
                 sched.finish(seq)
                 done.append(seq)
-        return None
 
     @torch.inference_mode()
     def generate(self, prompts, params: SamplingParams):
@@ -826,23 +829,31 @@ class LLMEngine:
             gen = torch.Generator(device=r.device).manual_seed(params.seed)
         was_training = self.model.training
         self.model.eval()                                  # LoRA dropout off while sampling
-        done, steps, self._ttft, self._t0 = [], {"prefill": 0, "decode": 0}, None, t0
+        done, steps, ttft = [], {"prefill": 0, "decode": 0}, None
         pending = None                     # the step in flight: its tokens are not on the host yet
+
+        def take(step):                    # its tokens into the sequences (waits for the GPU)
+            nonlocal ttft
+            self._apply(step, sched, stop, done)
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+
         try:
             while not sched.done():
                 if pending and sched.waiting:          # a prefill (or a recompute) needs every token
-                    pending = self._apply(pending, sched, stop, done)
+                    take(pending)
+                    pending = None
                 kind, batch, copies = sched.schedule()
                 if not batch:                          # everything running waits for its last token
-                    pending = self._apply(pending, sched, stop, done)
+                    take(pending)
+                    pending = None
                     continue
                 steps[kind] += 1
                 step = self._launch(kind, batch, copies, pending, params, gen)
                 if pending:                            # the GPU runs `step` while the host reads this
-                    self._apply(pending, sched, stop, done)
+                    take(pending)
                 pending = step
             if pending:                                # only rows of finished sequences are left
-                self._apply(pending, sched, stop, done)
+                take(pending)
         finally:
             self.model.train(was_training)
         assert sched.bm.num_free() == sched.bm.num_blocks, "KV blocks leaked"
@@ -851,7 +862,7 @@ class LLMEngine:
             out[s.prompt_index][s.sample_index] = Completion(
                 s.prompt_index, s.sample_index, s.completion_ids, s.logprobs, s.finish_reason)
         self.stats = dict(num_blocks=r.k_cache.shape[1], preemptions=sched.num_preemptions,
-                          prefill_steps=steps["prefill"], decode_steps=steps["decode"], ttft_s=self._ttft,
+                          prefill_steps=steps["prefill"], decode_steps=steps["decode"], ttft_s=ttft,
                           total_s=time.perf_counter() - t0,
                           new_tokens=sum(len(s) - s.num_prompt_tokens for s in done))
         return out
