@@ -57,7 +57,9 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
   * M <= 64 (decode, memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
     weight rows per program, split-K until there are >= 4 programs per SM; the fp32 partial sums
     are reduced (with scale, bias, cast) by a second small kernel: deterministic, no atomics.
-  * 64 < M < 512: the same kernel with 128 x 64 tiles, grouped program order for L2 reuse.
+  * 64 < M < 512 (v5, not yet measured): the same kernel not swapped, acc[BM, BN] += x·wᵀ with
+    128 x 128 tiles: the decoded W is the MMA's B operand, stored once to shared memory (no
+    round trip back to registers), and x is re-read from L2 N/128 times instead of N/64.
   * M >= 512 (compute-bound; M >= 128 for weights under 40M elements): the fused kernel reaches only
     ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
     copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
@@ -246,12 +248,13 @@ def _nvfp4_mm_kernel(
     stride_xm, stride_pn, stride_sn, stride_om, stride_os,
     # meta
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    SWAP_AB: tl.constexpr,     # True: acc = W·xᵀ (BN, BM), W from registers; False: x·Wᵀ (BM, BN)
     INTERPRET: tl.constexpr,
 ):
-    """y[m, n] = sum_k x[m, k] · W[n, k]; one (BN, BM) tile of yᵀ per program."""
-    # ---- grouped program order: GROUP_N weight tiles are swept over all m-tiles together (L2)
-    pid_n, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP_N)
+    """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program."""
+    # ---- grouped program order: GROUP weight tiles are swept over all m-tiles together (L2)
+    pid_n, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
     pid_k = tl.program_id(1)
 
     # rows past N or M are clamped (wrapped) instead of masked: loads stay unmasked and
@@ -261,31 +264,38 @@ def _nvfp4_mm_kernel(
     k_start = pid_k * K_SPLIT
     n_iter = tl.cdiv(min(K - k_start, K_SPLIT), BK)      # BK divides K and K_SPLIT
 
-    # ---- main loop: dequantize a (BN, BK) weight tile in registers, bf16 MMA with xᵀ (BK, BM)
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    # ---- main loop: dequantize a (BN, BK) weight tile in registers, bf16 MMA with x (BM, BK).
+    # Swapped (small M): W is the MMA's A operand, taken from registers, so BN = 64 weight rows
+    # are a legal tile at M = 1. Not swapped (medium M): the decoded W is the B operand, which
+    # the MMA reads from shared memory: it is stored there once and the MMA runs asynchronously.
+    acc = tl.zeros((BN, BM) if SWAP_AB else (BM, BN), dtype=tl.float32)
     for it in range(0, n_iter):
         k0 = tl.multiple_of(k_start + it * BK, BK)
         w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
                               BN, BK, INTERPRET)                                   # (BN, BK)
         offs_k = k0 + tl.arange(0, BK)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None])       # (BK, BM)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :])        # (BM, BK)
         if INTERPRET:
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc)
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)                                      # (BN, BM)
         else:
-            acc = tl.dot(w, xt, acc)
+            acc = tl.dot(x, tl.trans(w), acc)                                      # (BM, BN)
+    if SWAP_AB:
+        acc = tl.trans(acc)                                                        # (BM, BN)
 
-    # ---- epilogue: yᵀ tile -> y (or an fp32 partial sum for the split-K reduce)
+    # ---- epilogue: the y tile (or an fp32 partial sum for the split-K reduce)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if PARTIAL:
-        ptrs = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+        ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(ptrs, acc, mask=mask)
     else:
         y = acc * (OPERAND_POST / tl.load(gs_ptr))
         if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], _to_bf16(y, INTERPRET),
+            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], _to_bf16(y, INTERPRET),
                  mask=mask)
 
 
@@ -459,7 +469,8 @@ def _nvfp4_dequant_kernel(packed_ptr, scale_ptr, gs_ptr, out_ptr, N, K, stride_p
 @dataclass(frozen=True)
 class TileConfig:
     """One launch shape. bm/bn/bk: tile sizes along M, N, K; split: programs along the reduction
-    dim (0 = choose from the problem size); group: tiles swept together for L2 reuse."""
+    dim (0 = choose from the problem size); group: tiles swept together for L2 reuse; swap: the
+    forward computes (W·xᵀ)ᵀ with W from registers (small M) instead of x·Wᵀ (medium M)."""
     bm: int
     bn: int
     bk: int
@@ -467,6 +478,7 @@ class TileConfig:
     stages: int = 4
     split: int = 0
     group: int = 8
+    swap: bool = True
 
     def __post_init__(self):
         for field in ("bm", "bn", "bk"):
@@ -509,12 +521,25 @@ def _fit(block: int, n: int) -> int:
     return block
 
 
-def _pick_split(tiles: int, red: int, block: int, sms: int) -> int:
-    """Split the reduction (length red, in steps of block) until ~4 programs per SM exist."""
-    split = 1
-    while tiles * split < 4 * sms and red >= block * split * 4:
-        split *= 2
-    return split
+def _split(split: int, tiles: int, red: int, block: int, programs: int):
+    """(split, chunk): programs along a reduction of length red, each reducing chunk (a multiple of
+    block). split = 0 chooses: double it until tiles·split >= programs or chunks get under 4 blocks."""
+    if not split:
+        split = 1
+        while tiles * split < programs and red >= block * split * 4:
+            split *= 2
+    chunk = triton.cdiv(triton.cdiv(red, split), block) * block
+    return triton.cdiv(red, chunk), chunk
+
+
+def _partials(split: int, out):
+    """Where a split launch writes: fp32 partial sums (split, *out.shape), or out if split is 1."""
+    return torch.empty((split, *out.shape), device=out.device, dtype=torch.float32) if split > 1 else out
+
+
+# 64 < M < 512 (v5): x·Wᵀ, so the decoded W is stored once into shared memory as the MMA's B
+# operand; 128 x 128 tiles read x from L2 N/128 times (the swapped 128 x 64 tile: N/64 times)
+MEDIUM_CONFIG = TileConfig(bm=128, bn=128, bk=64, warps=8, stages=4, swap=False)
 
 
 def fwd_config(M: int, N: int, K: int):
@@ -527,7 +552,7 @@ def fwd_config(M: int, N: int, K: int):
         return TileConfig(bm=32, bn=64, bk=128, warps=4, stages=4)
     if M <= 64:
         return TileConfig(bm=64, bn=128, bk=128, warps=8, stages=3)
-    return TileConfig(bm=128, bn=64, bk=64, warps=4, stages=4)
+    return MEDIUM_CONFIG
 
 
 def dx_config(M: int, N: int, K: int) -> TileConfig:
@@ -606,6 +631,9 @@ def _dequantize_bf16(packed, scale, global_scale):
 
 
 def _reduce(part, global_scale, bias, out):
+    """out = sum of the partials (scaled, + bias); nothing to do if the launch wrote out itself."""
+    if part is out:
+        return out
     numel = out.numel()
     BLOCK = 1024
     _splitk_reduce_kernel[(triton.cdiv(numel, BLOCK),)](
@@ -625,19 +653,19 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
         return out
     cfg = replace(cfg, bk=_fit(max(cfg.bk, MIN_RED), K))
     tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bm)
-    split = cfg.split or _pick_split(tiles, K, cfg.bk, _num_sms(x.device))
-    k_split = triton.cdiv(triton.cdiv(K, split), cfg.bk) * cfg.bk
-    split = triton.cdiv(K, k_split)
-    part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else out
-    sb = scale.view(torch.uint8)
+    # swapped (small M, memory-bound): ~4 programs per SM; not swapped (one tile is ~8x more MMA
+    # work, and 2 programs fit on an SM): ~1.5 per SM, so the fp32 partials stay small
+    sms = _num_sms(x.device)
+    split, k_split = _split(cfg.split, tiles, K, cfg.bk, 4 * sms if cfg.swap else 3 * sms // 2)
+    part = _partials(split, out)
     _nvfp4_mm_kernel[(tiles, split)](
-        x, packed, sb, global_scale, bias if bias is not None else out, part,
+        x, packed, scale, global_scale, bias if bias is not None else out, part,
         M, N, K, k_split,
-        x.stride(0), packed.stride(0), sb.stride(0), N, M * N,
+        x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_N=cfg.group, INTERPRET=_interpreting(),
-        num_warps=cfg.warps, num_stages=cfg.stages)
-    return _reduce(part, global_scale, bias, out) if split > 1 else out
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap,
+        INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages)
+    return _reduce(part, global_scale, bias, out)
 
 
 def _gemv(x, packed, scale, global_scale, bias, cfg):
@@ -651,10 +679,8 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
         return out
     bk = min(cfg.bk, max(32, triton.next_power_of_2(K)))
     tiles = triton.cdiv(N, cfg.bn)
-    split = cfg.split or _pick_split(tiles, K, bk, _num_sms(x.device) // 2)
-    k_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-    split = triton.cdiv(K, k_split)
-    part = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else out
+    split, k_split = _split(cfg.split, tiles, K, bk, 2 * _num_sms(x.device))
+    part = _partials(split, out)
     x2 = x.view(torch.int32)                 # (M, K/2): one bf16 pair per word
     sb = scale.view(torch.uint8)             # E4M3 bits; decoded in-kernel
     _nvfp4_gemv_kernel[(tiles, split)](
@@ -664,7 +690,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, INTERPRET=_interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages)
-    return _reduce(part, global_scale, bias, out) if split > 1 else out
+    return _reduce(part, global_scale, bias, out)
 
 
 def _matmul_dx(dy, packed, scale, global_scale, cfg):
@@ -681,19 +707,16 @@ def _matmul_dx(dy, packed, scale, global_scale, cfg):
         return out
     cfg = replace(cfg, bk=_fit(max(cfg.bk, MIN_RED), K), bn=_fit(max(cfg.bn, MIN_RED), N))
     tiles = triton.cdiv(K, cfg.bk) * triton.cdiv(M, cfg.bm)
-    split = cfg.split or _pick_split(tiles, N, cfg.bn, _num_sms(dy.device))
-    n_split = triton.cdiv(triton.cdiv(N, split), cfg.bn) * cfg.bn
-    split = triton.cdiv(N, n_split)
-    part = torch.empty((split, M, K), device=dy.device, dtype=torch.float32) if split > 1 else out
-    sb = scale.view(torch.uint8)
+    split, n_split = _split(cfg.split, tiles, N, cfg.bn, 4 * _num_sms(dy.device))
+    part = _partials(split, out)
     _nvfp4_mm_dx_kernel[(tiles, split)](
-        dy, packed, sb, global_scale, part,
+        dy, packed, scale, global_scale, part,
         M, N, K, n_split,
-        dy.stride(0), packed.stride(0), sb.stride(0), K, M * K,
+        dy.stride(0), packed.stride(0), scale.stride(0), K, M * K,
         PARTIAL=split > 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=cfg.group, INTERPRET=_interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages)
-    return _reduce(part, global_scale, None, out) if split > 1 else out
+    return _reduce(part, global_scale, None, out)
 
 
 def nvfp4_matmul(x, packed, scale, global_scale, bias=None):

@@ -14,6 +14,7 @@ and speedup = cuBLAS time / our time.
     python bench/kernel.py --sweep            # try several tile configs per (shape, M)
     python bench/kernel.py --sweep-gemv --no-bench   # launch shapes of the CUDA-core kernel (M <= 4)
     python bench/kernel.py --ms 1,2,4,8,16 --fwd-only   # a subset; "old" = pre-v4 tensor-core path
+    python bench/kernel.py --medium-variants --no-check --no-bench   # M = 64..512: pre-v5 vs v5 tiles
     python bench/kernel.py --out DIR          # where the JSON and log go
 
 The weights are random codes and random E4M3 scales (the kernel's speed does not depend on the
@@ -123,11 +124,11 @@ def check(device, log):
 # ----------------------------------------------------------------------------------------------
 # timing
 
-def bench_ms(fn, graph=True):
+def bench_ms(fn, graph=True, rep=20):
     """Median ms per call. graph=True: CUDA-graph replay (GPU time, no Python launch cost);
     graph=False: eager calls, what an un-captured training step pays."""
     if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
@@ -286,6 +287,76 @@ def sweep(device, log, budget_s=240.0):
 
 
 # ----------------------------------------------------------------------------------------------
+# medium M (rollout batches): the pre-v5 path against the v5 candidates, in one run
+
+MEDIUM_MS = (64, 96, 128, 192, 256, 512)
+PRE_V5_MEDIUM = mk.TileConfig(128, 64, 64)       # swapped 128 x 64 tiles: 64 < M < 512 before v5
+MEDIUM_CANDIDATES = {                            # all but the last: x·Wᵀ, W from shared memory
+    "v5 128x128x64 w8": mk.MEDIUM_CONFIG,
+    "v5 128x128x128 w8": T(128, 128, 128, warps=8, stages=3, swap=False),
+    "v5 128x256x64 w8": T(128, 256, 64, warps=8, stages=3, swap=False),
+    "v5 256x128x64 w8": T(256, 128, 64, warps=8, stages=3, swap=False),
+    "v5 64x128x64 w4": T(64, 128, 64, warps=4, stages=4, swap=False),
+    "swap 128x128x64 w8": T(128, 128, 64, warps=8, stages=4),
+}
+
+
+def pre_v5_forward(x, p, s, g):
+    """What nvfp4_matmul ran before v5 (dequantize + cuBLAS, or the swapped fused kernel)."""
+    M, N, K = x.shape[0], p.shape[0], p.shape[1] * 2
+    if mk.use_dequant(M, N, K):
+        return torch.nn.functional.linear(x, mk._dequantize_bf16(p, s, g))
+    return mk._matmul(x, p, s, g, None, mk.fwd_config(M, N, K) if M <= 64 else PRE_V5_MEDIUM)
+
+
+def medium_variants(device, log, Ms=MEDIUM_MS, budget_s=110.0):
+    """Forward only, CUDA graphs, weights rotated: cuBLAS bf16, the pre-v5 path and every
+    candidate per (shape, M); each candidate's output is also compared with the pre-v5 one."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    rows, t0 = [], time.time()
+    for name, (N, K) in sorted(SHAPES.items(), key=lambda kv: -kv[1][0] * kv[1][1]):   # big first
+        qs = Rotating([random_weight(N, K, device, gen) for _ in range(copies_for(N * K * 4.5 / 8, device))])
+        ws = Rotating([torch.randn(N, K, device=device, generator=gen).bfloat16()
+                       for _ in range(min(4, copies_for(N * K * 2, device)))])
+        for M in Ms:
+            if time.time() - t0 > budget_s:
+                log(f"medium: time budget of {budget_s:.0f} s spent, stopping")
+                return rows
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            ref = pre_v5_forward(x, *qs.items[0]).float()
+            r = dict(shape=name, N=N, K=K, M=M, wrapper=str(mk.fwd_config(M, N, K)) if not mk.use_dequant(M, N, K)
+                     else "dequant+cublas", us={}, rel_err={})
+            r["us"]["cublas"] = bench_ms(lambda: x @ ws.next().t(), rep=5) * 1e3
+            r["us"]["pre-v5"] = bench_ms(lambda: pre_v5_forward(x, *qs.next()), rep=5) * 1e3
+            for label, cfg in MEDIUM_CANDIDATES.items():
+                try:
+                    y = mk._matmul(x, *qs.items[0], None, cfg).float()
+                    r["rel_err"][label] = ((y - ref).norm() / ref.norm()).item()
+                    r["us"][label] = bench_ms(lambda cfg=cfg: mk._matmul(x, *qs.next(), None, cfg), rep=5) * 1e3
+                except Exception as e:                       # a config that does not compile
+                    log(f"medium {name} M={M} {label}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            rows.append(r)
+            log(f"medium {name:>11} M={M:4d} " + " ".join(f"{k}={v:.1f}" for k, v in r["us"].items())
+                + f" max_rel_err={max(r['rel_err'].values(), default=float('nan')):.1e}")
+        del qs, ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def medium_table(rows, log):
+    """us per path and x = cuBLAS / path; * marks the fastest NVFP4 path of each row."""
+    labels = ["pre-v5"] + list(MEDIUM_CANDIDATES)
+    log("# medium M, forward, CUDA graphs: us (x = cuBLAS bf16 / path); * = fastest NVFP4 path")
+    log(f"{'shape':>11} {'M':>4} {'cuBLAS':>7} | " + " | ".join(f"{l:>18}" for l in labels))
+    for r in rows:
+        us = r["us"]
+        best = min((l for l in labels if l in us), key=us.get)
+        cells = [f"{us[l]:7.1f} {us['cublas'] / us[l]:4.2f}{'*' if l == best else ' '}".rjust(18)
+                 if l in us else f"{'-':>18}" for l in labels]
+        log(f"{r['shape']:>11} {r['M']:4d} {us['cublas']:7.1f} | " + " | ".join(cells))
+
+
+# ----------------------------------------------------------------------------------------------
 # main
 
 def main():
@@ -298,6 +369,9 @@ def main():
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
     ap.add_argument("--fwd-only", action="store_true", help="time the forward only (no dx)")
     ap.add_argument("--sweep-gemv", action="store_true", help="sweep the CUDA-core kernel's launch shapes")
+    ap.add_argument("--medium-variants", action="store_true",
+                    help="M = 64..512 forward: pre-v5 path vs the v5 candidates (< 2 min)")
+    ap.add_argument("--no-check", action="store_true", help="skip the GPU correctness check")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -316,10 +390,16 @@ def main():
     log(f"# args: {vars(args)}")
     t0 = time.time()
     out = dict(device=props.name, torch=torch.__version__, triton=triton.__version__)
-    out["check_pass"] = check(device, log)
-    log(f"# check took {time.time() - t0:.0f} s")
+    if not args.no_check:
+        out["check_pass"] = check(device, log)
+        log(f"# check took {time.time() - t0:.0f} s")
     if args.check:
         return
+    if args.medium_variants:
+        t1 = time.time()
+        out["medium"] = medium_variants(device, log)
+        medium_table(out["medium"], log)
+        log(f"# medium variants took {time.time() - t1:.0f} s")
     if args.sweep_gemv:
         t1 = time.time()
         out["sweep_gemv"] = sweep_gemv(device, log, budget_s=args.sweep_budget)

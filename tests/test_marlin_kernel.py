@@ -5,6 +5,8 @@ are tiny; the `gpu` tests use the real Qwen2.5 projection shapes. Every test dra
 codes and scales (all 16 E2M1 codes, E4M3 scales from subnormal to large) and poisons every
 buffer the wrappers allocate with NaN, so an element the kernel forgets to write fails.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,7 +80,9 @@ def test_backward_input_matches_float64(M, N, K, poisoned):
 
 
 @pytest.mark.parametrize("cfg", [mk.TileConfig(16, 16, 64, split=4), mk.TileConfig(16, 32, 128, split=2),
-                                 mk.TileConfig(32, 64, 64, split=1), mk.TileConfig(16, 16, 16, split=2)])
+                                 mk.TileConfig(32, 64, 64, split=1), mk.TileConfig(16, 16, 16, split=2),
+                                 mk.TileConfig(16, 16, 64, split=4, swap=False),
+                                 mk.TileConfig(32, 64, 64, split=1, swap=False)])
 def test_split_and_tile_variants_agree(cfg, poisoned):
     """Split-K (fp32 partials + reduce kernel) and different tiles compute the same function."""
     gen = torch.Generator().manual_seed(11)
@@ -108,6 +112,24 @@ def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
     assert e < 4e-3, f"typical error too large: {e:.2e}"
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 16, 16), (67, 48, 80), (130, 144, 256)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_medium_m_unswapped_kernel_matches_float64(M, N, K, has_bias, poisoned):
+    """The medium-M launch (x·Wᵀ, decoded W as the MMA's shared-memory operand, MEDIUM_CONFIG's
+    128 x 128 tiles): odd M, minimum N and K (K padded to 64), N and M not multiples of the tile,
+    two m-tiles, a single pass and split-K."""
+    gen = torch.Generator().manual_seed(M * 1000 + N + K + has_bias)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    ref = mk.reference_matmul(x, packed, scale, gs, bias)
+    for cfg in (mk.MEDIUM_CONFIG, dataclasses.replace(mk.MEDIUM_CONFIG, split=2)):
+        y = mk._matmul(x, packed, scale, gs, bias, cfg)
+        assert y.shape == (M, N) and y.dtype == torch.bfloat16
+        e = assert_close(y, ref, f"medium M={M} N={N} K={K} {cfg}")
+        assert e < 4e-3, f"typical error too large: {e:.2e}"
+
+
 def test_cuda_core_gemv_decodes_every_code_exactly():
     """x = 4 rows of the identity at a time: y = Wᵀ within one bf16 rounding, code 1 (0.5, an fp32
     subnormal inside the kernel) included."""
@@ -122,28 +144,49 @@ def test_cuda_core_gemv_decodes_every_code_exactly():
     assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
 
 
+class LaunchSpy:
+    """Stands in for a Triton kernel: records (kernel, launch keyword arguments), then launches."""
+    def __init__(self, kernel, launched):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append((self.kernel, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 @pytest.mark.parametrize("M", [1, 2])
 def test_wrapper_picks_cuda_core_path_for_tiny_m(M, monkeypatch):
     """nvfp4_matmul must run the CUDA-core kernel (and not the MMA one) for M <= GEMV_MAX_M."""
     launched = []
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            launched.append(self.kernel)
-            return self.kernel[grid]
-
-    monkeypatch.setattr(mk, "_nvfp4_gemv_kernel", Spy(mk._nvfp4_gemv_kernel))
-    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", Spy(mk._nvfp4_mm_kernel))
+    monkeypatch.setattr(mk, "_nvfp4_gemv_kernel", LaunchSpy(mk._nvfp4_gemv_kernel, launched))
+    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(mk._nvfp4_mm_kernel, launched))
     gen = torch.Generator().manual_seed(M)
     packed, scale, gs = random_weight(32, 64, gen)
     x = torch.randn(M, 64, generator=gen).bfloat16().to(DEV)
     assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
-    assert launched and all(k is mk._nvfp4_gemv_kernel.kernel for k in launched), "MMA kernel used"
+    assert launched and all(k is mk._nvfp4_gemv_kernel.kernel for k, _ in launched), "MMA kernel used"
     assert M <= mk.GEMV_MAX_M and isinstance(mk.fwd_config(M, 32, 64), mk.GemvConfig)
     assert not isinstance(mk.fwd_config(mk.GEMV_MAX_M + 1, 32, 64), mk.GemvConfig)
+
+
+@pytest.mark.parametrize("M,swapped", [(64, True), (65, False), (97, False)])
+def test_wrapper_routes_medium_m_to_unswapped_kernel(M, swapped, monkeypatch):
+    """nvfp4_matmul runs the MMA kernel with SWAP_AB=False (MEDIUM_CONFIG) exactly for 64 < M,
+    up to where dequantize + cuBLAS takes over; M <= 64 stays swapped."""
+    launched = []
+    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(mk._nvfp4_mm_kernel, launched))
+    gen = torch.Generator().manual_seed(M)
+    packed, scale, gs = random_weight(16, 64, gen)
+    x = torch.randn(M, 64, generator=gen).bfloat16().to(DEV)
+    assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
+    mm = [kw for k, kw in launched if k is mk._nvfp4_mm_kernel.kernel]
+    assert len(mm) == 1 and mm[0]["SWAP_AB"] == swapped, f"launches: {mm}"
+    assert mm[0]["BM"] == (64 if swapped else mk.MEDIUM_CONFIG.bm)
+    for m in (65, 128, 256, mk.DEQUANT_MIN_M - 1):       # a 7B gate_up-sized weight: never dequantized
+        assert not mk.use_dequant(m, 37888, 3584) and mk.fwd_config(m, 37888, 3584) == mk.MEDIUM_CONFIG
+    assert mk.use_dequant(mk.DEQUANT_MIN_M, 37888, 3584)
 
 
 @pytest.mark.parametrize("has_bias", [False, True])
@@ -241,7 +284,7 @@ def test_bad_inputs_raise_clear_errors():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120)])
-@pytest.mark.parametrize("M", [1, 7, 16, 33, 100, 1000])
+@pytest.mark.parametrize("M", [1, 7, 16, 33, 100, 256, 1000])
 def test_real_shapes_gpu(N, K, M, poisoned):
     gen = torch.Generator().manual_seed(N + K + M)
     packed, scale, gs = random_weight(N, K, gen)
