@@ -57,10 +57,11 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
   * M <= 64 (decode, memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
     weight rows per program, split-K until there are >= 4 programs per SM; the fp32 partial sums
     are reduced (with scale, bias, cast) by a second small kernel: deterministic, no atomics.
-  * 64 < M < 512 (v5, not yet measured): the same kernel not swapped, acc[BM, BN] += x·wᵀ with
-    128 x 128 tiles: the decoded W is the MMA's B operand, stored once to shared memory (no
-    round trip back to registers), and x is re-read from L2 N/128 times instead of N/64.
-  * M >= 512 (compute-bound; M >= 128 for weights under 40M elements): the fused kernel reaches only
+  * 64 < M < 512: the same kernel not swapped, acc[BM, BN] += x·wᵀ with 128 x 128 tiles: the
+    decoded W is the MMA's B operand, stored once to shared memory (no round trip back to
+    registers), and x is re-read from L2 N/128 times instead of N/64. 0.8-0.9x cuBLAS at M = 128
+    on the big weights (the MMA still waits on each decode: bench/NOTES.md v5).
+  * M >= 512 (compute-bound; M >= 128 for weights under 20M elements): the fused kernel reaches only
     ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
     copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
 Measured on an H100 (fwd): M = 1 1.4-2.9x over cuBLAS bf16 (0.9-2.3 TB/s of NVFP4 weights),
@@ -537,7 +538,7 @@ def _partials(split: int, out):
     return torch.empty((split, *out.shape), device=out.device, dtype=torch.float32) if split > 1 else out
 
 
-# 64 < M < 512 (v5): x·Wᵀ, so the decoded W is stored once into shared memory as the MMA's B
+# 64 < M < 512: x·Wᵀ, so the decoded W is stored once into shared memory as the MMA's B
 # operand; 128 x 128 tiles read x from L2 N/128 times (the swapped 128 x 64 tile: N/64 times)
 MEDIUM_CONFIG = TileConfig(bm=128, bn=128, bk=64, warps=8, stages=4, swap=False)
 
@@ -565,11 +566,11 @@ def dx_config(M: int, N: int, K: int) -> TileConfig:
 def use_dequant(M: int, N: int, K: int) -> bool:
     """Large M is compute-bound and the fused kernel reaches only ~45% of cuBLAS there, while
     dequantizing W once costs one pass over N·K·2.56 bytes: from M = 512 on (M = 128 for weights
-    under 40M elements, whose fused launch has few tiles) W is dequantized to bf16 and cuBLAS
-    multiplies. K must be a multiple of 64 (every real projection is)."""
+    under 20M elements, whose fused launch has few tiles: 7B qkv and o) W is dequantized to bf16
+    and cuBLAS multiplies. K must be a multiple of 64 (every real projection is)."""
     if K % MIN_RED:
         return False
-    return M >= DEQUANT_MIN_M or (M >= 128 and N * K <= 40_000_000)
+    return M >= DEQUANT_MIN_M or (M >= 128 and N * K <= 20_000_000)
 
 
 # ----------------------------------------------------------------------------------------------
