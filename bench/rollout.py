@@ -7,7 +7,8 @@ Engines, on the same random weights (model.build_model, real Qwen2.5 config valu
     *-unfused    (e.g. ours-nvfp4-unfused) norms, RoPE and SiLU·mul as plain torch ops instead of the
                  fused Triton kernels of model.py: what the fusion buys
 Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
-    batch1   1 prompt of 256 random tokens, 512 new: decode tok/s = (new - 1) / (total - TTFT)
+    batchB   B = 1, 2, 4, 8, 16 prompts of 256 random tokens, 512 new each:
+             decode tok/s = B·(new - 1) / (total - TTFT)
     grpo     16 prompts x 8 samples, prompt 256, 1024 new: total tok/s = new tokens / wall time,
              time to first token (all prompts prefilled and first tokens sampled), peak memory
 Each (model, engine) pair is measured after a short warm-up (Triton autotuning, CUDA-graph capture
@@ -45,8 +46,8 @@ from model import SHAPES, build_model
 CONFIGS = {"7b": SHAPES["qwen2.5-7b"], "14b": SHAPES["qwen2.5-14b"], "32b": SHAPES["qwen2.5-32b"],
            "tiny": dict(SHAPES["qwen2.5-7b"], hidden_size=512, intermediate_size=1024,   # a smoke test
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)}
-WORKLOADS = {"batch1": dict(prompts=1, n=1, prompt_len=256, new=512),
-             "grpo": dict(prompts=16, n=8, prompt_len=256, new=1024)}
+WORKLOADS = {f"batch{b}": dict(prompts=b, n=1, prompt_len=256, new=512) for b in (1, 2, 4, 8, 16)}
+WORKLOADS["grpo"] = dict(prompts=16, n=8, prompt_len=256, new=1024)
 
 
 def random_prompts(count, length, vocab, seed):
@@ -171,8 +172,8 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
         r.update(model=model_name, engine=engine_name, workload=wl, **w,
                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                  tok_s=r["new_tokens"] / r["total_s"])
-        if wl == "batch1":
-            r["decode_tok_s"] = (w["new"] - 1) / (r["total_s"] - r["ttft_s"])
+        if wl.startswith("batch"):
+            r["decode_tok_s"] = w["prompts"] * (w["new"] - 1) / (r["total_s"] - r["ttft_s"])
         rows.append(r)
         print(f"  {wl}: {r['tok_s']:.1f} tok/s total, ttft {r['ttft_s'] * 1e3:.0f} ms, "
               f"peak {r['peak_mem_gib']:.1f} GiB", flush=True)
@@ -190,7 +191,7 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
 def print_table(rows):
     head = f"{'model':5} {'engine':11} {'workload':8} {'tok/s':>9} {'decode tok/s':>12} {'TTFT ms':>8} {'peak GiB':>8}"
     print(head + "\n" + "-" * len(head))
-    for r in sorted(rows, key=lambda r: (r["model"], r["workload"], r["engine"])):
+    for r in sorted(rows, key=lambda r: (r["model"], list(WORKLOADS).index(r["workload"]), r["engine"])):
         dec = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else "-"
         print(f"{r['model']:5} {r['engine']:11} {r['workload']:8} {r['tok_s']:9.1f} {dec:>12} "
               f"{r['ttft_s'] * 1e3:8.0f} {r['peak_mem_gib']:8.1f}")
@@ -202,7 +203,7 @@ def main():
     ap.add_argument("--engines", default="ours-nvfp4,ours-bf16,hf-bf16",
                     help="comma-separated: ours-nvfp4, ours-bf16, hf-bf16 (hf is skipped for 32b); "
                          "an -unfused suffix (ours-nvfp4-unfused) runs norms/RoPE/SiLU as plain torch ops")
-    ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, grpo")
+    ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, batch2, batch4, batch8, batch16, grpo")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--profile", action="store_true", help="also write per-kernel GPU time to OUT/profile.txt")
