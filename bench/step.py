@@ -145,7 +145,8 @@ def run_config(spec: dict) -> dict:
         free = spec["available_gib"] * GIB
         if device.type == "cuda":  # allocations past it raise torch.OutOfMemoryError, as on a smaller card
             torch.cuda.set_per_process_memory_fraction(min(1.0, free / total), device)
-    rec.update(weights_gib=weights / GIB, needed_gib=need / GIB, available_gib=None if free is None else free / GIB,
+    rec.update(alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF"),    # train.py's default: expandable segments
+               weights_gib=weights / GIB, needed_gib=need / GIB, available_gib=None if free is None else free / GIB,
                device_total_gib=None if total is None else total / GIB)
     if spec["force"]:
         qmodel.check_fits = lambda model, device: None  # let the allocation itself succeed or fail
