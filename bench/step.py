@@ -143,8 +143,6 @@ def run_config(spec: dict) -> dict:
     free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (None, None)
     if spec["available_gib"] is not None:
         free = spec["available_gib"] * GIB
-        if device.type == "cuda":  # allocations past it raise torch.OutOfMemoryError, as on a smaller card
-            torch.cuda.set_per_process_memory_fraction(min(1.0, free / total), device)
     rec.update(alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF"),    # train.py's default: expandable segments
                weights_gib=weights / GIB, needed_gib=need / GIB, available_gib=None if free is None else free / GIB,
                device_total_gib=None if total is None else total / GIB)
@@ -152,6 +150,9 @@ def run_config(spec: dict) -> dict:
         qmodel.check_fits = lambda model, device: None  # let the allocation itself succeed or fail
     elif free is not None and need > free:
         return dict(rec, status="does not fit")
+    if spec["available_gib"] is not None and device.type == "cuda":
+        # allocations past it raise torch.OutOfMemoryError, as on a smaller card
+        torch.cuda.set_per_process_memory_fraction(min(1.0, free / total), device)
     phase = "build"
     try:
         with tempfile.TemporaryDirectory() as d:  # train.py's --random-init reads a shape from config.json
