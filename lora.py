@@ -130,7 +130,11 @@ class LoRALinear(nn.Module):
         self._casts = None   # (A, B) in the activation dtype, kept for sampling (see _cast)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base_layer(x)                                                     # (..., out)
+        return self.add_delta(x, self.base_layer(x))
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + scaling · dropout(x) Aᵀ Bᵀ for a base output y (..., out) computed here or elsewhere
+        (model.StackedLinear computes q, k and v in one matmul, then each adapter adds its part)."""
         if not self.enabled:
             return y
         A, B = self._cast(x.dtype)

@@ -254,12 +254,12 @@ if triton is not None:
         tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, HQ, HKV, HALF: tl.constexpr):
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ, HALF: tl.constexpr):
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         if h < HQ:
-            base = q_ptr + (t * HQ + h) * 2 * HALF
+            base = q_ptr + t * stride_q + h * 2 * HALF
         else:
-            base = k_ptr + (t * HKV + h - HQ) * 2 * HALF
+            base = k_ptr + t * stride_k + (h - HQ) * 2 * HALF
         offs = tl.arange(0, HALF)
         cos, sin = tl.load(cos_ptr + t * HALF + offs), tl.load(sin_ptr + t * HALF + offs)
         x1 = tl.load(base + offs).to(tl.float32)
@@ -268,13 +268,15 @@ if triton is not None:
         tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(base.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK_N: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
         s = (g / (1 + tl.exp(-g))).to(out_ptr.dtype.element_ty)     # silu rounded, then the product
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+        u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * n + offs, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def rms_norm_triton(x, weight, eps, residual=None):
@@ -290,17 +292,27 @@ def rms_norm_triton(x, weight, eps, residual=None):
     return out if residual is None else (out, total)
 
 
+def token_rows(t: torch.Tensor) -> bool:
+    """(B, T, H, D) with contiguous heads and one stride between consecutive tokens (a column slice
+    of a stacked q/k/v output is one): what the rope kernel addresses."""
+    B, T, H, D = t.shape
+    return t.stride(3) == 1 and t.stride(2) == D and (B == 1 or t.stride(0) == T * t.stride(1))
+
+
 def rope_triton(q, k, cos, sin):
-    """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2)."""
+    """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place (token_rows), one launch; cos/sin (B,T,1,D/2)."""
     B, T, HQ, D = q.shape
-    _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), HQ, k.shape[2], D // 2)
+    _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), q.stride(1), k.stride(1),
+                                           HQ, D // 2)
     return q, k
 
 
 def silu_mul_triton(g, u):
-    out = torch.empty_like(g)
-    n = g.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, out, n, BLOCK_N=1024)
+    """silu(g)·u for g, u (..., n) whose rows may be strided (gate and up slices of one output)."""
+    n = g.shape[-1]
+    g2, u2 = g.reshape(-1, n), u.reshape(-1, n)                        # views: rows keep their stride
+    out = torch.empty(g.shape, device=g.device, dtype=g.dtype)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024)
     return out
 
 
@@ -308,6 +320,86 @@ def make_linear(in_features: int, out_features: int, bias: bool, quant: str, dty
     if quant == "nvfp4":
         return nvfp4.NVFP4Linear(in_features, out_features, bias=bias, dtype=dtype)
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# q/k/v and gate/up as one matmul when sampling. At decode the 7B k and v projections are 512 x 3584:
+# one launch each for about a microsecond of weight traffic, and q/k/v, gate/up read the same x.
+# StackedLinear lays a group's weights back to back in one allocation; each member keeps a row slice
+# of it as its own tensor (state dict, LoRA, training: unchanged), and on the rollout path (fused(x))
+# one matmul covers the group, then each member's LoRA adds its part. NVFP4 members must share one
+# global scale (the kernel applies one per matmul): loading gives them one (quantize_group), as
+# llm-compressor does for checkpoints meant to be served fused.
+
+GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+class StackedLinear:
+    """The linears `mods` (same input, same kind) over one stacked copy of their weights."""
+
+    TENSORS = ("weight", "weight_packed", "weight_scale", "bias")
+
+    @staticmethod
+    def can_stack(mods) -> bool:
+        first = mods[0]
+        if type(first) not in (nn.Linear, nvfp4.NVFP4Linear) or not all(
+                type(m) is type(first) and m.in_features == first.in_features
+                and (m.bias is None) == (first.bias is None) for m in mods):
+            return False
+        return not isinstance(first, nvfp4.NVFP4Linear) or \
+            all(torch.equal(m.weight_global_scale, first.weight_global_scale) for m in mods)
+
+    def __init__(self, mods):
+        self.sizes = [m.out_features for m in mods]
+        self.global_scale = getattr(mods[0], "weight_global_scale", None)   # None: bf16
+        self.tensors = {}
+        for name in self.TENSORS:
+            if getattr(mods[0], name, None) is None:
+                continue
+            stacked = torch.cat([getattr(m, name).detach() for m in mods])              # (sum N, ...)
+            self.tensors[name] = stacked
+            for m, rows in zip(mods, stacked.split(self.sizes)):
+                if name in m._parameters:
+                    m._parameters[name] = nn.Parameter(rows, requires_grad=False)
+                else:
+                    m._buffers[name] = rows
+        self.ptrs = self._ptrs(mods)
+
+    def _ptrs(self, mods):
+        return [getattr(m, name).data_ptr() for m in mods for name in self.tensors]
+
+    def holds(self, mods) -> bool:
+        """Are the members' tensors still slices of the stack? (.to() or a reload ends that.)"""
+        return self._ptrs(mods) == self.ptrs
+
+    def __call__(self, x):
+        """x (..., K) -> one output (..., N_i) per member: column slices of one (..., sum N) product."""
+        t = self.tensors
+        if self.global_scale is None:
+            y = F.linear(x, t["weight"], t.get("bias"))
+        else:
+            y = nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"))
+        return y.split(self.sizes, -1)
+
+
+def project(parent: nn.Module, names, x):
+    """[parent.<name>(x) for each name]: on the rollout path one matmul over the stacked weights."""
+    mods = [getattr(parent, n) for n in names]
+    stack = parent.stacked
+    if stack is not None and fused(x):
+        if stack.holds([getattr(m, "base_layer", m) for m in mods]):     # through a LoRA wrapper
+            return [m.add_delta(x, y) if hasattr(m, "add_delta") else y for m, y in zip(mods, stack(x))]
+        parent.stacked = None                   # the members moved: use them one by one, free the stack
+    return [m(x) for m in mods]
+
+
+def stack_groups(model: "Transformer") -> None:
+    """Give every layer's q/k/v and gate/up a StackedLinear where they can share one."""
+    for layer in model.model.layers:
+        for attr, names in GROUPS.items():
+            parent = getattr(layer, attr)
+            mods = [getattr(parent, n) for n in names]
+            parent.stacked = StackedLinear(mods) if StackedLinear.can_stack(mods) else None
 
 
 class Attention(nn.Module):
@@ -319,13 +411,15 @@ class Attention(nn.Module):
         self.k_proj = make_linear(H, self.n_kv * D, b, quant, dtype)
         self.v_proj = make_linear(H, self.n_kv * D, b, quant, dtype)
         self.o_proj = make_linear(self.n_heads * D, H, cfg.o_bias, quant, dtype)
+        self.stacked = None                                          # StackedLinear: see stack_groups
 
     def forward(self, x, cos, sin, attn_ctx=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, Hq, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)     # (B, T, Hkv, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)     # (B, T, Hkv, D)
-        if fused(q) and q.is_contiguous() and k.is_contiguous() and self.head_dim & (self.head_dim - 1) == 0:
+        q, k, v = project(self, GROUPS["self_attn"], x)
+        q = q.view(B, T, self.n_heads, self.head_dim)               # (B, T, Hq, D)
+        k = k.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
+        v = v.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
+        if fused(q) and token_rows(q) and token_rows(k) and self.head_dim & (self.head_dim - 1) == 0:
             q, k = rope_triton(q, k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -345,9 +439,10 @@ class MLP(nn.Module):
         self.gate_proj = make_linear(H, I, False, quant, dtype)
         self.up_proj = make_linear(H, I, False, quant, dtype)
         self.down_proj = make_linear(I, H, False, quant, dtype)
+        self.stacked = None                                          # StackedLinear: see stack_groups
 
     def forward(self, x):  # (B, T, H) -> (B, T, H) through (B, T, I)
-        g, u = self.gate_proj(x), self.up_proj(x)
+        g, u = project(self, GROUPS["mlp"], x)
         return self.down_proj(silu_mul_triton(g, u) if fused(g) else F.silu(g) * u)
 
 
@@ -468,10 +563,23 @@ def _assign(model: nn.Module, key: str, value: torch.Tensor):
         mod._buffers[attr] = value.to(mod._buffers[attr].dtype)
 
 
-def _assign_quantized(model, linear_name: str, weight: torch.Tensor):
-    packed, scale, global_scale = nvfp4.quantize(weight, name=linear_name + ".weight")
-    for attr, t in zip(("weight_packed", "weight_scale", "weight_global_scale"), (packed, scale, global_scale)):
-        _assign(model, f"{linear_name}.{attr}", t)
+def group_of(linear_name: str) -> list[str]:
+    """The linears quantized with one shared global scale: q/k/v and gate/up (GROUPS), else itself."""
+    parent, _, name = linear_name.rpartition(".")
+    for names in GROUPS.values():
+        if name in names and parent.endswith(tuple(GROUPS)):
+            return [f"{parent}.{n}" for n in names]
+    return [linear_name]
+
+
+def quantize_group(model, linear_names: list[str], weights: list[torch.Tensor]):
+    """Quantize linears with one global scale, the smallest of theirs (= 448·6 / the largest amax),
+    so that they can share a matmul (StackedLinear); a single linear gets its own."""
+    global_scale = torch.cat([nvfp4.compute_global_scale(w) for w in weights]).min().reshape(1)
+    for linear_name, weight in zip(linear_names, weights):
+        packed, scale, gs = nvfp4.quantize(weight, global_scale, name=linear_name + ".weight")
+        for attr, t in zip(("weight_packed", "weight_scale", "weight_global_scale"), (packed, scale, gs.clone())):
+            _assign(model, f"{linear_name}.{attr}", t)
 
 
 def _plan(model: Transformer, shapes: dict[str, tuple]) -> dict[str, str]:
@@ -511,6 +619,7 @@ def _finish(model: Transformer, device) -> Transformer:
     model.inv_freq = rope_inv_freq(model.config, device)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"tensors left on the meta device: {left}"
+    stack_groups(model)
     return model.eval()
 
 
@@ -528,10 +637,10 @@ def weight_bytes(model: Transformer) -> int:
 
 
 def load_bytes(model: Transformer) -> int:
-    """What loading needs: the weights + one bf16 matrix in flight (the largest: gate_proj, or the
-    embedding) and quantize's temporaries for it."""
+    """What loading needs: the weights + what is in flight: the largest bf16 group quantized together
+    (gate_proj and up_proj) and quantize's temporaries for one of them, or the embedding."""
     cfg = model.config
-    return weight_bytes(model) + 2 * max(cfg.hidden_size * 2 * cfg.intermediate_size, cfg.vocab_size * cfg.hidden_size)
+    return weight_bytes(model) + 2 * max(cfg.hidden_size * 3 * cfg.intermediate_size, cfg.vocab_size * cfg.hidden_size)
 
 
 def check_fits(model: Transformer, device: torch.device) -> None:
@@ -564,6 +673,7 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
         with safe_open(file, framework="pt") as f:
             shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
     plan = _plan(model, shapes)
+    pending = {}  # a group's first linear -> {linear: bf16 weight}: quantized once the group is read
     for file, keys in by_file.items():
         with safe_open(file, framework="pt", device=str(device)) as f:
             for key in keys:
@@ -575,10 +685,17 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
                         and not torch.isfinite(t).all():
                     raise ValueError(f"{key}: checkpoint tensor has NaN or Inf values ({file})")
                 if plan[key] == "quantize":
-                    _assign_quantized(model, key.rpartition(".")[0], t)
+                    name = key.rpartition(".")[0]
+                    group = [n for n in group_of(name) if plan.get(n + ".weight") == "quantize"]
+                    got = pending.setdefault(group[0], {})
+                    got[name] = t
+                    if len(got) == len(group):
+                        quantize_group(model, list(got), list(pending.pop(group[0]).values()))
+                        got.clear()
                 else:
                     _assign(model, key, t)
-                del t  # the bf16 copy of a quantized weight dies here, before the next read
+                del t  # a bf16 weight dies once its group is quantized, before the next reads
+    assert not pending, f"groups never completed: {list(pending)}"
     model.name_or_path = name_or_path
     return _finish(model, device)
 
@@ -625,10 +742,14 @@ def build_model(config, quant: str = "nvfp4", device=None, dtype=torch.bfloat16,
         if key in skip or attr in ("weight_scale", "weight_global_scale"):
             continue  # the tied copy; scales come with weight_packed
         if attr == "weight_packed":
-            m = model.get_submodule(mod)
-            w = torch.randn(m.out_features, m.in_features, generator=gen, device=device, dtype=dtype).mul_(INIT_STD)
-            _assign_quantized(model, mod, w)
-            del w
+            group = group_of(mod)
+            if mod != group[0]:
+                continue  # drawn with the first of its group
+            ms = [model.get_submodule(n) for n in group]
+            ws = [torch.randn(m.out_features, m.in_features, generator=gen, device=device, dtype=dtype).mul_(INIT_STD)
+                  for m in ms]
+            quantize_group(model, group, ws)
+            del ws
         elif isinstance(model.get_submodule(mod), RMSNorm):
             _assign(model, key, torch.ones(t.shape, device=device))
         else:
@@ -652,6 +773,11 @@ def _atomic(file: str, write):
     os.replace(file + ".tmp", file)
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """t, copied if it is a slice of a larger allocation (StackedLinear): safetensors refuses those."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
 def save_pretrained(model: Transformer, directory: str, max_shard_size: int | None = None):
     """Write config.json (+ the compressed-tensors quantization_config when quantized) and
     model.safetensors, or shards of at most max_shard_size bytes plus model.safetensors.index.json.
@@ -672,7 +798,7 @@ def save_pretrained(model: Transformer, directory: str, max_shard_size: int | No
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, keys in zip(names, shards):
-        tensors = {k: sd[k].detach().contiguous().cpu() for k in keys}
+        tensors = {k: _owned(sd[k].detach().contiguous().cpu()) for k in keys}
         _atomic(os.path.join(directory, name), lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     index = os.path.join(directory, "model.safetensors.index.json")
     if len(shards) > 1:

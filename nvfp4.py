@@ -218,8 +218,8 @@ def _use_kernel(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype == torch.bfloat16 and _marlin() is not None
 
 
-def _matmul(x, packed, scale, global_scale, bias):
-    """y = x·W'ᵀ (+ bias): x (..., K) -> (..., N) in x.dtype."""
+def linear(x, packed, scale, global_scale, bias=None):
+    """y = x·W'ᵀ (+ bias) without autograd: x (..., K) -> (..., N) in x.dtype."""
     x2d = x.reshape(-1, x.shape[-1])                                      # (M, K)
     if _use_kernel(x2d):
         b = bias.to(torch.bfloat16) if bias is not None else None
@@ -231,12 +231,12 @@ def _matmul(x, packed, scale, global_scale, bias):
 
 
 class _NVFP4Matmul(torch.autograd.Function):
-    """_matmul with the gradient flowing to x only: W' is frozen, stored as NVFP4."""
+    """linear with the gradient flowing to x only: W' is frozen, stored as NVFP4."""
 
     @staticmethod
     def forward(ctx, x, packed, scale, global_scale, bias):
         ctx.save_for_backward(packed, scale, global_scale)
-        return _matmul(x, packed, scale, global_scale, bias)
+        return linear(x, packed, scale, global_scale, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -295,7 +295,7 @@ class NVFP4Linear(nn.Module):
         needs_grad = x.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if torch.is_grad_enabled() and needs_grad:
             return _NVFP4Matmul.apply(*args)
-        return _matmul(*args)           # no autograd (rollout): skip the Function's overhead
+        return linear(*args)            # no autograd (rollout): skip the Function's overhead
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

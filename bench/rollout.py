@@ -5,7 +5,8 @@ Engines, on the same random weights (model.build_model, real Qwen2.5 config valu
     ours-bf16    LLMEngine over the bf16 model, CUDA graphs
     hf-bf16      transformers' generate on a Qwen2ForCausalLM that shares the bf16 weights (7B only)
     *-unfused    (e.g. ours-nvfp4-unfused) norms, RoPE and SiLU·mul as plain torch ops instead of the
-                 fused Triton kernels of model.py: what the fusion buys
+                 fused Triton kernels of model.py, and q/k/v, gate/up one linear at a time instead of
+                 one stacked matmul each (model.StackedLinear): what the fusion buys
 Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
     batchB   B = 1, 2, 4, 8, 16 prompts of 256 random tokens, 512 new each:
              decode tok/s = B·(new - 1) / (total - TTFT)

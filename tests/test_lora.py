@@ -307,13 +307,19 @@ def test_load_errors(tmp_path):
 
 
 def nvfp4_roundtrip_linears(hf_model):
-    """The reference for an NVFP4 base: every decoder projection W replaced by dequant(quant(W))."""
+    """The reference for an NVFP4 base: every decoder projection W replaced by dequant(quant(W)),
+    q/k/v and gate/up with one global scale, the smallest of theirs (llm-compressor's fused layers)."""
     nvfp4 = pytest.importorskip("nvfp4")
+    groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
     with torch.no_grad():
         for name, mod in hf_model.named_modules():
-            if name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-                packed, scale, g = nvfp4.quantize(mod.weight, name=name)
-                mod.weight.copy_(nvfp4.dequantize(packed, scale, g, torch.float32))
+            for group in groups:
+                if not all(hasattr(mod, n) for n in group):
+                    continue
+                linears = [getattr(mod, n) for n in group]
+                g = min(nvfp4.compute_global_scale(m.weight) for m in linears)
+                for m in linears:
+                    m.weight.copy_(nvfp4.dequantize(*nvfp4.quantize(m.weight, g), torch.float32))
     return hf_model
 
 

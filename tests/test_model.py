@@ -130,8 +130,12 @@ def test_nvfp4_logits_match_transformers_with_dequantized_weights(tiny_hf_dir, a
             if name.rpartition(".")[2] in M.QUANTIZED:
                 ours = model.get_submodule(name)
                 assert isinstance(ours, nvfp4.NVFP4Linear), name
-                packed, scale, g = nvfp4.quantize(mod.weight)
-                assert torch.equal(ours.weight_packed, packed) and torch.equal(ours.weight_global_scale, g)
+                # q/k/v and gate/up share one global scale: 448·6 / the largest amax of the group
+                group = [hf.get_submodule(n).weight for n in M.group_of(name)]
+                amax = max(w.double().abs().max().item() for w in group)
+                assert ours.weight_global_scale.item() == pytest.approx(448 * 6 / amax, rel=1e-6), name
+                packed, scale, g = nvfp4.quantize(mod.weight, ours.weight_global_scale)
+                assert torch.equal(ours.weight_packed, packed) and torch.equal(ours.weight_scale, scale)
                 mod.weight.copy_(nvfp4.dequantize(packed, scale, g))
     assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
     ids, pos = batch()
@@ -219,9 +223,12 @@ def test_sharded_checkpoints_load_and_round_trip(tiny_hf_dir, tmp_path):
 
 
 def test_loader_streams_one_dense_weight_at_a_time(tiny_hf_dir, monkeypatch):
-    """Every dense linear weight read from disk must be dead before the next tensor is read."""
+    """A dense linear weight read from disk dies as soon as it is quantized: alone, or with the
+    rest of its group (q/k/v, gate/up share a global scale), so at most one group's weights are
+    alive when another tensor is read."""
     path, _ = tiny_hf_dir("llama")
-    real_open, dense, worst, reads = M.safe_open, [], [0], []
+    real_open, dense, bad, reads = M.safe_open, [], [], []
+    group = lambda key: M.group_of(key.rpartition(".")[0])  # noqa: E731
 
     class Spy:
         def __init__(self, *a, **k):
@@ -241,17 +248,19 @@ def test_loader_streams_one_dense_weight_at_a_time(tiny_hf_dir, monkeypatch):
             return self.f.get_slice(key)
 
         def get_tensor(self, key):
-            worst[0] = max(worst[0], sum(r() is not None for r in dense))  # still-alive earlier weights
+            alive = [k for k, r in dense if r() is not None]                 # earlier weights
+            if len({tuple(group(k)) for k in alive}) > 1:
+                bad.append((alive, key))
             t = self.f.get_tensor(key)
             reads.append(key)
             if key.endswith("_proj.weight"):
-                dense.append(weakref.ref(t))
+                dense.append((key, weakref.ref(t)))
             return t
 
     monkeypatch.setattr(M, "safe_open", Spy)
     model = load32(path, quant="nvfp4")
     assert len(dense) == 14 and len(reads) == len(set(reads)), "each tensor is read exactly once"
-    assert worst[0] == 0 and all(r() is None for r in dense), f"{worst[0]} dense weights were alive at once"
+    assert not bad and all(r() is None for _, r in dense), f"alive while reading the next: {bad[:4]}"
     assert all(isinstance(m, nvfp4.NVFP4Linear) for n, m in model.named_modules() if n.endswith("_proj"))
 
 
@@ -489,24 +498,82 @@ def test_fused_kernels_match_the_torch_ops(dtype):
     got_q, got_k = M.rope_triton(q.clone(), k.clone(), cos, sin)
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
+    # column slices of one stacked output (StackedLinear): strided token rows
+    qkv = torch.randn(2, 3, 8 * 32, generator=g).to(dev, dtype)
+    q, k = qkv[..., :128].view(2, 3, 4, 32), qkv[..., 128:192].view(2, 3, 2, 32)
+    assert M.token_rows(q) and not q.is_contiguous()
+    want_q, want_k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
+    before = qkv[..., 192:].clone()
+    M.rope_triton(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+    assert torch.equal(qkv[..., 192:], before)     # v untouched
     a, b = torch.randn(3, 1500, generator=g).to(dev, dtype), torch.randn(3, 1500, generator=g).to(dev, dtype)
     two_roundings = tol if dtype == torch.float32 else dict(rtol=2 ** -5, atol=2e-2)  # silu, then the product
     torch.testing.assert_close(M.silu_mul_triton(a, b), torch.nn.functional.silu(a) * b, **two_roundings)
+    gu = torch.randn(2, 3, 3000, generator=g).to(dev, dtype)
+    a, b = gu[..., :1500], gu[..., 1500:]
+    torch.testing.assert_close(M.silu_mul_triton(a, b), torch.nn.functional.silu(a) * b, **two_roundings)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
+def test_stacked_projections_match_one_by_one(tiny_hf_dir, quant, monkeypatch):
+    """q/k/v and gate/up share one allocation (each linear a row slice of it: the state dict and
+    the training forward are unchanged) and the sampling path multiplies once per group, then adds
+    each LoRA: the logits equal the training forward's (torch ops, one linear at a time)."""
+    from lora import LoRAConfig, apply_lora, lora_modules
+    path, _ = tiny_hf_dir("qwen2")
+    model = load32(path, quant)
+    attn = model.model.layers[0].self_attn
+    assert attn.stacked is not None and model.model.layers[1].mlp.stacked is not None
+    key = "weight_packed" if quant == "nvfp4" else "weight"
+    q, k = getattr(attn.q_proj, key), getattr(attn.k_proj, key)
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr(), "not one allocation"
+    assert k.data_ptr() == q.data_ptr() + q.nbytes, "not back to back"
+    apply_lora(model, LoRAConfig(r=4, alpha=8))
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
+    calls = []
+    real_call = M.StackedLinear.__call__
+    monkeypatch.setattr(M.StackedLinear, "__call__", lambda self, x: calls.append(1) or real_call(self, x))
+    # the sampling path on the CPU: Triton kernels in the interpreter (conftest)
+    monkeypatch.setattr(M, "fused", lambda x: not torch.is_grad_enabled())
+    ids, pos = batch()
+    with torch.no_grad():
+        sampled = model(ids, pos)
+    assert len(calls) == 2 * model.config.num_layers
+    with torch.enable_grad():
+        trained = model(ids, pos)                  # one linear at a time, torch ops
+    assert rel_err(sampled, trained) < 1e-5
+    # a member that no longer lives in the stack (a reload that rebinds it) turns the stack off
+    base = attn.k_proj.base_layer
+    if key in base._parameters:
+        base._parameters[key] = nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+    else:
+        base._buffers[key] = base.weight_packed.clone()
+    with torch.no_grad():
+        again = model(ids, pos)
+    assert attn.stacked is None and len(calls) == 4 * model.config.num_layers - 1
+    assert rel_err(again, trained) < 1e-5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_inference_forward_with_fused_kernels_matches_the_training_forward(dtype):
+@pytest.mark.parametrize("dtype,quant", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.bfloat16, "nvfp4")])
+def test_gpu_inference_forward_with_fused_kernels_matches_the_training_forward(dtype, quant):
+    """Fused norm / RoPE / SiLU·mul and the stacked q/k/v, gate/up matmuls vs the training forward."""
     cfg = M.ModelConfig("Qwen2ForCausalLM", vocab_size=4096, hidden_size=1024, intermediate_size=4096,
                         num_layers=4, num_heads=16, num_kv_heads=4)
-    model = M.build_model(cfg, "bf16", "cuda", dtype=dtype, seed=0)
+    model = M.build_model(cfg, quant, "cuda", dtype=dtype, seed=0)
+    assert model.model.layers[0].self_attn.stacked is not None
     ids = torch.randint(0, 4096, (4, 64), device="cuda")
     with torch.no_grad():
         fused = model(ids).float()                 # Triton norm / RoPE / SiLU·mul
     with torch.enable_grad():
         plain = model(ids).float()                 # torch ops (the training forward)
     err = rel_err(fused, plain)
-    print(f"fused vs torch-op forward ({dtype}): logits rel err {err:.2e}")
+    print(f"fused vs torch-op forward ({dtype}, {quant}): logits rel err {err:.2e}")
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
