@@ -310,13 +310,14 @@ def _nvfp4_mm_kernel(
 
 
 @triton.jit
-def _gemv_x(x2_ptr, kb0, kb_end, W: tl.constexpr, BKB: tl.constexpr, INTERPRET: tl.constexpr):
-    """One row of x for the bytes kb0..kb0+BKB of the weight rows, as (W, BKB) fp32 (even k, odd
-    k) · 2^64, in the weight tile's layout: a thread holds bytes 16t..16t+15 of its rows, so it
-    needs the x2 words 16t..16t+15 (int32 words, each the bf16 pair x[2j], x[2j+1] that meets byte
-    j). One load gives a thread 4 contiguous words, so they come as four loads (words 16t + 4r ..
-    16t + 4r + 3, r = 0..3) stacked in registers; every warp loads its own copy (dim 0, W = the
-    number of warps): no shared-memory round trip, no barrier. Words past kb_end read as 0."""
+def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
+              BKB: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc (W, R, BKB/8) += (sum over each 16-weight block of w·x) · scale for one row of x: an
+    in-thread chain of 16 FMAs per block (lo, hi interleaved in k order), one FMA with the scale.
+    A thread holds bytes 16t..16t+15 of its rows, so it needs the x2 words 16t..16t+15 (each the
+    bf16 pair x[2j], x[2j+1] that meets byte j). A load gives a thread 4 contiguous words, so they
+    come as four loads (words 16t + 4r + 0..3) stacked in registers, a copy per warp (dim 1): no
+    shared memory, no barrier. Words past kb_end read as 0."""
     chunk = kb0 + 16 * tl.arange(0, BKB // 16)[:, None, None]                   # (BKB/16, 1, 1)
     offs = tl.broadcast_to(chunk + tl.arange(0, 4)[None, None, :], (BKB // 16, W, 4))
     x0 = tl.load(x2_ptr + offs, mask=chunk < kb_end, other=0)
@@ -331,11 +332,11 @@ def _gemv_x(x2_ptr, kb0, kb_end, W: tl.constexpr, BKB: tl.constexpr, INTERPRET: 
         xo = (xw & -65536).to(tl.float32, bitcast=True) * X_SCALE
     else:
         xe, xo = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; "
-            "fma.rn.bf16x2 t, $2, c, z; "
-            "shl.b32 $0, t, 16; and.b32 $1, t, 0xFFFF0000; }",
+            "{ .reg .b32 t, c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, c, z;"
+            " shl.b32 $0, t, 16; and.b32 $1, t, 0xFFFF0000; }",
             "=r,=r,r", [xw], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    return xe, xo
+    prod = tl.join(lo * xe[:, None, :], hi * xo[:, None, :])                  # (W, R, BKB, 2)
+    return acc + tl.sum(prod.reshape(W, R, BKB // 8, 16), axis=3) * s
 
 
 @triton.jit
@@ -353,14 +354,6 @@ def _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl
     if INTERPRET:
         return _e4m3_to_f32(sb, 0)
     return sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _gemv_acc(acc, lo, hi, xe, xo, s, R: tl.constexpr, W: tl.constexpr, BKB: tl.constexpr):
-    """acc (W, R, BKB/8) += (sum over each 16-weight block of w·x) · scale: one in-thread chain of
-    16 products per block (lo and hi interleaved in k order), then one FMA with the scale."""
-    prod = tl.join(lo * xe[:, None, :], hi * xo[:, None, :])                  # (W, R, BKB, 2)
-    return acc + tl.sum(prod.reshape(W, R, BKB // 8, 16), axis=3) * s
 
 
 @triton.jit
@@ -392,10 +385,10 @@ def _nvfp4_gemv_kernel(
     W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
     INTERPRET: tl.constexpr,
 ):
-    """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program,
-    one fp32 accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are
-    wrapped, computed and never stored). The rows are a (W, BN/W) tile so that each warp owns
-    R = BN/W of them and reads its own copy of x (_gemv_x)."""
+    """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program
+    as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
+    accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are wrapped,
+    computed and never stored)."""
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
@@ -413,20 +406,16 @@ def _nvfp4_gemv_kernel(
     acc3 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
     for kb0 in range(kb_start, kb_end, BKB):
         kb0 = tl.multiple_of(kb0, BKB)
-        offs_b = kb0 + tl.arange(0, BKB)[None, None, :]        # bytes past kb_end: any finite
-        p = tl.load(packed_ptr + rows * stride_pn + offs_b, mask=offs_b < kb_end)  # value, times x = 0
+        offs_b = kb0 + tl.arange(0, BKB)[None, None, :]       # bytes past kb_end decode to some
+        p = tl.load(packed_ptr + rows * stride_pn + offs_b, mask=offs_b < kb_end)   # finite w; x = 0
         lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (W, R, BKB)
         s = _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, INTERPRET)
-        xe, xo = _gemv_x(x2_ptr, kb0, kb_end, W, BKB, INTERPRET)
-        acc0 = _gemv_acc(acc0, lo, hi, xe, xo, s, R, W, BKB)
+        acc0 = _gemv_row(acc0, lo, hi, s, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
         if BM > 1:
-            xe, xo = _gemv_x(x2_ptr + (1 % M) * stride_x2m, kb0, kb_end, W, BKB, INTERPRET)
-            acc1 = _gemv_acc(acc1, lo, hi, xe, xo, s, R, W, BKB)
+            acc1 = _gemv_row(acc1, lo, hi, s, x2_ptr + (1 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
         if BM > 2:
-            xe, xo = _gemv_x(x2_ptr + (2 % M) * stride_x2m, kb0, kb_end, W, BKB, INTERPRET)
-            acc2 = _gemv_acc(acc2, lo, hi, xe, xo, s, R, W, BKB)
-            xe, xo = _gemv_x(x2_ptr + (3 % M) * stride_x2m, kb0, kb_end, W, BKB, INTERPRET)
-            acc3 = _gemv_acc(acc3, lo, hi, xe, xo, s, R, W, BKB)
+            acc2 = _gemv_row(acc2, lo, hi, s, x2_ptr + (2 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
+            acc3 = _gemv_row(acc3, lo, hi, s, x2_ptr + (3 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
 
     # ---- epilogue: rows of y (or fp32 partial sums for the split-K reduce)
     out_ptr += pid_k * stride_os
