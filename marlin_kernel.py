@@ -42,18 +42,22 @@ same bf16 operand and the dot runs on fp32 copies.
 
 The CUDA-core kernel (M <= 2, no tensor cores: an MMA tile of 16 rows would waste >= 3/4 of its
 work on padding) uses the same bit trick in fp32: magnitude bits to fp32 bits 22..24, sign to bit
-31 gives exactly e2m1 · 2^-126 (±0.5 is an fp32 subnormal, kept since nothing runs with .ftz).
-x is multiplied by 2^64 so that the products stay normal (|x| < 2^64 assumed), and per row of x
+31 gives exactly e2m1 · 2^-126 (±0.5 is an fp32 subnormal, kept since nothing runs with .ftz;
+~2.4 integer ops per weight, _E2M1X4_TO_F32_PTX). x is multiplied by 2^64 so that the products
+stay normal (|x| < 2^64 assumed), and per row of x
 
-    acc[BN, K/16] += (sum over each 16-weight block of w·x) · scale·2^55    # fp32, FMAs
-    y[m, n-tile] = sum(acc) · 2^7/global_scale (+ bias)
+    acc[BN, K/16] += (sum over each 16-weight block of w·x) · scale    # fp32: a chain of 16 FMAs
+    y[m, n-tile] = sum(acc) · 2^62/global_scale (+ bias)                 # and one FMA per block
 
-so the scale costs one multiply per 16 weights. x is read as int32 words, each the bf16 pair
-(x[2j], x[2j+1]) that meets byte j of W (low nibble = even k): no interleaving on either side.
+so the scale (E4M3 -> fp32 by the hardware's fp8 conversion) costs one FMA per 16 weights. Each
+thread owns 16 bytes (32 weights) of each of its rows per step; x is read as int32 words, each
+the bf16 pair (x[2j], x[2j+1]) that meets byte j of W (low nibble = even k), and every warp loads
+the 16 words its threads need straight into registers in the weights' layout (_gemv_x): no
+shared memory and no barrier in the loop, ~4.1 SASS instructions per weight at M = 1.
 Deterministic: one program owns its rows over all of K (or writes fp32 partials for the reduce).
 
 Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
-  * M <= 2 (batch-1/2 decode): the CUDA-core kernel, 16 weight rows x 1024 (M = 2: 512) k per step.
+  * M <= 2 (batch-1/2 decode): the CUDA-core kernel, 16-32 weight rows x 1024-2048 k per step.
   * M <= 64 (decode, memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
     weight rows per program, split-K until there are >= 4 programs per SM; the fp32 partial sums
     are reduced (with scale, bias, cast) by a second small kernel: deterministic, no atomics.
@@ -89,8 +93,8 @@ DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLA
 GEMV_MAX_M = 2           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all normal bf16 numbers) ...
 OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
-X_SHIFT = tl.constexpr(64)           # the CUDA-core kernel multiplies x by 2^64 (weights are ·2^-126)
-X_SCALE = tl.constexpr(2.0 ** 64)
+X_SCALE = tl.constexpr(2.0 ** 64)    # the CUDA-core kernel multiplies x by 2^64 (weights are ·2^-126),
+GEMV_POST = tl.constexpr(2.0 ** 55)  # so its sums are ·2^-62: ·2^55 brings them to the MMA's ·2^-7
 
 
 def _interpreting() -> bool:
@@ -167,11 +171,16 @@ def _e4m3_to_f32(bits, EXP_SHIFT: tl.constexpr):
 
 
 # Four packed bytes -> eight fp32 e2m1·2^-126 ($0..$3: low nibbles of bytes 0..3, $4..$7: high
-# nibbles; $8: the 4 bytes). Each nibble is shifted up so that its sign lands on bit 31; an
-# arithmetic shift by 6 then puts the magnitude on bits 22..24 and one AND keeps bits 31, 22..24.
-_E2M1X4_TO_F32_PTX = tl.constexpr("{ .reg .b32 t; " + " ".join(
-    f"shl.b32 t, $8, {s}; shr.s32 t, t, 6; and.b32 ${i}, t, 0x81C00000;"
-    for i, s in enumerate((28, 20, 12, 4, 24, 16, 8, 0))) + " }")
+# nibbles; $8: the 4 bytes = nibbles n0..n7 from bit 0). Two words first gather four nibbles each
+# with the magnitude at bits p..p+2 and the sign at p+9, p = 2, 6, 18, 22 (lop3 0xE4 = a where
+# c is set, else b): za from w<<2 (magnitudes) and w<<8 (signs) holds n0, n1, n4, n5; zb from
+# w>>6 and w holds n2, n3, n6, n7. Each output is then (z << (22 - p)) & 0x81C00000: the
+# magnitude on bits 22..24, the sign on bit 31. 19 integer ops per 8 weights.
+_E2M1X4_TO_F32_PTX = tl.constexpr(
+    "{ .reg .b32 a, b, za, zb; shl.b32 a, $8, 2; shl.b32 b, $8, 8; lop3.b32 za, a, b, 0x01DC01DC, 0xE4; "
+    "shr.b32 a, $8, 6; lop3.b32 zb, a, $8, 0x01DC01DC, 0xE4; " + " ".join(
+        f"shl.b32 a, {z}, {22 - p}; and.b32 ${i}, a, 0x81C00000;" for i, (z, p) in enumerate(
+            (("za", 2), ("zb", 2), ("za", 18), ("zb", 18), ("za", 6), ("zb", 6), ("za", 22), ("zb", 22)))) + " }")
 
 
 @triton.jit
@@ -301,23 +310,57 @@ def _nvfp4_mm_kernel(
 
 
 @triton.jit
-def _gemv_block_sums(lo, hi, x2_ptr, offs_b, K2, BN: tl.constexpr, BK: tl.constexpr):
-    """One row of x against the decoded (BN, BK/2) weight pairs: (BN, BK/16) sums of 16 products.
-    x2_ptr points at the row as int32 words, each the bf16 pair (x[2j], x[2j+1]) that meets byte j
-    of the weights (low nibble = even k), so neither side is interleaved."""
-    xw = tl.load(x2_ptr + offs_b, mask=offs_b < K2, other=0)                      # (BK/2,) i32
-    xe = (xw << 16).to(tl.float32, bitcast=True) * X_SCALE       # x·2^64: products of x and
-    xo = (xw & -65536).to(tl.float32, bitcast=True) * X_SCALE    # e2m1·2^-126 stay normal
-    # two in-thread sums of 8 products each: chains of FMAs
-    g = tl.sum((lo * xe[None, :]).reshape(BN, BK // 16, 8), axis=2)              # (BN, BK/16)
-    return g + tl.sum((hi * xo[None, :]).reshape(BN, BK // 16, 8), axis=2)
+def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
+              BKB: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc (W, R, BKB/8) += (sum over each 16-weight block of w·x) · scale for one row of x: an
+    in-thread chain of 16 FMAs per block (lo, hi interleaved in k order), one FMA with the scale.
+    A thread holds bytes 16t..16t+15 of its rows, so it needs the x2 words 16t..16t+15 (each the
+    bf16 pair x[2j], x[2j+1] that meets byte j). A load gives a thread 4 contiguous words, so they
+    come as four loads (words 16t + 4r + 0..3) stacked in registers, a copy per warp (dim 1): no
+    shared memory, no barrier. Words past kb_end read as 0."""
+    chunk = kb0 + 16 * tl.arange(0, BKB // 16)[:, None, None]                   # (BKB/16, 1, 1)
+    offs = tl.broadcast_to(chunk + tl.arange(0, 4)[None, None, :], (BKB // 16, W, 4))
+    x0 = tl.load(x2_ptr + offs, mask=chunk < kb_end, other=0)
+    x1 = tl.load(x2_ptr + offs + 4, mask=chunk < kb_end, other=0)
+    x2 = tl.load(x2_ptr + offs + 8, mask=chunk < kb_end, other=0)
+    x3 = tl.load(x2_ptr + offs + 12, mask=chunk < kb_end, other=0)
+    xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))           # (BKB/16, W, 4, 2, 2): [t, ., c, a, b]
+    xw = xw.permute(1, 0, 4, 3, 2).reshape(W, BKB)           # word 16t + 4(a + 2b) + c
+    # x·2^64, so that its products with e2m1·2^-126 stay normal; one bf16x2 multiply on the GPU
+    if INTERPRET:
+        xe = (xw << 16).to(tl.float32, bitcast=True) * X_SCALE
+        xo = (xw & -65536).to(tl.float32, bitcast=True) * X_SCALE
+    else:
+        xe, xo = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, c, z;"
+            " shl.b32 $0, t, 16; and.b32 $1, t, 0xFFFF0000; }",
+            "=r,=r,r", [xw], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    prod = tl.join(lo * xe[:, None, :], hi * xo[:, None, :])                  # (W, R, BKB, 2)
+    return acc + tl.sum(prod.reshape(W, R, BKB // 8, 16), axis=3) * s
+
+
+@triton.jit
+def _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
+                 BKB: tl.constexpr, INTERPRET: tl.constexpr):
+    """The (W, R, BKB/8) E4M3 scales of the tile as fp32. A thread's 16 bytes of a row hold two
+    16-weight blocks, so it needs two scale bytes: they are loaded 2 at a time as a (BKB/16, W, R,
+    2) tensor (threads along the blocks, like the bytes; a plain (W, R, BKB/8) load would give a
+    thread 16 contiguous scales and need a shared-memory shuffle). Blocks past kb_end read as 0."""
+    t = tl.arange(0, BKB // 16)[:, None, None, None]
+    c = tl.arange(0, 2)[None, None, None, :]
+    ptrs = scale_ptr + tl.permute(rows, 2, 0, 1)[:, :, :, None] * stride_sn + kb0 // 8 + 2 * t + c
+    sb = tl.load(ptrs, mask=kb0 + 16 * t < kb_end, other=0)
+    sb = sb.permute(1, 2, 0, 3).reshape(W, R, BKB // 8)                # (W, R, BKB/8) u8
+    if INTERPRET:
+        return _e4m3_to_f32(sb, 0)
+    return sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
-    """Row m of y (or of the fp32 partial sums) from its (BN, BK/16) accumulator."""
-    y = tl.sum(acc, axis=1)                                                       # (BN,)
+    """Row m of y (or of the fp32 partial sums) from its (W, R, BKB/8) accumulator."""
+    y = tl.sum(acc, axis=2) * GEMV_POST                                           # (W, R)
     if not PARTIAL:
         y = y * (OPERAND_POST / tl.load(gs_ptr))
         if HAS_BIAS:
@@ -339,43 +382,42 @@ def _nvfp4_gemv_kernel(
     # meta
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
     INTERPRET: tl.constexpr,
 ):
-    """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program,
-    one fp32 accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are
-    wrapped, computed and never stored)."""
+    """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program
+    as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
+    accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are wrapped,
+    computed and never stored)."""
+    R: tl.constexpr = BN // W                            # rows per warp
+    BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = (pid_n * BN + tl.arange(0, BN)) % N         # rows past N wrapped, never stored
+    offs_n = pid_n * BN + R * tl.arange(0, W)[:, None] + tl.arange(0, R)[None, :]   # (W, R)
+    rows = (offs_n % N)[:, :, None]                      # rows past N wrapped, never stored
     kb_start = pid_k * SPLIT2
-    kb_end = min(K2, kb_start + SPLIT2)                  # SPLIT2 is a multiple of BK/2
+    kb_end = min(K2, kb_start + SPLIT2)                  # SPLIT2 is a multiple of BKB
 
-    # ---- main loop over the bytes of the rows, BK/2 at a time; only the very last step is masked
-    # and the mask is constant over each 16-byte load (K2 % 16 == 0), so loads stay vectorized
-    acc0 = tl.zeros((BN, BK // 16), dtype=tl.float32)
-    acc1 = tl.zeros((BN, BK // 16), dtype=tl.float32)
-    acc2 = tl.zeros((BN, BK // 16), dtype=tl.float32)
-    acc3 = tl.zeros((BN, BK // 16), dtype=tl.float32)
-    for kb0 in range(kb_start, kb_end, BK // 2):
-        kb0 = tl.multiple_of(kb0, BK // 2)
-        offs_b = kb0 + tl.arange(0, BK // 2)                                   # byte = x2 word
-        offs_s = kb0 // 8 + tl.arange(0, BK // 16)
-        p = tl.load(packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :],
-                    mask=(offs_b < K2)[None, :], other=0)                        # (BN, BK/2) u8
-        sb = tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_s[None, :],
-                     mask=(offs_s < K2 // 8)[None, :], other=0)                  # (BN, BK/16) u8
-        lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (BN, BK/2)
-        # scale e4m3·2^55 per 16-weight sum: g·s = (x·W)·global_scale·2^-7, as in the MMA kernel
-        s = _e4m3_to_f32(sb, 126 - X_SHIFT - OPERAND_SHIFT)
-        acc0 += _gemv_block_sums(lo, hi, x2_ptr, offs_b, K2, BN, BK) * s
+    # ---- main loop over the bytes of the rows, BKB at a time; only the last step can be partial,
+    # and its mask is constant over each thread's 16 bytes (K2 % 16 == 0), so loads stay vectorized
+    acc0 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    acc1 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    acc2 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    acc3 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    for kb0 in range(kb_start, kb_end, BKB):
+        kb0 = tl.multiple_of(kb0, BKB)
+        offs_b = kb0 + tl.arange(0, BKB)[None, None, :]       # bytes past kb_end decode to some
+        p = tl.load(packed_ptr + rows * stride_pn + offs_b, mask=offs_b < kb_end)   # finite w; x = 0
+        lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (W, R, BKB)
+        s = _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, INTERPRET)
+        acc0 = _gemv_row(acc0, lo, hi, s, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
         if BM > 1:
-            acc1 += _gemv_block_sums(lo, hi, x2_ptr + (1 % M) * stride_x2m, offs_b, K2, BN, BK) * s
+            acc1 = _gemv_row(acc1, lo, hi, s, x2_ptr + (1 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
         if BM > 2:
-            acc2 += _gemv_block_sums(lo, hi, x2_ptr + (2 % M) * stride_x2m, offs_b, K2, BN, BK) * s
-            acc3 += _gemv_block_sums(lo, hi, x2_ptr + (3 % M) * stride_x2m, offs_b, K2, BN, BK) * s
+            acc2 = _gemv_row(acc2, lo, hi, s, x2_ptr + (2 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
+            acc3 = _gemv_row(acc3, lo, hi, s, x2_ptr + (3 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
 
     # ---- epilogue: rows of y (or fp32 partial sums for the split-K reduce)
-    offs_n = pid_n * BN + tl.arange(0, BN)
     out_ptr += pid_k * stride_os
     _gemv_store(acc0, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
     if BM > 1:
@@ -494,9 +536,10 @@ class TileConfig:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape of the CUDA-core kernel (M <= GEMV_MAX_M). bn: weight rows per program; bk: k
-    per loop step; split: programs along K (0 = choose: split until ~2 programs per SM exist)."""
-    bn: int = 16
+    """Launch shape of the CUDA-core kernel (M <= GEMV_MAX_M). bn: weight rows per program (bn /
+    warps per warp); bk: k per loop step (bk/2 bytes of each row: 16 per thread, in steps of 512
+    per warp); split: programs along K (0 = choose: split until ~2 programs per SM exist)."""
+    bn: int = 32
     bk: int = 1024
     warps: int = 4
     stages: int = 1
@@ -505,8 +548,9 @@ class GemvConfig:
     def __post_init__(self):
         if self.bn < 1 or self.bn & (self.bn - 1) or self.bk < 32 or self.bk & (self.bk - 1):
             raise ValueError(f"GemvConfig.bn/bk must be powers of two (bk >= 32), got {self}")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.split < 0:
-            raise ValueError(f"GemvConfig: warps in 1..16 (power of two), stages >= 1, split >= 0, got {self}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.bn % self.warps or self.stages < 1 or self.split < 0:
+            raise ValueError(f"GemvConfig: warps in 1..16 (power of two) dividing bn, stages >= 1, "
+                             f"split >= 0, got {self}")
 
 
 def _num_sms(device) -> int:
@@ -546,7 +590,12 @@ MEDIUM_CONFIG = TileConfig(bm=128, bn=128, bk=64, warps=8, stages=4, swap=False)
 def fwd_config(M: int, N: int, K: int):
     """Launch shape for y = x·Wᵀ: the sweep winners on an H100 (bench/NOTES.md)."""
     if M <= GEMV_MAX_M:          # CUDA cores; the tensor-core kernel wins from M = 4 (NOTES.md v4)
-        return GemvConfig(bk=512 if M == 2 and K <= 20480 else 1024)   # M=2, 32B down: 1024 was faster
+        # 8 rows per thread at M = 1 (x's decode amortized, 96 registers); at M = 2 4 rows (124
+        # registers); a narrow weight (N <= 8192: qkv, o, down) has few programs, so it reads
+        # 1 KB of each row per step instead of 512 B to keep more bytes in flight (NOTES.md v6)
+        if M == 2:
+            return GemvConfig(bn=16, bk=1024)
+        return GemvConfig(bn=16, bk=2048) if N <= 8192 else GemvConfig(bn=32, bk=1024)
     if M <= 16:
         return TileConfig(bm=16, bn=64, bk=128, warps=4, stages=4)
     if M <= 32:
@@ -670,7 +719,7 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
 
 
 def _gemv(x, packed, scale, global_scale, bias, cfg):
-    """y = x·Wᵀ (+bias) on CUDA cores for M <= 4 (K a multiple of 16; no padding needed)."""
+    """y = x·Wᵀ (+bias) on CUDA cores for M <= 4 (K a multiple of 16; padded to 32 if odd)."""
     M, K = x.shape
     N = packed.shape[0]
     if M > 4:
@@ -678,7 +727,10 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
     out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
     if M == 0:
         return out
-    bk = min(cfg.bk, max(32, triton.next_power_of_2(K)))
+    if K % 32:                               # a weight row must be whole 16-byte loads
+        x, packed, scale = _pad(x, 1, 32), _pad(packed, 1, 16), _pad(scale.view(torch.uint8), 1, 2)
+        K = x.shape[1]
+    bk = min(cfg.bk, triton.next_power_of_2(K))
     tiles = triton.cdiv(N, cfg.bn)
     split, k_split = _split(cfg.split, tiles, K, bk, 2 * _num_sms(x.device))
     part = _partials(split, out)
@@ -689,7 +741,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
         M, N, K // 2, k_split // 2,
         x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, INTERPRET=_interpreting(),
+        BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=_interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages)
     return _reduce(part, global_scale, bias, out)
 
