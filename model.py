@@ -292,18 +292,24 @@ def rms_norm_triton(x, weight, eps, residual=None):
     return out if residual is None else (out, total)
 
 
-def token_rows(t: torch.Tensor) -> bool:
-    """(B, T, H, D) with contiguous heads and one stride between consecutive tokens (a column slice
-    of a stacked q/k/v output is one): what the rope kernel addresses."""
+def token_stride(t: torch.Tensor) -> int | None:
+    """The one stride between consecutive tokens of t (B, T, H, D) with contiguous heads (a column
+    slice of a stacked q/k/v output has one), or None. A size-1 dim's stride is arbitrary (view
+    may set it to anything), so decode (T = 1) steps by the batch stride."""
     B, T, H, D = t.shape
-    return t.stride(3) == 1 and t.stride(2) == D and (B == 1 or t.stride(0) == T * t.stride(1))
+    if t.stride(3) != 1 or (H > 1 and t.stride(2) != D):
+        return None
+    if T == 1:
+        return t.stride(0)
+    return t.stride(1) if B == 1 or t.stride(0) == T * t.stride(1) else None
 
 
 def rope_triton(q, k, cos, sin):
-    """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place (token_rows), one launch; cos/sin (B,T,1,D/2)."""
+    """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2).
+    q and k must have a token_stride."""
     B, T, HQ, D = q.shape
-    _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), q.stride(1), k.stride(1),
-                                           HQ, D // 2)
+    _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), token_stride(q),
+                                           token_stride(k), HQ, D // 2)
     return q, k
 
 
@@ -419,7 +425,7 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)               # (B, T, Hq, D)
         k = k.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
-        if fused(q) and token_rows(q) and token_rows(k) and self.head_dim & (self.head_dim - 1) == 0:
+        if fused(q) and token_stride(q) and token_stride(k) and self.head_dim & (self.head_dim - 1) == 0:
             q, k = rope_triton(q, k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

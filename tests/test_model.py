@@ -498,16 +498,19 @@ def test_fused_kernels_match_the_torch_ops(dtype):
     got_q, got_k = M.rope_triton(q.clone(), k.clone(), cos, sin)
     torch.testing.assert_close(got_q, want_q, **tol)
     torch.testing.assert_close(got_k, want_k, **tol)
-    # column slices of one stacked output (StackedLinear): strided token rows
-    qkv = torch.randn(2, 3, 8 * 32, generator=g).to(dev, dtype)
-    q, k = qkv[..., :128].view(2, 3, 4, 32), qkv[..., 128:192].view(2, 3, 2, 32)
-    assert M.token_rows(q) and not q.is_contiguous()
-    want_q, want_k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
-    before = qkv[..., 192:].clone()
-    M.rope_triton(q, k, cos, sin)
-    torch.testing.assert_close(q, want_q, **tol)
-    torch.testing.assert_close(k, want_k, **tol)
-    assert torch.equal(qkv[..., 192:], before)     # v untouched
+    # column slices of one stacked output (StackedLinear): strided token rows, prefill-like (T = 3)
+    # and decode-like (T = 1, where view gives the size-1 dim a stride that is not the row's)
+    for T in (3, 1):
+        qkv = torch.randn(2, T, 8 * 32, generator=g).to(dev, dtype)
+        q, k = qkv[..., :128].view(2, T, 4, 32), qkv[..., 128:192].view(2, T, 2, 32)
+        assert M.token_stride(q) == 8 * 32 and not q.is_contiguous()
+        c, s_ = cos[:, :T], sin[:, :T]
+        want_q, want_k = M.apply_rope(q, c, s_), M.apply_rope(k, c, s_)
+        before = qkv[..., 192:].clone()
+        M.rope_triton(q, k, c, s_)
+        torch.testing.assert_close(q, want_q, **tol)
+        torch.testing.assert_close(k, want_k, **tol)
+        assert torch.equal(qkv[..., 192:], before)     # v untouched
     a, b = torch.randn(3, 1500, generator=g).to(dev, dtype), torch.randn(3, 1500, generator=g).to(dev, dtype)
     two_roundings = tol if dtype == torch.float32 else dict(rtol=2 ** -5, atol=2e-2)  # silu, then the product
     torch.testing.assert_close(M.silu_mul_triton(a, b), torch.nn.functional.silu(a) * b, **two_roundings)
