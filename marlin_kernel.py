@@ -68,11 +68,12 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
   * M >= 512 (compute-bound; M >= 128 for weights under 20M elements): the fused kernel reaches only
     ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
     copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
-Measured on an H100 (fwd): M = 1 1.4-2.9x over cuBLAS bf16 (0.9-2.3 TB/s of NVFP4 weights),
-M = 2 1.2-2.1x, M = 4..16 1.0-1.9x.
+Measured on an H100 (fwd, bench/NOTES.md): M = 1 1.6-3.2x over cuBLAS bf16 (1.0-2.6 TB/s of NVFP4
+weights), M = 2 1.4-2.5x, M = 4..16 1.0-1.9x, M = 128 0.5-0.95x.
 
 What it leaves out: activation quantization (this is W4A16), a Marlin-style re-layout of the
-weights (decode straight into the MMA register layout), fused q/k/v, a warp-specialized schedule.
+weights (decode straight into the MMA register layout), a warp-specialized schedule. q/k/v and
+gate/up arrive as one weight each (model.StackedLinear).
 Test: pytest tests/test_marlin_kernel.py (CPU: interpreter, tiny shapes; GPU: real shapes);
 benchmark: python bench/kernel.py.
 """
