@@ -142,6 +142,36 @@ class LoRALinear(nn.Module):
         out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, self.r), B.t(), alpha=self.scaling)
         return out.view(y.shape)                                                   # y + s·h Bᵀ
 
+    @staticmethod
+    def add_group_delta(mods, x: torch.Tensor, y: torch.Tensor):
+        """y + every adapter's update for LoRALinears `mods` that share the input x and whose base
+        outputs are the column blocks of y (..., Σ out), as model.StackedLinear computes q/k/v:
+        one GEMM with the A's stacked (Σr, in) and one addmm with the B's as a block-diagonal
+        (Σ out, Σr) matrix: two kernels for the group instead of two per adapter. Sampling only
+        (no autograd, dropout off, one scaling for the group), else None. The stacked bf16 copies
+        follow _cast's rule: refreshed by each eager call, read as they are by a CUDA graph."""
+        first = mods[0]
+        if torch.is_grad_enabled() or not all(
+                isinstance(m, LoRALinear) and m.enabled and m.scaling == first.scaling
+                and (isinstance(m.lora_dropout, nn.Identity) or not m.training) for m in mods):
+            return None
+        casts = first.__dict__.get("_group_casts")
+        if casts is None or casts[0].dtype != x.dtype or casts[0].device != x.device:
+            R, N = sum(m.r for m in mods), sum(m.out_features for m in mods)
+            with torch.inference_mode(False):
+                casts = first._group_casts = (torch.empty(R, first.in_features, dtype=x.dtype, device=x.device),
+                                              torch.zeros(N, R, dtype=x.dtype, device=x.device))
+        A, B = casts                                                               # (Σr, in), (Σout, Σr)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            r0 = n0 = 0
+            for m in mods:
+                A[r0:r0 + m.r].copy_(m.lora_A)
+                B[n0:n0 + m.out_features, r0:r0 + m.r].copy_(m.lora_B)
+                r0, n0 = r0 + m.r, n0 + m.out_features
+        h = F.linear(x, A)                                                         # (..., Σr)
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=first.scaling)
+        return out.view(y.shape)
+
     def _cast(self, dtype):
         """A, B in the activation dtype: bf16 matmuls, fp32 gradients (the cast's backward upcasts).
         Without autograd the casts are kept (see the module docstring): refreshed by each eager

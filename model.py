@@ -379,22 +379,26 @@ class StackedLinear:
         return self._ptrs(mods) == self.ptrs
 
     def __call__(self, x):
-        """x (..., K) -> one output (..., N_i) per member: column slices of one (..., sum N) product."""
+        """x (..., K) -> (..., Σ N): the members' outputs side by side."""
         t = self.tensors
         if self.global_scale is None:
-            y = F.linear(x, t["weight"], t.get("bias"))
-        else:
-            y = nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"))
-        return y.split(self.sizes, -1)
+            return F.linear(x, t["weight"], t.get("bias"))
+        return nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"))
 
 
 def project(parent: nn.Module, names, x):
-    """[parent.<name>(x) for each name]: on the rollout path one matmul over the stacked weights."""
+    """[parent.<name>(x) for each name]: on the rollout path one matmul over the stacked weights,
+    then the members' LoRA updates (lora.LoRALinear.add_group_delta: two kernels for the group)."""
     mods = [getattr(parent, n) for n in names]
     stack = parent.stacked
     if stack is not None and fused(x):
         if stack.holds([getattr(m, "base_layer", m) for m in mods]):     # through a LoRA wrapper
-            return [m.add_delta(x, y) if hasattr(m, "add_delta") else y for m, y in zip(mods, stack(x))]
+            y = stack(x)                                                  # (..., Σ N)
+            group = getattr(type(mods[0]), "add_group_delta", None)
+            with_lora = group(mods, x, y) if group is not None else None
+            if with_lora is not None:
+                return with_lora.split(stack.sizes, -1)
+            return [m.add_delta(x, o) if hasattr(m, "add_delta") else o for m, o in zip(mods, y.split(stack.sizes, -1))]
         parent.stacked = None                   # the members moved: use them one by one, free the stack
     return [m(x) for m in mods]
 

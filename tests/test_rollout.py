@@ -441,20 +441,35 @@ def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [False, True])
-def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs):
+@pytest.mark.parametrize("graphs,lora", [(False, False), (True, False), (True, True)])
+def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora):
     """bf16 on GPU, eager and CUDA-graph decode (batch 12 padded into a 16 bucket): the recorded
-    logprobs equal a dense bf16 forward of the finished sequences within bf16 noise."""
+    logprobs equal a dense bf16 forward of the finished sequences within bf16 noise. With LoRA
+    (non-zero B, the group path of model.project): again after B changes in place between two
+    generate() calls that reuse the captured graphs."""
+    from lora import LoRAConfig, apply_lora, lora_modules
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
+    adapters = []
+    if lora:
+        apply_lora(model, LoRAConfig(r=4, alpha=8))
+        adapters = list(lora_modules(model).values())
+        with torch.no_grad():
+            for m in adapters:
+                m.lora_B.normal_(0, 0.05)
     prompts = _prompts([5, 40, 17], seed=7)
     engine = LLMEngine(model, cuda_graphs=graphs)
-    out = engine.generate(prompts, SamplingParams(max_tokens=40, n=4, seed=3, stop_token_ids=()))
-    assert bool(engine.runner.graphs) == graphs
-    errs = []
-    for p, comps in zip(prompts, out):
-        for c in comps:
-            ref = torch.log_softmax(_dense_logits(model, p, c.token_ids).float(), -1)
-            ref = ref.gather(1, torch.tensor(c.token_ids, device="cuda")[:, None])[:, 0].cpu()
-            errs.append((ref - torch.tensor(c.logprobs)).abs())
-    errs = torch.cat(errs)
-    assert errs.max() < 5e-2 and errs.mean() < 1e-2, f"max {errs.max():.2e} mean {errs.mean():.2e}"
+    for round in range(2 if lora else 1):
+        if round:
+            with torch.no_grad():
+                for m in adapters:
+                    m.lora_B.mul_(-1.5)             # an optimizer step, in place
+        out = engine.generate(prompts, SamplingParams(max_tokens=40, n=4, seed=3, stop_token_ids=()))
+        assert bool(engine.runner.graphs) == graphs
+        errs = []
+        for p, comps in zip(prompts, out):
+            for c in comps:
+                ref = torch.log_softmax(_dense_logits(model, p, c.token_ids).float(), -1)
+                ref = ref.gather(1, torch.tensor(c.token_ids, device="cuda")[:, None])[:, 0].cpu()
+                errs.append((ref - torch.tensor(c.logprobs)).abs())
+        errs = torch.cat(errs)
+        assert errs.max() < 5e-2 and errs.mean() < 1e-2, f"round {round}: max {errs.max():.2e} mean {errs.mean():.2e}"
