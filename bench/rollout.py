@@ -12,9 +12,10 @@ Workloads (every sequence runs to its full length: no stop tokens; sampling at t
              decode tok/s = B·(new - 1) / (total - TTFT)
     grpo     16 prompts x 8 samples, prompt 256, 1024 new: total tok/s = new tokens / wall time,
              time to first token (all prompts prefilled and first tokens sampled), peak memory
-Each (model, engine) pair is measured after a short warm-up (Triton autotuning, CUDA-graph capture
-for the batch-1 bucket); graph capture of other buckets happens inside the timed GRPO run and is
-part of the cost a training step pays (the cache and graphs are freed before each backward).
+Each workload is timed after a warm-up on the same prompts with 2 new tokens (Triton compiles its
+kernels for those shapes once per process); the KV cache and CUDA graphs are then freed, so graph
+capture happens inside the timed run, as in every training step (train.py frees them before each
+backward). TTFT therefore includes prefill and the first decode graph's capture.
 
     python bench/rollout.py                                   # 7B: ours-nvfp4, ours-bf16, hf-bf16
     python bench/rollout.py --models 32b --engines ours-nvfp4,ours-bf16
@@ -165,11 +166,14 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
     else:
         engine = rollout.LLMEngine(model, max_model_len=max_model_len, max_num_seqs=256)
         run = functools.partial(run_ours, engine)
-    run(random_prompts(1, 16, cfg["vocab_size"], 99), 1, 8)                              # warm-up
     for wl in workloads:
         w = WORKLOADS[wl]
+        prompts = random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0)
+        run(prompts, w["n"], 2)            # warm-up: Triton compiles for these shapes, once per process
+        if engine_name != "hf-bf16":
+            engine.free_cache()            # the timed run captures its graphs, as every training step does
         torch.cuda.reset_peak_memory_stats()
-        r = run(random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0), w["n"], w["new"])
+        r = run(prompts, w["n"], w["new"])
         r.update(model=model_name, engine=engine_name, workload=wl, **w,
                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                  tok_s=r["new_tokens"] / r["total_s"])
