@@ -105,6 +105,11 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Is a CUDA graph being captured on t's device? Then the kept casts are read, not refreshed."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class LoRALinear(nn.Module):
     """base(x) + scaling · dropout(x) Aᵀ Bᵀ, with `base` frozen and A, B fp32 parameters."""
 
@@ -162,7 +167,7 @@ class LoRALinear(nn.Module):
                 casts = first._group_casts = (torch.empty(R, first.in_features, dtype=x.dtype, device=x.device),
                                               torch.zeros(N, R, dtype=x.dtype, device=x.device))
         A, B = casts                                                               # (Σr, in), (Σout, Σr)
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not _capturing(x):
             r0 = n0 = 0
             for m in mods:
                 A[r0:r0 + m.r].copy_(m.lora_A)
@@ -183,7 +188,7 @@ class LoRALinear(nn.Module):
         if casts is None or casts[0].dtype != dtype or casts[0].device != A.device:
             with torch.inference_mode(False):   # plain tensors, writable outside inference mode too
                 casts = self._casts = (torch.empty_like(A, dtype=dtype), torch.empty_like(B, dtype=dtype))
-        if not (A.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not _capturing(A):
             casts[0].copy_(A)
             casts[1].copy_(B)
         return casts

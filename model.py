@@ -576,10 +576,8 @@ def _assign(model: nn.Module, key: str, value: torch.Tensor):
 def group_of(linear_name: str) -> list[str]:
     """The linears quantized with one shared global scale: q/k/v and gate/up (GROUPS), else itself."""
     parent, _, name = linear_name.rpartition(".")
-    for names in GROUPS.values():
-        if name in names and parent.endswith(tuple(GROUPS)):
-            return [f"{parent}.{n}" for n in names]
-    return [linear_name]
+    names = GROUPS.get(parent.rpartition(".")[2], ())
+    return [f"{parent}.{n}" for n in names] if name in names else [linear_name]
 
 
 def quantize_group(model, linear_names: list[str], weights: list[torch.Tensor]):
@@ -654,13 +652,13 @@ def load_bytes(model: Transformer) -> int:
 
 
 def check_fits(model: Transformer, device: torch.device) -> None:
-    """Fail before loading anything when the weights (+ one bf16 matrix in flight) cannot fit."""
+    """Fail before loading anything when the weights (+ what loading holds in flight: load_bytes) cannot fit."""
     if device.type != "cuda":
         return
     need, free = load_bytes(model), torch.cuda.mem_get_info(device)[0]
     if need > free:
-        raise ValueError(f"the {model.quant} model needs {need / 2**30:.1f} GiB for its weights (+ one matrix in "
-                         f"flight) but {device} has {free / 2**30:.1f} GiB free; try quant='nvfp4' or a larger GPU")
+        raise ValueError(f"the {model.quant} model needs {need / 2**30:.1f} GiB for its weights (+ the bf16 "
+                         f"weights in flight) but {device} has {free / 2**30:.1f} GiB free; try quant='nvfp4' or a larger GPU")
 
 
 def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch.bfloat16) -> Transformer:
@@ -700,8 +698,9 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
                     got = pending.setdefault(group[0], {})
                     got[name] = t
                     if len(got) == len(group):
-                        quantize_group(model, list(got), list(pending.pop(group[0]).values()))
-                        got.clear()
+                        del pending[group[0]]
+                        quantize_group(model, list(got), list(got.values()))
+                        got.clear()  # the group's bf16 weights die here
                 else:
                     _assign(model, key, t)
                 del t  # a bf16 weight dies once its group is quantized, before the next reads

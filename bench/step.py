@@ -24,7 +24,7 @@ A warm-up step comes first (Triton JIT, cuBLAS, allocator), by default with 64-t
 
 Each configuration runs in its own Python process, so one's peak memory, OOM or leftover cache never
 touches the next. Before building, the process applies model.check_fits's rule (model.load_bytes:
-weights + one bf16 matrix in flight, vs free memory); a model that fails it is reported "does not fit" with both numbers
+weights + the bf16 weights in flight, vs free memory); a model that fails it is reported "does not fit" with both numbers
 and never built. That rule is necessary, not sufficient: bf16 32B (61 GiB of weights) passes it on an
 80 GB H100, and whether the KV cache, adapters, optimizer and activations fit too is found by running
 it, where an out-of-memory error is caught and reported ("oom", with the phase it hit).
@@ -70,7 +70,7 @@ GIB = 2 ** 30
 
 
 def needed_bytes(cfg: dict, quant: str, dtype) -> tuple[int, int]:
-    """(weight bytes, model.load_bytes): exact bytes of the meta model, and + one bf16 matrix in flight."""
+    """(weight bytes, model.load_bytes): exact bytes of the meta model, and + the bf16 weights in flight."""
     with torch.device("meta"):
         meta = qmodel.Transformer(qmodel.ModelConfig.from_hf(cfg), quant, dtype)
     return qmodel.weight_bytes(meta), qmodel.load_bytes(meta)
