@@ -77,6 +77,7 @@ gate/up arrive as one weight each (model.StackedLinear).
 Test: pytest tests/test_marlin_kernel.py (CPU: interpreter, tiny shapes; GPU: real shapes);
 benchmark: python bench/kernel.py.
 """
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -100,6 +101,26 @@ GEMV_POST = tl.constexpr(2.0 ** 55)  # so its sums are ·2^-62: ·2^55 brings th
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Programmatic dependent launch (Hopper and later). A kernel launched with launch_pdl=True may be
+# scheduled while the kernel before it in the stream is still running; it calls gdc_wait()
+# (griddepcontrol.wait: the previous grid has finished and its writes are visible) before it reads
+# anything an earlier kernel wrote. Results are unchanged; the launch latency and the prologue
+# (address math, loads of the constant weights) overlap the previous kernel's tail, which matters
+# in a decode step of ~500 small kernels. Every kernel in such a chain must wait before reading:
+# a kernel that skipped the wait could overtake its predecessor.
+PDL = True       # bench/rollout.py and bench/kernel.py switch it off to measure what it buys
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl(device) -> bool:
+    """Launch with programmatic dependent launch on this device? (kernels take it as USE_PDL)"""
+    return PDL and device.type == "cuda" and not _interpreting() and _capability(device.index or 0)[0] >= 9
 
 
 # ----------------------------------------------------------------------------------------------
