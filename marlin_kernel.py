@@ -449,6 +449,220 @@ def _nvfp4_gemv_kernel(
         _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
 
 
+# ----------------------------------------------------------------------------------------------
+# The fragment kernel (M <= 16): mma.sync on weights decoded straight into the MMA's registers.
+#
+# One mma.sync.m16n8k16 multiplies a 16 x 16 tile of W (A, four bf16x2 registers per lane) by a
+# 16 x 8 tile of xᵀ (B, two registers) into 16 x 8 fp32 (four registers). Lane l = 4g + t holds
+# A rows g and g+8 at k-slots 2t, 2t+1 (registers 0, 1) and 2t+8, 2t+9 (registers 2, 3), B column
+# (token) g at the same k-slots, and D rows g, g+8 at tokens 2t, 2t+1 (PTX ISA, "Matrix fragments
+# for mma.m16n8k16"). A sum over k does not care which physical k a slot stands for, as long as A
+# and B agree: so lane t takes the 32 consecutive k of its own 16-byte piece of each row,
+# [32t, 32t + 32) of a 128-wide window, in whatever slot order its decode produces. Every load is
+# then a plain 16-byte load of the compressed-tensors layout (no re-layout of the weights), and a
+# decoded pair goes straight into an A register (no shared memory, no barrier, no layout change).
+# The decode (_E2M1X4_TO_BF16_PTX's arithmetic) turns a word of 4 bytes b0..b3 into the pairs
+# (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3), (hi b2, hi b3) = physical k (0, 2), (1, 3),
+# (4, 6), (5, 7) of the word; the x words (x0, x1), (x2, x3), ... of the same k are re-paired by
+# prmt into (x0, x2), (x1, x3), ... once per window (_X_PAIRS_PTX). Per lane and 16-row tile, a
+# 128-k window is 2 x 16 bytes of W, 4 scales, 8 mma.sync: ~2.7 instructions per weight for any
+# M <= 8 (tokens are the MMA's n = 8; M <= 16 issues a second mma per step), against 4.1 for the
+# CUDA-core kernel at M = 1 and 6.7 + a shared-memory round trip for the wgmma kernel.
+
+def _decode_mma_ptx(nt: int) -> str:
+    """Inline PTX for one lane, one 16-row tile, one 128-k window, nt token tiles of 8.
+    Operands: $0.. acc out (4 per token tile); then acc in (4 per tile), W rows g and g+8 (4 words
+    each), the scales (4 bf16 = 2 registers: (g, block 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1), each
+    ·2^119), the re-paired x words (16 per token tile)."""
+    acc_in = 4 * nt
+    w0, w1, s = 8 * nt, 8 * nt + 4, 8 * nt + 8
+    xp = 8 * nt + 10
+    lines = [".reg .b32 y01, y23, t, u, sg, nz, sa0, sa1, sb0, sb1, l01, l23, h01, h23, "
+             "m01, m23, k01, k23;", "mov.b32 nz, 0x80008000;",
+             f"prmt.b32 sa0, ${s}, 0, 0x1010;", f"prmt.b32 sb0, ${s}, 0, 0x3232;",
+             f"prmt.b32 sa1, ${s + 1}, 0, 0x1010;", f"prmt.b32 sb1, ${s + 1}, 0, 0x3232;"]
+
+    def decode(word, scale, lo01, lo23, hi01, hi23):
+        return [f"prmt.b32 y01, {word}, 0, 0x1404;", f"prmt.b32 y23, {word}, 0, 0x3424;",
+                "shr.b32 t, y01, 2;", "shl.b32 u, y01, 4;", "and.b32 sg, u, nz;",
+                "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {lo01}, t, {scale}, nz;",
+                "shr.b32 t, y23, 2;", "shl.b32 u, y23, 4;", "and.b32 sg, u, nz;",
+                "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {lo23}, t, {scale}, nz;",
+                "shr.b32 t, y01, 6;", "and.b32 sg, y01, nz;",
+                "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {hi01}, t, {scale}, nz;",
+                "shr.b32 t, y23, 6;", "and.b32 sg, y23, nz;",
+                "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {hi23}, t, {scale}, nz;"]
+
+    first = [True] * nt
+    for j in range(4):                       # word j of the lane's 16 bytes: k 8j .. 8j+7
+        blk = "1" if j >= 2 else "0"
+        lines += decode(f"${w0 + j}", "sa" + blk, "l01", "l23", "h01", "h23")      # row g
+        lines += decode(f"${w1 + j}", "sb" + blk, "m01", "m23", "k01", "k23")      # row g + 8
+        for n in range(nt):
+            d = ", ".join(f"${4 * n + i}" for i in range(4))
+            for a, b, xs in (("l01, m01, h01, k01", 0, 0), ("l23, m23, h23, k23", 2, 2)):
+                c = ", ".join(f"${acc_in + 4 * n + i}" for i in range(4)) if first[n] else d
+                x = f"${xp + 16 * n + 4 * j + xs}, ${xp + 16 * n + 4 * j + xs + 1}"
+                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, {{{a}}}, {{{x}}}, {{{c}}};")
+                first[n] = False
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# x words (x0, x1), (x2, x3), (x4, x5), (x6, x7) -> (x0, x2), (x1, x3), (x4, x6), (x5, x7)
+_X_PAIRS_PTX = tl.constexpr("prmt.b32 $0, $4, $5, 0x5410; prmt.b32 $1, $4, $5, 0x7632; "
+                            "prmt.b32 $2, $6, $7, 0x5410; prmt.b32 $3, $6, $7, 0x7632;")
+_DECODE_MMA_PTX_1 = tl.constexpr(_decode_mma_ptx(1))
+_DECODE_MMA_PTX_2 = tl.constexpr(_decode_mma_ptx(2))
+# outputs: the accumulators; inputs: accumulators (f32), W words, scales, x words (b32)
+_MMA_CONSTRAINTS_1 = tl.constexpr(",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 26))
+_MMA_CONSTRAINTS_2 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 42))
+SCALE_TO_OPERAND = tl.constexpr(2.0 ** (126 - 7))   # scale·2^119 · e2m1·2^-126 = w·scale·2^-7
+
+
+
+@triton.jit
+def _mma_x(x2_ptr, tok, stride_x2m, word0, M, T, Q, WP, j: tl.constexpr, INTERPRET: tl.constexpr):
+    """x words 16t + 4j .. +3 of the window for token `tok` (rows past M read 0): (4, 8, W, 1, 4)
+    int32, one copy per warp; re-paired for the B fragment on the GPU (the emulation reads k in
+    order)."""
+    ptrs = x2_ptr + tok * stride_x2m + word0 + 16 * T + 4 * j + Q + 0 * WP
+    x = tl.load(ptrs, mask=tok < M, other=0)
+    if not INTERPRET:
+        x = tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.int32,
+                                      is_pure=True, pack=4)
+    return x
+
+
+@triton.jit
+def _e2m1_f32(code):
+    """E2M1 codes (int32 tensor, 0..15) -> float32 values (plain arithmetic: the emulation)."""
+    mag = code & 7
+    v = tl.where(mag < 2, mag * 0.5, tl.exp2(((mag >> 1) - 1).to(tl.float32)) * (1 + (mag & 1) * 0.5))
+    return tl.where((code & 8) != 0, -v, v)
+
+
+@triton.jit
+def _mma_emulate_rows(words, s, h: tl.constexpr, xv, W: tl.constexpr, R: tl.constexpr):
+    """(8 g, 8 token, W, R): sum over the window of W[row g + 8h of tile (w, r), k] · x[token, k]."""
+    J = tl.arange(0, 4)[None, None, None, None, :, None]
+    Q = tl.arange(0, 4)[None, None, None, None, :]
+    s_lo = tl.sum(tl.where(Q == h, s, 0.0), axis=4)[:, :, :, :, None, None]        # block 2t'
+    s_hi = tl.sum(tl.where(Q == 2 + h, s, 0.0), axis=4)[:, :, :, :, None, None]    # block 2t'+1
+    codes = (words[:, :, :, :, :, None] >> (4 * tl.arange(0, 8)[None, None, None, None, None, :])) & 15
+    wv = tl.reshape(_e2m1_f32(codes) * tl.where(J < 2, s_lo, s_hi), (4, 8, 1, W, R, 32))  # [t', g, ., w, r, k]
+    return tl.sum(tl.sum(wv * xv, axis=5), axis=0)
+
+
+@triton.jit
+def _mma_emulate(acc, w0, w1, s, x0, x1, x2, x3, W: tl.constexpr, R: tl.constexpr):
+    """What the PTX adds to acc, in plain fp32, for the interpreter: acc[t, g, w, r, 2h + p] +=
+    sum over the window of W[row g + 8h of tile (w, r), k] · x[token 2t + p, k]. w0, w1: the words
+    of rows g, g + 8 (lane t' holds k 32t' .. 32t' + 31); s: the scales·2^-7 (q = 2·block + h) as
+    fp32; x0..x3: the lanes' x words (natural pairs) of tokens g."""
+    xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))                   # (4, 8, W, 1, 4q, 2a, 2b)
+    xw = tl.permute(xw, 0, 1, 2, 3, 6, 5, 4).reshape(4, 8, W, 1, 16)  # word 4j + q, j = 2b + a
+    xv = tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True))
+    xv = tl.reshape(xv, (4, 1, 8, W, 1, 32))                          # [t', ., token, w, ., k]
+    y = tl.join(_mma_emulate_rows(w0, s, 0, xv, W, R), _mma_emulate_rows(w1, s, 1, xv, W, R))
+    y = y.reshape(8, 4, 2, W, R, 2)                                   # [g, t, p, w, r, h]
+    return acc + tl.permute(y, 1, 0, 3, 4, 5, 2).reshape(4, 8, W, R, 4)
+
+
+@triton.jit
+def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc[t, g, w, r, q] is y[tok, rows] (tok (4, 1, 1, 1, 4), rows (1, 8, W, R, 4)): store it,
+    or its fp32 partial sum."""
+    mask = (tok < M) & (rows < N)
+    if PARTIAL:
+        tl.store(out_ptr + part_off + tok * stride_om + rows, acc, mask=mask)
+    else:
+        y = acc * (OPERAND_POST / tl.load(gs_ptr))
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tok * stride_om + rows, _to_bf16(y, INTERPRET), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_mma_kernel(
+    # pointers (x2: x as int32 words, a bf16 pair each; p4: packed as int32 words, 8 codes each)
+    x2_ptr, p4_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    # sizes: x (M, K), W (N, K); NWIN = K / 128 windows, program pid_k takes [pid_k·SPLIT, +SPLIT)
+    M, N, NWIN, SPLIT,
+    # strides (the innermost stride of every tensor is 1)
+    stride_x2m, stride_p4n, stride_sn, stride_om, stride_os,
+    # meta
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    W: tl.constexpr,        # = num_warps
+    R: tl.constexpr,        # 16-row tiles per warp: a program owns 16·W·R rows of W
+    NT: tl.constexpr,       # token tiles of 8: 1 for M <= 8, 2 for M <= 16
+    INTERPRET: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
+    registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
+    bits 2-4 (g), warp, tile, 4 values in the lane: the loads' natural layouts already are the
+    fragments, so Triton moves nothing between lanes."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    T = tl.arange(0, 4)[:, None, None, None, None]
+    G = tl.arange(0, 8)[None, :, None, None, None]
+    WP = tl.arange(0, W)[None, None, :, None, None]
+    Q = tl.arange(0, 4)[None, None, None, None, :]
+    tile = (pid_n * W + WP) * R + tl.arange(0, R)[None, None, None, :, None]    # (1, 1, W, R, 1)
+    row0 = (16 * tile + G) % N                 # rows g and g + 8 of each tile; past N: wrapped,
+    row1 = (16 * tile + 8 + G) % N             # never stored
+    srow = tl.where(Q % 2 == 0, row0, row1)    # scale q: (g, block 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1)
+    win_start = pid_k * SPLIT
+    win_end = min(NWIN, win_start + SPLIT)
+
+    acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 0..7
+    acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
+    for win in range(win_start, win_end):
+        wo = win * 16 + 4 * T + Q                                               # lane t's 4 words
+        w0 = tl.load(p4_ptr + row0 * stride_p4n + wo)                           # (4, 8, W, R, 4)
+        w1 = tl.load(p4_ptr + row1 * stride_p4n + wo)
+        sb = tl.load(scale_ptr + srow * stride_sn + win * 8 + 2 * T + Q // 2)    # E4M3 bits
+        if INTERPRET:
+            s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                             # scale·2^-7
+        else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
+            s = (sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * SCALE_TO_OPERAND).to(tl.bfloat16)
+        word0 = win * 64
+        xa0 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
+        xa1 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
+        xa2 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
+        xa3 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
+        if NT == 1:
+            if INTERPRET:
+                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+            else:
+                acc0 = tl.inline_asm_elementwise(
+                    _DECODE_MMA_PTX_1, _MMA_CONSTRAINTS_1,
+                    [acc0, w0, w1, s, xa0, xa1, xa2, xa3], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            xb0 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
+            xb1 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
+            xb2 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
+            xb3 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
+            if INTERPRET:
+                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+                acc1 = _mma_emulate(acc1, w0, w1, s, xb0, xb1, xb2, xb3, W, R)
+            else:
+                acc0, acc1 = tl.inline_asm_elementwise(
+                    _DECODE_MMA_PTX_2, _MMA_CONSTRAINTS_2,
+                    [acc0, acc1, w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+
+    # ---- epilogue: acc[t, g, w, r, q] is y at token 2t + q % 2 (+ 8 for acc1), row g + 8·(q // 2)
+    rows = 16 * tile + G + 8 * (Q // 2)                                         # (1, 8, W, R, 4)
+    tok = 2 * T + Q % 2                                                         # (4, 1, 1, 1, 4)
+    part_off = pid_k * stride_os
+    _mma_store(acc0, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+               HAS_BIAS, PARTIAL, INTERPRET)
+    if NT == 2:
+        _mma_store(acc1, tok + 8, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+                   HAS_BIAS, PARTIAL, INTERPRET)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_mm_dx_kernel(
     # pointers
@@ -573,6 +787,20 @@ class GemvConfig:
         if self.warps not in (1, 2, 4, 8, 16) or self.bn % self.warps or self.stages < 1 or self.split < 0:
             raise ValueError(f"GemvConfig: warps in 1..16 (power of two) dividing bn, stages >= 1, "
                              f"split >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Launch shape of the fragment kernel (M <= 16, K a multiple of 128). tiles: 16-row tiles per
+    warp (a program owns 16·warps·tiles rows); split: programs along K (0 = choose: split until
+    ~4 programs per SM exist)."""
+    warps: int = 4
+    tiles: int = 1
+    split: int = 0
+
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8) or self.tiles not in (1, 2, 4, 8) or self.split < 0:
+            raise ValueError(f"MmaConfig: warps and tiles in 1, 2, 4, 8, split >= 0, got {self}")
 
 
 def _num_sms(device) -> int:
@@ -765,6 +993,29 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=_interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages)
+    return _reduce(part, global_scale, bias, out)
+
+
+def _mma(x, packed, scale, global_scale, bias, cfg):
+    """y = x·Wᵀ (+bias) with the fragment kernel: M <= 16, K a multiple of 128."""
+    M, K = x.shape
+    N = packed.shape[0]
+    if M > 16 or K % 128:
+        raise ValueError(f"the fragment kernel takes M <= 16 and K a multiple of 128, got M={M}, K={K}")
+    out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
+    if M == 0:
+        return out
+    rows = 16 * cfg.warps * cfg.tiles
+    tiles = triton.cdiv(N, rows)
+    split, k_split = _split(cfg.split, tiles, K, 128, 4 * _num_sms(x.device))
+    part = _partials(split, out)
+    x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
+    _nvfp4_mma_kernel[(tiles, split)](
+        x2, p4, sb, global_scale, bias if bias is not None else out, part,
+        M, N, K // 128, k_split // 128,
+        x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2,
+        INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=1)
     return _reduce(part, global_scale, bias, out)
 
 

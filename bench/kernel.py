@@ -15,6 +15,7 @@ and speedup = cuBLAS time / our time.
     python bench/kernel.py --sweep-gemv --no-bench   # launch shapes of the CUDA-core kernel (M <= 4)
     python bench/kernel.py --ms 1,2,4,8,16 --fwd-only   # a subset; "old" = pre-v4 tensor-core path
     python bench/kernel.py --medium-variants --no-check --no-bench   # M = 64..512: pre-v5 vs v5 tiles
+    python bench/kernel.py --small-variants --no-check --no-bench    # M = 1..16: shipped vs fragment kernel
     python bench/kernel.py --out DIR          # where the JSON and log go
 
 The weights are random codes and random E4M3 scales (the kernel's speed does not depend on the
@@ -309,9 +310,26 @@ def pre_v5_forward(x, p, s, g):
     return mk._matmul(x, p, s, g, None, mk.fwd_config(M, N, K) if M <= 64 else PRE_V5_MEDIUM)
 
 
-def medium_variants(device, log, Ms=MEDIUM_MS, budget_s=110.0):
-    """Forward only, CUDA graphs, weights rotated: cuBLAS bf16, the pre-v5 path and every
-    candidate per (shape, M); each candidate's output is also compared with the pre-v5 one."""
+def medium_candidates():
+    return {"pre-v5": pre_v5_forward} | {
+        label: (lambda x, p, s, g, cfg=cfg: mk._matmul(x, p, s, g, None, cfg)) for label, cfg in MEDIUM_CANDIDATES.items()}
+
+
+# M <= 16: the shipped route (CUDA-core kernel at M <= 2, swapped wgmma kernel above) against the
+# fragment kernel (mma.sync on weights decoded into its registers) in several launch shapes
+SMALL_MS = (1, 2, 4, 8, 16)
+FRAGMENT = {(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (2, 2)}
+
+
+def small_candidates():
+    return {"shipped": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)} | {
+        f"mma w{w}t{t}": (lambda x, p, s, g, cfg=mk.MmaConfig(w, t): mk._mma(x, p, s, g, None, cfg))
+        for w, t in sorted(FRAGMENT)}
+
+
+def variants(device, log, Ms, candidates, budget_s=110.0):
+    """Forward only, CUDA graphs, weights rotated: cuBLAS bf16 and every candidate per (shape, M);
+    each candidate's output is also compared with float64 (rel_err; a check of the real kernels)."""
     gen = torch.Generator(device=device).manual_seed(5)
     rows, t0 = [], time.time()
     for name, (N, K) in sorted(SHAPES.items(), key=lambda kv: -kv[1][0] * kv[1][1]):   # big first
@@ -320,33 +338,31 @@ def medium_variants(device, log, Ms=MEDIUM_MS, budget_s=110.0):
                        for _ in range(min(4, copies_for(N * K * 2, device)))])
         for M in Ms:
             if time.time() - t0 > budget_s:
-                log(f"medium: time budget of {budget_s:.0f} s spent, stopping")
+                log(f"variants: time budget of {budget_s:.0f} s spent, stopping")
                 return rows
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
-            ref = pre_v5_forward(x, *qs.items[0]).float()
-            r = dict(shape=name, N=N, K=K, M=M, wrapper=str(mk.fwd_config(M, N, K)) if not mk.use_dequant(M, N, K)
-                     else "dequant+cublas", us={}, rel_err={})
+            ref = mk.reference_matmul(x, *qs.items[0])
+            r = dict(shape=name, N=N, K=K, M=M, us={}, rel_err={})
             r["us"]["cublas"] = bench_ms(lambda: x @ ws.next().t(), rep=5) * 1e3
-            r["us"]["pre-v5"] = bench_ms(lambda: pre_v5_forward(x, *qs.next()), rep=5) * 1e3
-            for label, cfg in MEDIUM_CANDIDATES.items():
+            for label, fn in candidates.items():
                 try:
-                    y = mk._matmul(x, *qs.items[0], None, cfg).float()
-                    r["rel_err"][label] = ((y - ref).norm() / ref.norm()).item()
-                    r["us"][label] = bench_ms(lambda cfg=cfg: mk._matmul(x, *qs.next(), None, cfg), rep=5) * 1e3
+                    poison_allocator(max(M * N * 8, 1 << 20), device)
+                    r["rel_err"][label] = rel_err(fn(x, *qs.items[0]), ref)
+                    r["us"][label] = bench_ms(lambda fn=fn: fn(x, *qs.next()), rep=5) * 1e3
                 except Exception as e:                       # a config that does not compile
-                    log(f"medium {name} M={M} {label}: ERROR {type(e).__name__}: {str(e)[:200]}")
+                    log(f"variants {name} M={M} {label}: ERROR {type(e).__name__}: {str(e)[:200]}")
+            del ref
             rows.append(r)
-            log(f"medium {name:>11} M={M:4d} " + " ".join(f"{k}={v:.1f}" for k, v in r["us"].items())
+            log(f"variants {name:>11} M={M:4d} " + " ".join(f"{k}={v:.1f}" for k, v in r["us"].items())
                 + f" max_rel_err={max(r['rel_err'].values(), default=float('nan')):.1e}")
         del qs, ws
         torch.cuda.empty_cache()
     return rows
 
 
-def medium_table(rows, log):
+def variants_table(rows, labels, log):
     """us per path and x = cuBLAS / path; * marks the fastest NVFP4 path of each row."""
-    labels = ["pre-v5"] + list(MEDIUM_CANDIDATES)
-    log("# medium M, forward, CUDA graphs: us (x = cuBLAS bf16 / path); * = fastest NVFP4 path")
+    log("# forward, CUDA graphs: us (x = cuBLAS bf16 / path); * = fastest NVFP4 path")
     log(f"{'shape':>11} {'M':>4} {'cuBLAS':>7} | " + " | ".join(f"{l:>18}" for l in labels))
     for r in rows:
         us = r["us"]
@@ -371,6 +387,8 @@ def main():
     ap.add_argument("--sweep-gemv", action="store_true", help="sweep the CUDA-core kernel's launch shapes")
     ap.add_argument("--medium-variants", action="store_true",
                     help="M = 64..512 forward: pre-v5 path vs the v5 candidates (< 2 min)")
+    ap.add_argument("--small-variants", action="store_true",
+                    help="M = 1..16 forward: the shipped route vs the fragment kernel's launch shapes")
     ap.add_argument("--no-check", action="store_true", help="skip the GPU correctness check")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
@@ -395,11 +413,14 @@ def main():
         log(f"# check took {time.time() - t0:.0f} s")
     if args.check:
         return
-    if args.medium_variants:
-        t1 = time.time()
-        out["medium"] = medium_variants(device, log)
-        medium_table(out["medium"], log)
-        log(f"# medium variants took {time.time() - t1:.0f} s")
+    for flag, key, Ms, candidates in ((args.medium_variants, "medium", MEDIUM_MS, medium_candidates),
+                                      (args.small_variants, "small", SMALL_MS, small_candidates)):
+        if flag:
+            t1 = time.time()
+            cands = candidates()
+            out[key] = variants(device, log, Ms, cands, budget_s=args.sweep_budget)
+            variants_table(out[key], list(cands), log)
+            log(f"# {key} variants took {time.time() - t1:.0f} s")
     if args.sweep_gemv:
         t1 = time.time()
         out["sweep_gemv"] = sweep_gemv(device, log, budget_s=args.sweep_budget)

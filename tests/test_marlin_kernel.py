@@ -130,6 +130,51 @@ def test_medium_m_unswapped_kernel_matches_float64(M, N, K, has_bias, poisoned):
         assert e < 4e-3, f"typical error too large: {e:.2e}"
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256)])
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2), mk.MmaConfig(warps=1, tiles=4, split=1)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
+    """The fragment kernel (mma.sync on registers decoded in place; M <= 16, K a multiple of 128):
+    one and two token tiles, odd M, N not a multiple of the program's rows (wrapped rows must not
+    be stored), several windows, a single pass and split-K. On the CPU the PTX is replaced by its
+    plain-fp32 emulation, so this checks the index maps; the GPU run checks the PTX itself."""
+    gen = torch.Generator().manual_seed(M * 1000 + N + K + cfg.tiles + has_bias)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    y = mk._mma(x, packed, scale, gs, bias, cfg)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"mma M={M} N={N} K={K} {cfg}")
+    assert e < 4e-3, f"typical error too large: {e:.2e}"
+
+
+@pytest.mark.parametrize("M", [4, 13])
+def test_fragment_kernel_decodes_every_code_exactly(M):
+    """Rows of the identity M at a time: y = Wᵀ within one bf16 rounding for every byte value and
+    E4M3 scales from subnormal to max (through both token tiles at M = 13)."""
+    K = 128
+    packed = torch.arange(256, dtype=torch.uint8).reshape(4, 64).repeat(4, 1).to(DEV)     # (16, 64)
+    scale = torch.tensor([2.0 ** -9, 2.0 ** -7, 0.375, 448.0, 1.0, 2.0 ** -6, 96.0, 0.0078125])
+    scale, gs = scale.repeat(16, 1).to(torch.float8_e4m3fn).to(DEV), torch.tensor([3.0], device=DEV)
+    eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
+    y = torch.cat([mk._mma(eye[k:k + M], packed, scale, gs, None, mk.MmaConfig()) for k in range(0, K, M)])
+    W = mk.reference_dequantize(packed, scale, gs)
+    err = (y.double().t() - W).abs()
+    assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
+
+
+def test_fragment_kernel_refuses_what_it_cannot_do():
+    gen = torch.Generator().manual_seed(0)
+    packed, scale, gs = random_weight(16, 128, gen)
+    with pytest.raises(ValueError, match="M <= 16"):
+        mk._mma(torch.zeros(17, 128, dtype=torch.bfloat16, device=DEV), packed, scale, gs, None, mk.MmaConfig())
+    packed, scale, gs = random_weight(16, 64, gen)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mk._mma(torch.zeros(2, 64, dtype=torch.bfloat16, device=DEV), packed, scale, gs, None, mk.MmaConfig())
+    with pytest.raises(ValueError, match="MmaConfig"):
+        mk.MmaConfig(tiles=3)
+
+
 def test_cuda_core_gemv_decodes_every_code_exactly():
     """x = 4 rows of the identity at a time: y = Wᵀ within one bf16 rounding, code 1 (0.5, an fp32
     subnormal inside the kernel) included."""
@@ -295,3 +340,16 @@ def test_real_shapes_gpu(N, K, M, poisoned):
                  f"fwd {N}x{K} M={M}")
     dy = torch.randn(M, N, generator=gen).bfloat16().cuda()
     assert_close(mk.nvfp4_matmul_dx(dy, packed, scale, gs), dy.double() @ W, f"dx {N}x{K} M={M}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120)])
+@pytest.mark.parametrize("M", [1, 5, 8, 13, 16])
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 2, split=1)])
+def test_fragment_kernel_real_shapes_gpu(N, K, M, cfg, poisoned):
+    gen = torch.Generator().manual_seed(N + K + M)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda()
+    assert_close(mk._mma(x, packed, scale, gs, bias, cfg), mk.reference_matmul(x, packed, scale, gs, bias),
+                 f"mma {N}x{K} M={M} {cfg}")
