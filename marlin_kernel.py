@@ -521,16 +521,31 @@ SCALE_TO_OPERAND = tl.constexpr(2.0 ** (126 - 7))   # scale·2^119 · e2m1·2^-1
 
 
 @triton.jit
-def _mma_x(x2_ptr, tok, stride_x2m, word0, M, T, Q, WP, j: tl.constexpr, INTERPRET: tl.constexpr):
-    """x words 16t + 4j .. +3 of the window for token `tok` (rows past M read 0): (4, 8, W, 1, 4)
-    int32, one copy per warp; re-paired for the B fragment on the GPU (the emulation reads k in
-    order)."""
-    ptrs = x2_ptr + tok * stride_x2m + word0 + 16 * T + 4 * j + Q + 0 * WP
-    x = tl.load(ptrs, mask=tok < M, other=0)
-    if not INTERPRET:
-        x = tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.int32,
-                                      is_pure=True, pack=4)
-    return x
+def _mma_fetch(wp0, wp1, sp, xpa, xpb, xmask_a, xmask_b, win, NT: tl.constexpr):
+    """The raw loads of window `win`: W words of rows g and g + 8, scale bytes, and the 16 x words
+    of each token tile (as 4 (4, 8, W, 1, 4) pieces: words 16t + 4j .. +3). Nothing here uses the
+    data, so the loads of the next window are in flight while this one is decoded."""
+    w0 = tl.load(wp0 + win * 16)
+    w1 = tl.load(wp1 + win * 16)
+    sb = tl.load(sp + win * 8)
+    xa0 = tl.load(xpa + win * 64, mask=xmask_a, other=0)
+    xa1 = tl.load(xpa + win * 64 + 4, mask=xmask_a, other=0)
+    xa2 = tl.load(xpa + win * 64 + 8, mask=xmask_a, other=0)
+    xa3 = tl.load(xpa + win * 64 + 12, mask=xmask_a, other=0)
+    if NT == 2:
+        xb0 = tl.load(xpb + win * 64, mask=xmask_b, other=0)
+        xb1 = tl.load(xpb + win * 64 + 4, mask=xmask_b, other=0)
+        xb2 = tl.load(xpb + win * 64 + 8, mask=xmask_b, other=0)
+        xb3 = tl.load(xpb + win * 64 + 12, mask=xmask_b, other=0)
+    else:
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+    return w0, w1, sb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3
+
+
+@triton.jit
+def _x_pairs(x):
+    """x words (x0, x1), (x2, x3), (x4, x5), (x6, x7) -> B-fragment pairs (x0, x2), (x1, x3), ..."""
+    return tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.int32, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -614,42 +629,36 @@ def _nvfp4_mma_kernel(
     srow = tl.where(Q % 2 == 0, row0, row1)    # scale q: (g, block 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1)
     win_start = pid_k * SPLIT
     win_end = min(NWIN, win_start + SPLIT)
+    wp0 = p4_ptr + row0 * stride_p4n + 4 * T + Q            # lane t's 4 words of each row, window 0
+    wp1 = p4_ptr + row1 * stride_p4n + 4 * T + Q
+    sp = scale_ptr + srow * stride_sn + 2 * T + Q // 2       # its two blocks of each row
+    xpa = x2_ptr + G * stride_x2m + 16 * T + Q + 0 * WP      # (4, 8, W, 1, 4): one copy per warp
+    xpb = xpa + 8 * stride_x2m                               # tokens 8..15
 
     acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 0..7
     acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
+    nxt = _mma_fetch(wp0, wp1, sp, xpa, xpb, G < M, G + 8 < M, win_start, NT)
     for win in range(win_start, win_end):
-        wo = win * 16 + 4 * T + Q                                               # lane t's 4 words
-        w0 = tl.load(p4_ptr + row0 * stride_p4n + wo)                           # (4, 8, W, R, 4)
-        w1 = tl.load(p4_ptr + row1 * stride_p4n + wo)
-        sb = tl.load(scale_ptr + srow * stride_sn + win * 8 + 2 * T + Q // 2)    # E4M3 bits
+        w0, w1, sb, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = nxt
+        # the next window's loads go out first (the last step re-reads its own window)
+        nxt = _mma_fetch(wp0, wp1, sp, xpa, xpb, G < M, G + 8 < M, min(win + 1, win_end - 1), NT)
         if INTERPRET:
             s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                             # scale·2^-7
+            acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+            if NT == 2:
+                acc1 = _mma_emulate(acc1, w0, w1, s, xb0, xb1, xb2, xb3, W, R)
         else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
             s = (sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * SCALE_TO_OPERAND).to(tl.bfloat16)
-        word0 = win * 64
-        xa0 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
-        xa1 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
-        xa2 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
-        xa3 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
-        if NT == 1:
-            if INTERPRET:
-                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
-            else:
+            if NT == 1:
                 acc0 = tl.inline_asm_elementwise(
                     _DECODE_MMA_PTX_1, _MMA_CONSTRAINTS_1,
-                    [acc0, w0, w1, s, xa0, xa1, xa2, xa3], dtype=tl.float32, is_pure=True, pack=4)
-        else:
-            xb0 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
-            xb1 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
-            xb2 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
-            xb3 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
-            if INTERPRET:
-                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
-                acc1 = _mma_emulate(acc1, w0, w1, s, xb0, xb1, xb2, xb3, W, R)
+                    [acc0, w0, w1, s, _x_pairs(xa0), _x_pairs(xa1), _x_pairs(xa2), _x_pairs(xa3)],
+                    dtype=tl.float32, is_pure=True, pack=4)
             else:
                 acc0, acc1 = tl.inline_asm_elementwise(
                     _DECODE_MMA_PTX_2, _MMA_CONSTRAINTS_2,
-                    [acc0, acc1, w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3],
+                    [acc0, acc1, w0, w1, s, _x_pairs(xa0), _x_pairs(xa1), _x_pairs(xa2), _x_pairs(xa3),
+                     _x_pairs(xb0), _x_pairs(xb1), _x_pairs(xb2), _x_pairs(xb3)],
                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
 
     # ---- epilogue: acc[t, g, w, r, q] is y at token 2t + q % 2 (+ 8 for acc1), row g + 8·(q // 2)

@@ -318,13 +318,14 @@ def medium_candidates():
 # M <= 16: the shipped route (CUDA-core kernel at M <= 2, swapped wgmma kernel above) against the
 # fragment kernel (mma.sync on weights decoded into its registers) in several launch shapes
 SMALL_MS = (1, 2, 4, 8, 16)
-FRAGMENT = {(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (2, 2)}
+FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 1, split=2), mk.MmaConfig(4, 1, split=4), mk.MmaConfig(8, 1, split=2),
+            mk.MmaConfig(8, 1, split=4), mk.MmaConfig(4, 2, split=2), mk.MmaConfig(4, 2, split=4), mk.MmaConfig(2, 2, split=4)]
 
 
 def small_candidates():
     return {"shipped": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)} | {
-        f"mma w{w}t{t}": (lambda x, p, s, g, cfg=mk.MmaConfig(w, t): mk._mma(x, p, s, g, None, cfg))
-        for w, t in sorted(FRAGMENT)}
+        f"mma w{c.warps}t{c.tiles}s{c.split}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
+        for c in FRAGMENT}
 
 
 def variants(device, log, Ms, candidates, budget_s=110.0):
