@@ -318,13 +318,13 @@ def medium_candidates():
 # M <= 16: the shipped route (CUDA-core kernel at M <= 2, swapped wgmma kernel above) against the
 # fragment kernel (mma.sync on weights decoded into its registers) in several launch shapes
 SMALL_MS = (1, 2, 4, 8, 16)
-FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 1, split=2), mk.MmaConfig(4, 1, split=4), mk.MmaConfig(8, 1, split=2),
-            mk.MmaConfig(8, 1, split=4), mk.MmaConfig(4, 2, split=2), mk.MmaConfig(4, 2, split=4), mk.MmaConfig(2, 2, split=4)]
+FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 1, 2), mk.MmaConfig(4, 1, 4), mk.MmaConfig(8, 1, 2),
+            mk.MmaConfig(4, 2, 2), mk.MmaConfig(2, 2, 2), mk.MmaConfig(4, 1, 2, split=2), mk.MmaConfig(2, 1, 4)]
 
 
 def small_candidates():
     return {"shipped": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)} | {
-        f"mma w{c.warps}t{c.tiles}s{c.split}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
+        f"mma w{c.warps}t{c.tiles}u{c.windows}s{c.split}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
         for c in FRAGMENT}
 
 

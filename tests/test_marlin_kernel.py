@@ -130,8 +130,8 @@ def test_medium_m_unswapped_kernel_matches_float64(M, N, K, has_bias, poisoned):
         assert e < 4e-3, f"typical error too large: {e:.2e}"
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256)])
-@pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2), mk.MmaConfig(warps=1, tiles=4, split=1)])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256), (6, 16, 640)])
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2), mk.MmaConfig(warps=1, tiles=4, split=1), mk.MmaConfig(windows=2), mk.MmaConfig(warps=2, windows=4, split=1)])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
     """The fragment kernel (mma.sync on registers decoded in place; M <= 16, K a multiple of 128):
