@@ -58,6 +58,8 @@ Deterministic: one program owns its rows over all of K (or writes fp32 partials 
 
 Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
   * M <= 2 (batch-1/2 decode): the CUDA-core kernel, 16-32 weight rows x 1024-2048 k per step.
+  * M <= 8 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
+    into its A registers (see the comment above _decode_mma_ptx), 64 weight rows per program.
   * M <= 64 (decode, memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
     weight rows per program, split-K until there are >= 4 programs per SM; the fp32 partial sums
     are reduced (with scale, bias, cast) by a second small kernel: deterministic, no atomics.
@@ -69,11 +71,11 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
     ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
     copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
 Measured on an H100 (fwd, bench/NOTES.md): M = 1 1.6-3.2x over cuBLAS bf16 (1.0-2.6 TB/s of NVFP4
-weights), M = 2 1.4-2.5x, M = 4..16 1.0-1.9x, M = 128 0.5-0.95x.
+weights), M = 2 1.4-2.5x, M = 4..8 1.2-2.7x, M = 16 1.0-1.9x, M = 128 0.5-0.95x.
 
 What it leaves out: activation quantization (this is W4A16), a Marlin-style re-layout of the
-weights (decode straight into the MMA register layout), a warp-specialized schedule. q/k/v and
-gate/up arrive as one weight each (model.StackedLinear).
+weights (the fragment kernel gets the same register-only decode from a k-permutation instead),
+a warp-specialized schedule. q/k/v and gate/up arrive as one weight each (model.StackedLinear).
 Test: pytest tests/test_marlin_kernel.py (CPU: interpreter, tiny shapes; GPU: real shapes);
 benchmark: python bench/kernel.py.
 """
@@ -93,6 +95,7 @@ MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded 
                          # a reduction dim that is not a multiple of 64 is zero-padded
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
 GEMV_MAX_M = 2           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
+FRAGMENT_MAX_M = 8       # up to this M: the fragment kernel (one mma.sync token tile; K % 128 == 0)
 OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all normal bf16 numbers) ...
 OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
 X_SCALE = tl.constexpr(2.0 ** 64)    # the CUDA-core kernel multiplies x by 2^64 (weights are ·2^-126),
@@ -521,9 +524,16 @@ SCALE_TO_OPERAND = tl.constexpr(2.0 ** (126 - 7))   # scale·2^119 · e2m1·2^-1
 
 
 @triton.jit
-def _x_pairs(x):
-    """x words (x0, x1), (x2, x3), (x4, x5), (x6, x7) -> B-fragment pairs (x0, x2), (x1, x3), ..."""
-    return tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.int32, is_pure=True, pack=4)
+def _mma_x(x2_ptr, tok, stride_x2m, word0, M, T, Q, WP, j: tl.constexpr, INTERPRET: tl.constexpr):
+    """x words 16t + 4j .. +3 of the window for token `tok` (rows past M read 0): (4, 8, W, 1, 4)
+    int32, one copy per warp; re-paired for the B fragment on the GPU (the emulation reads k in
+    order)."""
+    ptrs = x2_ptr + tok * stride_x2m + word0 + 16 * T + 4 * j + Q + 0 * WP
+    x = tl.load(ptrs, mask=tok < M, other=0)
+    if not INTERPRET:
+        x = tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.int32,
+                                      is_pure=True, pack=4)
+    return x
 
 
 @triton.jit
@@ -535,29 +545,28 @@ def _e2m1_f32(code):
 
 
 @triton.jit
-def _mma_emulate_rows(words, s, h: tl.constexpr, xv, W: tl.constexpr, R: tl.constexpr, U: tl.constexpr):
-    """(8 g, 8 token, W, R): sum over the step of W[row g + 8h of tile (w, r), k] · x[token, k]."""
-    J = tl.arange(0, 4)[None, None, None, None, None, :, None]
-    Q = tl.arange(0, 4)[None, None, None, None, None, :]
-    s_lo = tl.sum(tl.where(Q == h, s, 0.0), axis=5)[:, :, :, :, :, None, None]       # block 2t'
-    s_hi = tl.sum(tl.where(Q == 2 + h, s, 0.0), axis=5)[:, :, :, :, :, None, None]   # block 2t'+1
-    codes = (words[:, :, :, :, :, :, None] >> (4 * tl.arange(0, 8)[None, None, None, None, None, None, :])) & 15
-    wv = tl.reshape(_e2m1_f32(codes) * tl.where(J < 2, s_lo, s_hi), (4, 8, 1, W, R, U * 32))  # [t', g, ., w, r, k]
+def _mma_emulate_rows(words, s, h: tl.constexpr, xv, W: tl.constexpr, R: tl.constexpr):
+    """(8 g, 8 token, W, R): sum over the window of W[row g + 8h of tile (w, r), k] · x[token, k]."""
+    J = tl.arange(0, 4)[None, None, None, None, :, None]
+    Q = tl.arange(0, 4)[None, None, None, None, :]
+    s_lo = tl.sum(tl.where(Q == h, s, 0.0), axis=4)[:, :, :, :, None, None]        # block 2t'
+    s_hi = tl.sum(tl.where(Q == 2 + h, s, 0.0), axis=4)[:, :, :, :, None, None]    # block 2t'+1
+    codes = (words[:, :, :, :, :, None] >> (4 * tl.arange(0, 8)[None, None, None, None, None, :])) & 15
+    wv = tl.reshape(_e2m1_f32(codes) * tl.where(J < 2, s_lo, s_hi), (4, 8, 1, W, R, 32))  # [t', g, ., w, r, k]
     return tl.sum(tl.sum(wv * xv, axis=5), axis=0)
 
 
 @triton.jit
-def _mma_emulate(acc, w0, w1, s, x0, x1, x2, x3, W: tl.constexpr, R: tl.constexpr, U: tl.constexpr):
+def _mma_emulate(acc, w0, w1, s, x0, x1, x2, x3, W: tl.constexpr, R: tl.constexpr):
     """What the PTX adds to acc, in plain fp32, for the interpreter: acc[t, g, w, r, 2h + p] +=
-    sum over the step of W[row g + 8h of tile (w, r), k] · x[token 2t + p, k]. w0, w1: the words
-    of rows g, g + 8, (4, 8, W, R, U, 4) (lane t' holds k 32t' .. 32t' + 31 of each window); s:
-    the scales·2^-7 (q = 2·block + h) as fp32; x0..x3: the lanes' x words (natural pairs) of
-    tokens g, (4, 8, W, 1, U, 4)."""
-    xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))                   # (4, 8, W, 1, U, 4q, 2a, 2b)
-    xw = tl.permute(xw, 0, 1, 2, 3, 4, 7, 6, 5).reshape(4, 8, W, 1, U, 16)   # word 4j + q, j = 2b + a
+    sum over the window of W[row g + 8h of tile (w, r), k] · x[token 2t + p, k]. w0, w1: the words
+    of rows g, g + 8 (lane t' holds k 32t' .. 32t' + 31); s: the scales·2^-7 (q = 2·block + h) as
+    fp32; x0..x3: the lanes' x words (natural pairs) of tokens g."""
+    xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))                   # (4, 8, W, 1, 4q, 2a, 2b)
+    xw = tl.permute(xw, 0, 1, 2, 3, 6, 5, 4).reshape(4, 8, W, 1, 16)  # word 4j + q, j = 2b + a
     xv = tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True))
-    xv = tl.reshape(xv, (4, 1, 8, W, 1, U * 32))                      # [t', ., token, w, ., k]
-    y = tl.join(_mma_emulate_rows(w0, s, 0, xv, W, R, U), _mma_emulate_rows(w1, s, 1, xv, W, R, U))
+    xv = tl.reshape(xv, (4, 1, 8, W, 1, 32))                          # [t', ., token, w, ., k]
+    y = tl.join(_mma_emulate_rows(w0, s, 0, xv, W, R), _mma_emulate_rows(w1, s, 1, xv, W, R))
     y = y.reshape(8, 4, 2, W, R, 2)                                   # [g, t, p, w, r, h]
     return acc + tl.permute(y, 1, 0, 3, 4, 5, 2).reshape(4, 8, W, R, 4)
 
@@ -581,8 +590,7 @@ def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_
 def _nvfp4_mma_kernel(
     # pointers (x2: x as int32 words, a bf16 pair each; p4: packed as int32 words, 8 codes each)
     x2_ptr, p4_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
-    # sizes: x (M, K), W (N, K); NWIN = K / 128 windows, taken U per step; program pid_k takes
-    # the steps [pid_k·SPLIT, +SPLIT)
+    # sizes: x (M, K), W (N, K); NWIN = K / 128 windows, program pid_k takes [pid_k·SPLIT, +SPLIT)
     M, N, NWIN, SPLIT,
     # strides (the innermost stride of every tensor is 1)
     stride_x2m, stride_p4n, stride_sn, stride_om, stride_os,
@@ -590,79 +598,66 @@ def _nvfp4_mma_kernel(
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
     W: tl.constexpr,        # = num_warps
     R: tl.constexpr,        # 16-row tiles per warp: a program owns 16·W·R rows of W
-    U: tl.constexpr,        # 128-k windows per step: a lane reads U·16 bytes of each of its rows
     NT: tl.constexpr,       # token tiles of 8: 1 for M <= 8, 2 for M <= 16
     INTERPRET: tl.constexpr,
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
-    registers (see the comment above). The tensors are (4, 8, W, R, U, 4): lane bits 0-1 (t), lane
-    bits 2-4 (g), warp, tile, window of the step, 4 values in the lane: the loads' natural layouts
-    already are the fragments, so Triton moves nothing between lanes."""
+    registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
+    bits 2-4 (g), warp, tile, 4 values in the lane: the loads' natural layouts already are the
+    fragments, so Triton moves nothing between lanes."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    T = tl.arange(0, 4)[:, None, None, None, None, None]
-    G = tl.arange(0, 8)[None, :, None, None, None, None]
-    WP = tl.arange(0, W)[None, None, :, None, None, None]
-    UU = tl.arange(0, U)[None, None, None, None, :, None]
-    Q = tl.arange(0, 4)[None, None, None, None, None, :]
-    tile = (pid_n * W + WP) * R + tl.arange(0, R)[None, None, None, :, None, None]   # (1, 1, W, R, 1, 1)
+    T = tl.arange(0, 4)[:, None, None, None, None]
+    G = tl.arange(0, 8)[None, :, None, None, None]
+    WP = tl.arange(0, W)[None, None, :, None, None]
+    Q = tl.arange(0, 4)[None, None, None, None, :]
+    tile = (pid_n * W + WP) * R + tl.arange(0, R)[None, None, None, :, None]    # (1, 1, W, R, 1)
     row0 = (16 * tile + G) % N                 # rows g and g + 8 of each tile; past N: wrapped,
     row1 = (16 * tile + 8 + G) % N             # never stored
     srow = tl.where(Q % 2 == 0, row0, row1)    # scale q: (g, block 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1)
-    wp0 = p4_ptr + row0 * stride_p4n + 4 * T + Q              # lane t's 4 words of each row, window 0
-    wp1 = p4_ptr + row1 * stride_p4n + 4 * T + Q
-    sp = scale_ptr + srow * stride_sn + 2 * T + Q // 2        # its two blocks of each row
-    xp = x2_ptr + G * stride_x2m + 16 * T + Q + 0 * WP        # (4, 8, W, 1, 1, 4): one copy per warp
-    step_end = min(tl.cdiv(NWIN, U), (pid_k + 1) * SPLIT)
+    win_start = pid_k * SPLIT
+    win_end = min(NWIN, win_start + SPLIT)
 
-    if INTERPRET:
-        acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)            # tokens 0..7
-        acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)            # tokens 8..15 (NT = 2)
-    else:      # one accumulator per window of the step: the PTX's mma chains stay independent
-        acc0 = tl.zeros((4, 8, W, R, U, 4), dtype=tl.float32)
-        acc1 = tl.zeros((4, 8, W, R, U, 4), dtype=tl.float32)
-    for step in range(pid_k * SPLIT, step_end):
-        win = step * U + UU                                           # (1, 1, 1, 1, U, 1)
-        wo = tl.minimum(win, NWIN - 1)                                # a window past K: x reads 0
-        w0 = tl.load(wp0 + wo * 16)                                   # (4, 8, W, R, U, 4) int32
-        w1 = tl.load(wp1 + wo * 16)
-        sb = tl.load(sp + wo * 8)                                     # E4M3 bits
-        xm = (G < M) & (win < NWIN)
-        xa0 = tl.load(xp + wo * 64, mask=xm, other=0)                 # x words 16t + 4j .. +3,
-        xa1 = tl.load(xp + wo * 64 + 4, mask=xm, other=0)             # (4, 8, W, 1, U, 4)
-        xa2 = tl.load(xp + wo * 64 + 8, mask=xm, other=0)
-        xa3 = tl.load(xp + wo * 64 + 12, mask=xm, other=0)
-        if NT == 2:
-            xm = (G + 8 < M) & (win < NWIN)
-            xb0 = tl.load(xp + 8 * stride_x2m + wo * 64, mask=xm, other=0)
-            xb1 = tl.load(xp + 8 * stride_x2m + wo * 64 + 4, mask=xm, other=0)
-            xb2 = tl.load(xp + 8 * stride_x2m + wo * 64 + 8, mask=xm, other=0)
-            xb3 = tl.load(xp + 8 * stride_x2m + wo * 64 + 12, mask=xm, other=0)
+    acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 0..7
+    acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
+    for win in range(win_start, win_end):
+        wo = win * 16 + 4 * T + Q                                               # lane t's 4 words
+        w0 = tl.load(p4_ptr + row0 * stride_p4n + wo)                           # (4, 8, W, R, 4)
+        w1 = tl.load(p4_ptr + row1 * stride_p4n + wo)
+        sb = tl.load(scale_ptr + srow * stride_sn + win * 8 + 2 * T + Q // 2)    # E4M3 bits
         if INTERPRET:
             s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                             # scale·2^-7
-            acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R, U)
-            if NT == 2:
-                acc1 = _mma_emulate(acc1, w0, w1, s, xb0, xb1, xb2, xb3, W, R, U)
         else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
             s = (sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * SCALE_TO_OPERAND).to(tl.bfloat16)
-            if NT == 1:
+        word0 = win * 64
+        xa0 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
+        xa1 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
+        xa2 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
+        xa3 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
+        if NT == 1:
+            if INTERPRET:
+                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+            else:
                 acc0 = tl.inline_asm_elementwise(
                     _DECODE_MMA_PTX_1, _MMA_CONSTRAINTS_1,
-                    [acc0, w0, w1, s, _x_pairs(xa0), _x_pairs(xa1), _x_pairs(xa2), _x_pairs(xa3)],
-                    dtype=tl.float32, is_pure=True, pack=4)
+                    [acc0, w0, w1, s, xa0, xa1, xa2, xa3], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            xb0 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
+            xb1 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
+            xb2 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
+            xb3 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
+            if INTERPRET:
+                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+                acc1 = _mma_emulate(acc1, w0, w1, s, xb0, xb1, xb2, xb3, W, R)
             else:
                 acc0, acc1 = tl.inline_asm_elementwise(
                     _DECODE_MMA_PTX_2, _MMA_CONSTRAINTS_2,
-                    [acc0, acc1, w0, w1, s, _x_pairs(xa0), _x_pairs(xa1), _x_pairs(xa2), _x_pairs(xa3),
-                     _x_pairs(xb0), _x_pairs(xb1), _x_pairs(xb2), _x_pairs(xb3)],
+                    [acc0, acc1, w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3],
                     dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-    if not INTERPRET:
-        acc0, acc1 = tl.sum(acc0, axis=4), tl.sum(acc1, axis=4)               # (4, 8, W, R, 4)
 
     # ---- epilogue: acc[t, g, w, r, q] is y at token 2t + q % 2 (+ 8 for acc1), row g + 8·(q // 2)
-    Q = tl.arange(0, 4)[None, None, None, None, :]
-    rows = 16 * tile.reshape(1, 1, W, R, 1) + G.reshape(1, 8, 1, 1, 1) + 8 * (Q // 2)   # (1, 8, W, R, 4)
-    tok = 2 * T.reshape(4, 1, 1, 1, 1) + Q % 2                                         # (4, 1, 1, 1, 4)
+    rows = 16 * tile + G + 8 * (Q // 2)                                         # (1, 8, W, R, 4)
+    tok = 2 * T + Q % 2                                                         # (4, 1, 1, 1, 4)
     part_off = pid_k * stride_os
     _mma_store(acc0, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
                HAS_BIAS, PARTIAL, INTERPRET)
@@ -800,17 +795,15 @@ class GemvConfig:
 @dataclass(frozen=True)
 class MmaConfig:
     """Launch shape of the fragment kernel (M <= 16, K a multiple of 128). tiles: 16-row tiles per
-    warp (a program owns 16·warps·tiles rows); windows: 128-k windows per loop step (a lane reads
-    16·windows contiguous bytes of each row); split: programs along K (0 = choose: split until ~4
-    programs per SM exist)."""
+    warp (a program owns 16·warps·tiles rows); split: programs along K (0 = choose: split until
+    ~4 programs per SM exist)."""
     warps: int = 4
     tiles: int = 1
-    windows: int = 1
     split: int = 0
 
     def __post_init__(self):
-        if any(v not in (1, 2, 4, 8) for v in (self.warps, self.tiles, self.windows)) or self.split < 0:
-            raise ValueError(f"MmaConfig: warps, tiles and windows in 1, 2, 4, 8, split >= 0, got {self}")
+        if self.warps not in (1, 2, 4, 8) or self.tiles not in (1, 2, 4, 8) or self.split < 0:
+            raise ValueError(f"MmaConfig: warps and tiles in 1, 2, 4, 8, split >= 0, got {self}")
 
 
 def _num_sms(device) -> int:
@@ -849,13 +842,15 @@ MEDIUM_CONFIG = TileConfig(bm=128, bn=128, bk=64, warps=8, stages=4, swap=False)
 
 def fwd_config(M: int, N: int, K: int):
     """Launch shape for y = x·Wᵀ: the sweep winners on an H100 (bench/NOTES.md)."""
-    if M <= GEMV_MAX_M:          # CUDA cores; the tensor-core kernel wins from M = 4 (NOTES.md v4)
+    if M <= GEMV_MAX_M:          # CUDA cores; the fragment kernel wins from M = 3 (NOTES.md v7)
         # 8 rows per thread at M = 1 (x's decode amortized, 96 registers); at M = 2 4 rows (124
         # registers); a narrow weight (N <= 8192: qkv, o, down) has few programs, so it reads
         # 1 KB of each row per step instead of 512 B to keep more bytes in flight (NOTES.md v6)
         if M == 2:
             return GemvConfig(bn=16, bk=1024)
         return GemvConfig(bn=16, bk=2048) if N <= 8192 else GemvConfig(bn=32, bk=1024)
+    if M <= FRAGMENT_MAX_M and K % 128 == 0:   # mma.sync on fragments decoded in registers
+        return MmaConfig()
     if M <= 16:
         return TileConfig(bm=16, bn=64, bk=128, warps=4, stages=4)
     if M <= 32:
@@ -1017,15 +1012,14 @@ def _mma(x, packed, scale, global_scale, bias, cfg):
         return out
     rows = 16 * cfg.warps * cfg.tiles
     tiles = triton.cdiv(N, rows)
-    split, k_split = _split(cfg.split, tiles, K, 128 * cfg.windows, 4 * _num_sms(x.device))
+    split, k_split = _split(cfg.split, tiles, K, 128, 4 * _num_sms(x.device))
     part = _partials(split, out)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
     _nvfp4_mma_kernel[(tiles, split)](
         x2, p4, sb, global_scale, bias if bias is not None else out, part,
-        M, N, K // 128, k_split // (128 * cfg.windows),
+        M, N, K // 128, k_split // 128,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, W=cfg.warps, R=cfg.tiles, U=cfg.windows,
-        NT=1 if M <= 8 else 2,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2,
         INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=1)
     return _reduce(part, global_scale, bias, out)
 
@@ -1069,6 +1063,8 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None):
     cfg = fwd_config(x.shape[0], N, K)
     if isinstance(cfg, GemvConfig):
         return _gemv(x, packed, scale, global_scale, bias, cfg)
+    if isinstance(cfg, MmaConfig):
+        return _mma(x, packed, scale, global_scale, bias, cfg)
     return _matmul(x, packed, scale, global_scale, bias, cfg)
 
 

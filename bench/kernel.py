@@ -88,8 +88,13 @@ def check(device, log):
     bad = (y.double() - W.t()).abs() > 2.0 ** -8 * W.t().abs()
     ok &= not bad.any()
     log(f"gemv decode: {'all codes exact' if not bad.any() else f'MISMATCH at {int(bad.sum())} elements'}")
+    # the fragment kernel (M <= 8) decodes inside its mma.sync PTX: same check, 8 rows at a time
+    y = torch.cat([mk._mma(eye[k:k + 8], packed, scale, gs, None, mk.MmaConfig()) for k in range(0, 256, 8)])
+    bad = (y.double() - W.t()).abs() > 2.0 ** -8 * W.t().abs()
+    ok &= not bad.any()
+    log(f"fragment decode: {'all codes exact' if not bad.any() else f'MISMATCH at {int(bad.sum())} elements'}")
     # 2. real shapes, odd M, bias on/off, against float64
-    cases = [(m, name) for name in ("7B qkv", "7B down", "32B gate_up") for m in (1, 7, 16, 33, 100, 300, 1000)]
+    cases = [(m, name) for name in ("7B qkv", "7B down", "32B gate_up") for m in (1, 5, 7, 16, 33, 100, 300, 1000)]
     cases += [(4096, "7B o"), (1, (16, 16)), (3, (16, 32)), (5, (48, 80)), (129, (272, 176))]
     worst = 0.0
     for M, name in cases:
@@ -169,7 +174,8 @@ def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,), fwd_only=False):
             mk.nvfp4_matmul_dx(dy, *qs.next())
 
         cfg = mk.fwd_config(M, N, K)
-        path = "dequant+cublas" if mk.use_dequant(M, N, K) else "gemv" if isinstance(cfg, mk.GemvConfig) else "fused"
+        path = ("dequant+cublas" if mk.use_dequant(M, N, K) else "gemv" if isinstance(cfg, mk.GemvConfig)
+                else "fragment" if isinstance(cfg, mk.MmaConfig) else "fused")
         r = dict(shape=name, N=N, K=K, M=M, path=path)
         r["fwd_ms"] = bench_ms(ours_fwd)
         r["cublas_fwd_ms"] = bench_ms(lambda: x @ ws.next().t())
@@ -318,13 +324,12 @@ def medium_candidates():
 # M <= 16: the shipped route (CUDA-core kernel at M <= 2, swapped wgmma kernel above) against the
 # fragment kernel (mma.sync on weights decoded into its registers) in several launch shapes
 SMALL_MS = (1, 2, 4, 8, 16)
-FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 1, 2), mk.MmaConfig(4, 1, 4), mk.MmaConfig(8, 1, 2),
-            mk.MmaConfig(4, 2, 2), mk.MmaConfig(2, 2, 2), mk.MmaConfig(4, 1, 2, split=2), mk.MmaConfig(2, 1, 4)]
+FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 1), mk.MmaConfig(2, 2)]
 
 
 def small_candidates():
     return {"shipped": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)} | {
-        f"mma w{c.warps}t{c.tiles}u{c.windows}s{c.split}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
+        f"mma w{c.warps}t{c.tiles}s{c.split}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
         for c in FRAGMENT}
 
 

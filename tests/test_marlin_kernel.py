@@ -131,7 +131,7 @@ def test_medium_m_unswapped_kernel_matches_float64(M, N, K, has_bias, poisoned):
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256), (6, 16, 640)])
-@pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2), mk.MmaConfig(warps=1, tiles=4, split=1), mk.MmaConfig(windows=2), mk.MmaConfig(warps=2, windows=4, split=1)])
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2), mk.MmaConfig(warps=1, tiles=4, split=1)])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
     """The fragment kernel (mma.sync on registers decoded in place; M <= 16, K a multiple of 128):
@@ -214,6 +214,22 @@ def test_wrapper_picks_cuda_core_path_for_tiny_m(M, monkeypatch):
     assert launched and all(k is mk._nvfp4_gemv_kernel.kernel for k, _ in launched), "MMA kernel used"
     assert M <= mk.GEMV_MAX_M and isinstance(mk.fwd_config(M, 32, 64), mk.GemvConfig)
     assert not isinstance(mk.fwd_config(mk.GEMV_MAX_M + 1, 32, 64), mk.GemvConfig)
+
+
+@pytest.mark.parametrize("M,K,fragment", [(3, 128, True), (8, 256, True), (9, 128, False), (4, 192, False)])
+def test_wrapper_routes_small_m_to_fragment_kernel(M, K, fragment, monkeypatch):
+    """nvfp4_matmul runs the fragment kernel for GEMV_MAX_M < M <= FRAGMENT_MAX_M when K is a
+    multiple of 128, and the swapped wgmma kernel otherwise."""
+    launched = []
+    monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(mk._nvfp4_mma_kernel, launched))
+    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(mk._nvfp4_mm_kernel, launched))
+    gen = torch.Generator().manual_seed(M + K)
+    packed, scale, gs = random_weight(32, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
+    kernels = {k for k, _ in launched}
+    assert kernels == {mk._nvfp4_mma_kernel.kernel if fragment else mk._nvfp4_mm_kernel.kernel}, kernels
+    assert mk.GEMV_MAX_M < 3 and mk.FRAGMENT_MAX_M == 8
 
 
 @pytest.mark.parametrize("M,swapped", [(64, True), (65, False), (97, False)])
