@@ -22,6 +22,12 @@ Precision. Linears, embeddings and activations are in `dtype` (bf16). Norm weigh
 noise of σ = 5e-4 to them, below bf16's spacing near 1 (2^-8). The norm computes in fp32 and casts its
 output to the activation dtype; RoPE angles, cos/sin and the rotation itself are fp32 as well.
 
+Residual adds (vLLM's fused add + RMSNorm). Each `h + ...` above is done by the norm that reads the
+sum: a layer returns the pair (MLP(m), h') instead of hˡ⁺¹ = h' + MLP(m), and the next
+input_layernorm (or model.norm) computes the sum and its norm together: one Triton kernel on the
+rollout path instead of an add and a norm. The sum is rounded to the activation dtype as the add
+in each layer would round it, so the logits are bit-identical.
+
 Names. Module paths are Hugging Face's (`model.layers.3.self_attn.q_proj`, `lm_head`), so a state
 dict key is the checkpoint key, a quantized linear's buffers are compressed-tensors' keys
 (`...q_proj.weight_packed / weight_scale / weight_global_scale`, see nvfp4.py), and LoRA adapter keys
@@ -464,10 +470,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, quant, dtype)
 
-    def forward(self, x, cos, sin, attn_ctx=None):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, attn_ctx)
-        h, x = self.post_attention_layernorm(a, residual=x)          # norm(x + a), x + a
-        return x + self.mlp(h)
+    def forward(self, x, residual, cos, sin, attn_ctx=None):
+        """Input: the stream hˡ = x + residual (residual None: x alone, the embeddings). Output: the
+        pair (MLP(m), h') whose sum is hˡ⁺¹ (module docstring); the next layer's input_layernorm, or
+        model.norm, adds it."""
+        if residual is None:
+            a, residual = self.input_layernorm(x), x
+        else:
+            a, residual = self.input_layernorm(x, residual=residual)     # norm(hˡ), hˡ
+        o = self.self_attn(a, cos, sin, attn_ctx)
+        m, residual = self.post_attention_layernorm(o, residual=residual)   # norm(h'), h' = o + hˡ
+        return self.mlp(m), residual
 
 
 class Decoder(nn.Module):  # HF's `model.` prefix: embeddings, layers, final norm
@@ -514,13 +527,15 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         angles = positions[..., None].float() * self.inv_freq          # (B, T, D/2) fp32
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # (B, T, 1, D/2): broadcast over heads
-        x = self.model.embed_tokens(input_ids)                         # (B, T, H)
+        x, residual = self.model.embed_tokens(input_ids), None         # (B, T, H); Block: the pair
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, attn_ctx, use_reentrant=False)
+                # add the pair here: the checkpoint then keeps one tensor per layer, not two
+                x = x if residual is None else x + residual
+                x, residual = checkpoint(layer, x, None, cos, sin, attn_ctx, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attn_ctx)
-        x = self.model.norm(x)
+                x, residual = layer(x, residual, cos, sin, attn_ctx)
+        x, _ = self.model.norm(x, residual=residual)                    # norm(hᴸ), hᴸ = x + residual
         return x if return_hidden else self.lm_head(x)
 
 
