@@ -77,6 +77,8 @@ import nvfp4
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from marlin_kernel import pdl
 except ImportError:  # the torch path below needs no triton
     triton = None
 
@@ -234,6 +236,8 @@ class RMSNorm(nn.Module):
 # torch ops above (about 7 small kernels per norm, 8 per RoPE call) cost more GPU time than the
 # 4-bit matmuls at batch 1. On CUDA without autograd (rollout) one Triton kernel does each; the
 # math is the same fp32 math (only the order of the norm's sum differs). Training keeps torch ops.
+# On Hopper each is launched with programmatic dependent launch (marlin_kernel.PDL): USE_PDL makes
+# it release the next kernel and then wait for the previous one at its very top, before any load.
 
 FUSED = True   # bench/rollout.py's *-unfused engines turn it off to measure what the fusion buys
 
@@ -245,7 +249,10 @@ def fused(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps,
-                         HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_C)
         mask = offs < C
@@ -260,7 +267,11 @@ if triton is not None:
         tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ, HALF: tl.constexpr):
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ,
+                     HALF: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         if h < HQ:
             base = q_ptr + t * stride_q + h * 2 * HALF
@@ -274,7 +285,11 @@ if triton is not None:
         tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(base.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK_N: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u,
+                         BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < n
@@ -291,10 +306,10 @@ def rms_norm_triton(x, weight, eps, residual=None):
     x = x.contiguous()
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
-    block = triton.next_power_of_2(C)
+    block, use = triton.next_power_of_2(C), pdl(x.device)
     _rms_norm_kernel[(x.numel() // C,)](x, residual.contiguous() if residual is not None else x, weight,
                                         out, total, C, eps, HAS_RES=residual is not None, BLOCK_C=block,
-                                        num_warps=min(16, max(1, block // 256)))
+                                        USE_PDL=use, launch_pdl=use, num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, total)
 
 
@@ -314,8 +329,9 @@ def rope_triton(q, k, cos, sin):
     """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2).
     q and k must have a token_stride."""
     B, T, HQ, D = q.shape
+    use = pdl(q.device)
     _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), token_stride(q),
-                                           token_stride(k), HQ, D // 2)
+                                           token_stride(k), HQ, D // 2, USE_PDL=use, launch_pdl=use)
     return q, k
 
 
@@ -324,7 +340,9 @@ def silu_mul_triton(g, u):
     n = g.shape[-1]
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)                        # views: rows keep their stride
     out = torch.empty(g.shape, device=g.device, dtype=g.dtype)
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024)
+    use = pdl(g.device)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024,
+                                                          USE_PDL=use, launch_pdl=use)
     return out
 
 

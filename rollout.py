@@ -63,6 +63,8 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from marlin_kernel import pdl
 except ImportError:  # the torch reference path works without triton
     triton = None
 
@@ -308,7 +310,9 @@ def causal_attention(q, k, v):
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernels: KV store and paged decode attention (GQA, split over the context)
+# Triton kernels: KV store and paged decode attention (GQA, split over the context). On Hopper
+# they are launched with programmatic dependent launch (marlin_kernel.PDL): USE_PDL makes a kernel
+# release the next one and then wait for the previous one at its very top, before any load.
 
 if triton is not None:
     @triton.jit
@@ -316,9 +320,12 @@ if triton is not None:
         k_ptr, v_ptr, stride_k, stride_v,        # new k, v rows: (N, Hkv*D)
         k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv*D), contiguous
         slot_ptr,                                # (N,) int32 or int64, -1 = skip
-        ROW: tl.constexpr, BLOCK: tl.constexpr,
+        ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """for i in range(N): if slot[i] >= 0: k_cache[slot[i]] = k[i]; v_cache[slot[i]] = v[i]"""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         i = tl.program_id(0)
         slot = tl.load(slot_ptr + i)
         if slot >= 0:
@@ -340,6 +347,7 @@ if triton is not None:
         scale, num_parts,
         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
         BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, FP32_DOT: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """One program = (sequence b, kv head h, partition p): the G query heads of h attend to
         positions [p*PARTITION, min((p+1)*PARTITION, ctx)) with an online softmax.
@@ -349,6 +357,9 @@ if triton is not None:
             m' = max(m, rowmax s); l = l*e^(m-m') + rowsum e^(s-m'); acc = acc*e^(m-m') + e^(s-m') @ V_j
         out[p] = acc / l ; lse[p] = m + log l         (merged across partitions by the next kernel)
         """
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         p = tl.program_id(2)
@@ -402,9 +413,12 @@ if triton is not None:
         part_out_ptr, part_lse_ptr,              # (B, Hq, P, D), (B, Hq, P) fp32
         ctx_len_ptr, out_ptr,                    # (B,) int32; out (B, Hq, D) contiguous
         HQ: tl.constexpr, D: tl.constexpr, PARTITION: tl.constexpr,
-        NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr,
+        NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M) over the partitions that exist."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         hq = tl.program_id(1)
         ctx = tl.load(ctx_len_ptr + b)
@@ -431,8 +445,9 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    use = pdl(k.device)
     _store_kv_kernel[(N,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slots,
-                           ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D))
+                           ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), USE_PDL=use, launch_pdl=use)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts,
@@ -450,16 +465,17 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
                          f"block_size >= 16 (got {BS}) dividing partition_size (got {partition_size})")
     part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
+    use = pdl(q.device)
     _paged_decode_partial_kernel[(B, Hkv, num_parts)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
         context_lens, part_out, part_lse, scale, num_parts,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BS=BS,
         PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
-        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32)
+        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32, USE_PDL=use, launch_pdl=use)
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
     _paged_decode_merge_kernel[(B, Hq)](
         part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,
-        NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts))
+        NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts), USE_PDL=use, launch_pdl=use)
     return out
 
 

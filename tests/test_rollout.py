@@ -426,6 +426,21 @@ def test_gpu_kernels_match_reference_bf16():
 
 
 @pytest.mark.gpu
+def test_gpu_programmatic_dependent_launch_changes_no_bit(tiny_hf_dir, monkeypatch):
+    """Sampling with the Triton kernels launched with PDL (sm_90+; each waits for its predecessor
+    at its top) gives the very tokens and logprobs of plain launches: a kernel that read before
+    its wait would race and, sooner or later, differ."""
+    import marlin_kernel
+    model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
+    prompts, params = _prompts([5, 40, 17], seed=7), SamplingParams(max_tokens=40, n=2, seed=3, stop_token_ids=())
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(marlin_kernel, "PDL", on)
+        runs.append([c for comps in LLMEngine(model).generate(prompts, params) for c in comps])
+    assert [(c.token_ids, c.logprobs) for c in runs[0]] == [(c.token_ids, c.logprobs) for c in runs[1]]
+
+
+@pytest.mark.gpu
 def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir):
     """The Triton path (fp32 dots) inside the engine, with and without CUDA graphs."""
     path, hf = tiny_hf_dir("qwen2")
