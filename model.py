@@ -39,8 +39,11 @@ causal SDPA over its T tokens (training, scoring). Otherwise layer i calls
     attn_ctx.attend(i, q (B,T,Hq,D), k (B,T,Hkv,D), v (B,T,Hkv,D)) -> (B,T,Hq,D)
 
 with RoPE already applied at `positions`; the context stores k/v in its paged cache and attends over
-everything cached (rollout.py: packed prefill, paged decode). The model never imports the sampler,
-and the same weights, LoRA adapters and AQN noise serve both paths.
+everything cached (rollout.py: packed prefill, paged decode). A context with `rope_in_store = True`
+(rollout's decode on the Triton backend) is called on the fused path (`fused` below) as
+attend(i, q, k, v, rope=(cos, sin)) with q, k not yet rotated: one kernel rotates them as it writes
+k, v to the cache. The model never imports the sampler, and the same weights, LoRA adapters and AQN
+noise serve both paths.
 
 Training. `model.gradient_checkpointing = True` keeps only each layer's input and recomputes the
 layer in the backward pass (torch.utils.checkpoint, use_reentrant=False). The recomputation reads
@@ -325,6 +328,14 @@ def token_stride(t: torch.Tensor) -> int | None:
     return t.stride(1) if B == 1 or t.stride(0) == T * t.stride(1) else None
 
 
+def rope(q, k, cos, sin):
+    """apply_rope on q and k: one Triton launch on the rollout path when the layout allows, else torch ops."""
+    D = q.shape[-1]
+    if fused(q) and token_stride(q) and token_stride(k) and D & (D - 1) == 0:
+        return rope_triton(q, k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def rope_triton(q, k, cos, sin):
     """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2).
     q and k must have a token_stride."""
@@ -453,15 +464,15 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)               # (B, T, Hq, D)
         k = k.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
-        if fused(q) and token_stride(q) and token_stride(k) and self.head_dim & (self.head_dim - 1) == 0:
-            q, k = rope_triton(q, k, cos, sin)
-        else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if attn_ctx is None:  # dense causal over the T tokens of each row; SDPA wants (B, heads, T, D)
+            q, k = rope(q, k, cos, sin)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=self.n_kv != self.n_heads)
             y = y.transpose(1, 2)                                     # (B, T, Hq, D)
+        elif fused(q) and getattr(attn_ctx, "rope_in_store", False):  # it rotates q, k as it stores k, v
+            y = attn_ctx.attend(self.layer_idx, q, k, v, rope=(cos, sin))   # (B, T, Hq, D)
         else:
+            q, k = rope(q, k, cos, sin)
             y = attn_ctx.attend(self.layer_idx, q, k, v)              # (B, T, Hq, D)
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 

@@ -14,7 +14,9 @@ KV cache layout. One tensor per K and V of shape (L, num_blocks, block_size, Hkv
 position t of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`.
 The model never sees this: each layer calls `attn_ctx.attend(layer, q, k, v)` with RoPE already
 applied, and the context object (PrefillContext / DecodeContext below, passed explicitly, no
-module globals) stores k, v in the cache and returns the attention output.
+module globals) stores k, v in the cache and returns the attention output. Decode on the Triton
+backend sets `rope_in_store`: the model then hands it q, k unrotated with cos/sin, and one kernel
+rotates q in place and k on its way into the cache (RoPE and the KV store in one launch).
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
@@ -338,6 +340,44 @@ if triton is not None:
             tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _rope_store_kv_kernel(
+        q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v,   # q (B, Hq, D), k, v (B, Hkv, D): heads contiguous
+        cos_ptr, sin_ptr,                        # (B, D/2) fp32
+        k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv, D), contiguous
+        slot_ptr,                                # (B,) int32 or int64, -1 = skip
+        HQ, HKV, HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    ):
+        """Program (b, h) rotates head h of row b, (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in
+        fp32 rounded to q's dtype (model.apply_rope's math): a q head (h < Hq) in place, a k head
+        into k_cache[slot[b]], next to a copy of the v head in v_cache[slot[b]] (slot -1: skipped)."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        offs = tl.arange(0, HALF)
+        cos, sin = tl.load(cos_ptr + b * HALF + offs), tl.load(sin_ptr + b * HALF + offs)
+        if h < HQ:
+            src = q_ptr + b * stride_q + h * 2 * HALF
+        else:
+            src = k_ptr + b * stride_k + (h - HQ) * 2 * HALF
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + HALF + offs).to(tl.float32)
+        y1 = (x1 * cos - x2 * sin).to(src.dtype.element_ty)
+        y2 = (x2 * cos + x1 * sin).to(src.dtype.element_ty)
+        if h < HQ:                               # q: rotated in place, for the attention kernel
+            tl.store(src + offs, y1)
+            tl.store(src + HALF + offs, y2)
+        else:                                    # k: rotated straight into the cache
+            slot = tl.load(slot_ptr + b)
+            if slot >= 0:
+                dst = (slot.to(tl.int64) * HKV + h - HQ) * 2 * HALF + offs
+                v_src = v_ptr + b * stride_v + (h - HQ) * 2 * HALF + offs
+                tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty))
+                tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + dst, tl.load(v_src).to(v_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF).to(v_cache_ptr.dtype.element_ty))
+
+    @triton.jit
     def _paged_decode_partial_kernel(
         q_ptr, stride_qb, stride_qh,             # q (B, Hq, D), last dim contiguous
         k_cache_ptr, v_cache_ptr,                # (num_blocks, BS, Hkv, D), contiguous
@@ -450,6 +490,20 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
                            ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), USE_PDL=use, launch_pdl=use)
 
 
+def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots):
+    """Decode: q (B, Hq, D) rotated in place (returned; a copy if its heads are not contiguous),
+    k (B, Hkv, D) rotated into the cache and v stored beside it as store_kv_ref does; cos/sin
+    (B, D/2) fp32 at each row's position. One launch for model.rope_triton + store_kv_triton."""
+    B, Hq, D = q.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype in (torch.int32, torch.int64)
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D else t.contiguous() for t in (q, k, v))
+    use = pdl(q.device)
+    _rope_store_kv_kernel[(B, Hq + k.shape[1])](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), cos.contiguous(), sin.contiguous(),
+        k_cache, v_cache, slots, Hq, k.shape[1], HALF=D // 2, USE_PDL=use, launch_pdl=use)
+    return q
+
+
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts,
                            partition_size=256, tile=128):
     """Same contract as paged_attention_ref. num_parts * partition_size >= every context length;
@@ -498,17 +552,25 @@ class PrefillContext:
 
 
 class DecodeContext:
-    """One new token per sequence: q (B, 1, Hq, D); K/V come from the cache via block tables."""
+    """One new token per sequence: q (B, 1, Hq, D); K/V come from the cache via block tables.
+    On the Triton backend it takes RoPE too (rope_in_store): see the module docstring."""
 
     def __init__(self, runner, slots, block_tables, context_lens):
         self.runner, self.slots = runner, slots                     # (B,) int32
         self.block_tables, self.context_lens = block_tables, context_lens  # (B, nb) / (B,) int32
+        self.rope_in_store = runner.attn_backend == "triton"
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, rope=None):
+        """rope: None when q, k come rotated, else their (cos, sin) (B, 1, 1, D/2)."""
         r = self.runner
-        r.store_kv(r.k_cache[layer], r.v_cache[layer], k[:, 0], v[:, 0], self.slots)
-        out = r.paged_attention(q[:, 0], r.k_cache[layer], r.v_cache[layer], self.block_tables,
-                                self.context_lens, q.shape[-1] ** -0.5)
+        k_cache, v_cache = r.k_cache[layer], r.v_cache[layer]
+        if rope is None:
+            r.store_kv(k_cache, v_cache, k[:, 0], v[:, 0], self.slots)
+            q = q[:, 0]
+        else:
+            cos, sin = (t[:, 0, 0] for t in rope)                   # (B, D/2)
+            q = rope_store_kv_triton(q[:, 0], k[:, 0], v[:, 0], cos, sin, k_cache, v_cache, self.slots)
+        out = r.paged_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
         return out[:, None]
 
 
@@ -552,7 +614,7 @@ class Runner:
             raise ValueError(f"attn_backend must be 'triton' or 'torch', got {attn_backend!r}")
         if attn_backend == "triton" and triton is None:
             raise ValueError("attn_backend='triton' needs triton installed")
-        self.partition_size = partition_size
+        self.partition_size, self.attn_backend = partition_size, attn_backend
         if attn_backend == "triton":
             self.store_kv, self.paged_attention = store_kv_triton, self._paged_attention_triton
         else:
