@@ -22,6 +22,12 @@ Precision. Linears, embeddings and activations are in `dtype` (bf16). Norm weigh
 noise of σ = 5e-4 to them, below bf16's spacing near 1 (2^-8). The norm computes in fp32 and casts its
 output to the activation dtype; RoPE angles, cos/sin and the rotation itself are fp32 as well.
 
+Residual adds (vLLM's fused add + RMSNorm). Each `h + ...` above is done by the norm that reads the
+sum: a layer returns the pair (MLP(m), h') instead of hˡ⁺¹ = h' + MLP(m), and the next
+input_layernorm (or model.norm) computes the sum and its norm together: one Triton kernel on the
+rollout path instead of an add and a norm. The sum is rounded to the activation dtype as the add
+in each layer would round it, so the logits are bit-identical.
+
 Names. Module paths are Hugging Face's (`model.layers.3.self_attn.q_proj`, `lm_head`), so a state
 dict key is the checkpoint key, a quantized linear's buffers are compressed-tensors' keys
 (`...q_proj.weight_packed / weight_scale / weight_global_scale`, see nvfp4.py), and LoRA adapter keys
@@ -33,8 +39,11 @@ causal SDPA over its T tokens (training, scoring). Otherwise layer i calls
     attn_ctx.attend(i, q (B,T,Hq,D), k (B,T,Hkv,D), v (B,T,Hkv,D)) -> (B,T,Hq,D)
 
 with RoPE already applied at `positions`; the context stores k/v in its paged cache and attends over
-everything cached (rollout.py: packed prefill, paged decode). The model never imports the sampler,
-and the same weights, LoRA adapters and AQN noise serve both paths.
+everything cached (rollout.py: packed prefill, paged decode). A context with `rope_in_store = True`
+(rollout's decode on the Triton backend) is called on the fused path (`fused` below) as
+attend(i, q, k, v, rope=(cos, sin)) with q, k not yet rotated: one kernel rotates them as it writes
+k, v to the cache. The model never imports the sampler, and the same weights, LoRA adapters and AQN
+noise serve both paths.
 
 Training. `model.gradient_checkpointing = True` keeps only each layer's input and recomputes the
 layer in the backward pass (torch.utils.checkpoint, use_reentrant=False). The recomputation reads
@@ -71,6 +80,8 @@ import nvfp4
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from marlin_kernel import pdl
 except ImportError:  # the torch path below needs no triton
     triton = None
 
@@ -228,6 +239,8 @@ class RMSNorm(nn.Module):
 # torch ops above (about 7 small kernels per norm, 8 per RoPE call) cost more GPU time than the
 # 4-bit matmuls at batch 1. On CUDA without autograd (rollout) one Triton kernel does each; the
 # math is the same fp32 math (only the order of the norm's sum differs). Training keeps torch ops.
+# On Hopper each is launched with programmatic dependent launch (marlin_kernel.PDL): USE_PDL makes
+# it release the next kernel and then wait for the previous one at its very top, before any load.
 
 FUSED = True   # bench/rollout.py's *-unfused engines turn it off to measure what the fusion buys
 
@@ -239,7 +252,10 @@ def fused(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps,
-                         HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_C)
         mask = offs < C
@@ -254,7 +270,11 @@ if triton is not None:
         tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ, HALF: tl.constexpr):
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ,
+                     HALF: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         if h < HQ:
             base = q_ptr + t * stride_q + h * 2 * HALF
@@ -268,7 +288,11 @@ if triton is not None:
         tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(base.dtype.element_ty))
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u, BLOCK_N: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u,
+                         BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < n
@@ -285,10 +309,10 @@ def rms_norm_triton(x, weight, eps, residual=None):
     x = x.contiguous()
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
-    block = triton.next_power_of_2(C)
+    block, use = triton.next_power_of_2(C), pdl(x.device)
     _rms_norm_kernel[(x.numel() // C,)](x, residual.contiguous() if residual is not None else x, weight,
                                         out, total, C, eps, HAS_RES=residual is not None, BLOCK_C=block,
-                                        num_warps=min(16, max(1, block // 256)))
+                                        USE_PDL=use, launch_pdl=use, num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, total)
 
 
@@ -304,12 +328,21 @@ def token_stride(t: torch.Tensor) -> int | None:
     return t.stride(1) if B == 1 or t.stride(0) == T * t.stride(1) else None
 
 
+def rope(q, k, cos, sin):
+    """apply_rope on q and k: one Triton launch on the rollout path when the layout allows, else torch ops."""
+    D = q.shape[-1]
+    if fused(q) and token_stride(q) and token_stride(k) and D & (D - 1) == 0:
+        return rope_triton(q, k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 def rope_triton(q, k, cos, sin):
     """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2).
     q and k must have a token_stride."""
     B, T, HQ, D = q.shape
+    use = pdl(q.device)
     _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), token_stride(q),
-                                           token_stride(k), HQ, D // 2)
+                                           token_stride(k), HQ, D // 2, USE_PDL=use, launch_pdl=use)
     return q, k
 
 
@@ -318,7 +351,9 @@ def silu_mul_triton(g, u):
     n = g.shape[-1]
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)                        # views: rows keep their stride
     out = torch.empty(g.shape, device=g.device, dtype=g.dtype)
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024)
+    use = pdl(g.device)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024,
+                                                          USE_PDL=use, launch_pdl=use)
     return out
 
 
@@ -429,15 +464,15 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)               # (B, T, Hq, D)
         k = k.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
-        if fused(q) and token_stride(q) and token_stride(k) and self.head_dim & (self.head_dim - 1) == 0:
-            q, k = rope_triton(q, k, cos, sin)
-        else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if attn_ctx is None:  # dense causal over the T tokens of each row; SDPA wants (B, heads, T, D)
+            q, k = rope(q, k, cos, sin)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, enable_gqa=self.n_kv != self.n_heads)
             y = y.transpose(1, 2)                                     # (B, T, Hq, D)
+        elif fused(q) and getattr(attn_ctx, "rope_in_store", False):  # it rotates q, k as it stores k, v
+            y = attn_ctx.attend(self.layer_idx, q, k, v, rope=(cos, sin))   # (B, T, Hq, D)
         else:
+            q, k = rope(q, k, cos, sin)
             y = attn_ctx.attend(self.layer_idx, q, k, v)              # (B, T, Hq, D)
         return self.o_proj(y.reshape(B, T, self.n_heads * self.head_dim))
 
@@ -464,10 +499,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, quant, dtype)
 
-    def forward(self, x, cos, sin, attn_ctx=None):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, attn_ctx)
-        h, x = self.post_attention_layernorm(a, residual=x)          # norm(x + a), x + a
-        return x + self.mlp(h)
+    def forward(self, x, residual, cos, sin, attn_ctx=None):
+        """Input: the stream hˡ = x + residual (residual None: x alone, the embeddings). Output: the
+        pair (MLP(m), h') whose sum is hˡ⁺¹ (module docstring); the next layer's input_layernorm, or
+        model.norm, adds it."""
+        if residual is None:
+            a, residual = self.input_layernorm(x), x
+        else:
+            a, residual = self.input_layernorm(x, residual=residual)     # norm(hˡ), hˡ
+        o = self.self_attn(a, cos, sin, attn_ctx)
+        m, residual = self.post_attention_layernorm(o, residual=residual)   # norm(h'), h' = o + hˡ
+        return self.mlp(m), residual
 
 
 class Decoder(nn.Module):  # HF's `model.` prefix: embeddings, layers, final norm
@@ -514,13 +556,15 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         angles = positions[..., None].float() * self.inv_freq          # (B, T, D/2) fp32
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # (B, T, 1, D/2): broadcast over heads
-        x = self.model.embed_tokens(input_ids)                         # (B, T, H)
+        x, residual = self.model.embed_tokens(input_ids), None         # (B, T, H); Block: the pair
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, attn_ctx, use_reentrant=False)
+                # add the pair here: the checkpoint then keeps one tensor per layer, not two
+                x = x if residual is None else x + residual
+                x, residual = checkpoint(layer, x, None, cos, sin, attn_ctx, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attn_ctx)
-        x = self.model.norm(x)
+                x, residual = layer(x, residual, cos, sin, attn_ctx)
+        x, _ = self.model.norm(x, residual=residual)                    # norm(hᴸ), hᴸ = x + residual
         return x if return_hidden else self.lm_head(x)
 
 

@@ -14,7 +14,9 @@ KV cache layout. One tensor per K and V of shape (L, num_blocks, block_size, Hkv
 position t of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`.
 The model never sees this: each layer calls `attn_ctx.attend(layer, q, k, v)` with RoPE already
 applied, and the context object (PrefillContext / DecodeContext below, passed explicitly, no
-module globals) stores k, v in the cache and returns the attention output.
+module globals) stores k, v in the cache and returns the attention output. Decode on the Triton
+backend sets `rope_in_store`: the model then hands it q, k unrotated with cos/sin, and one kernel
+rotates q in place and k on its way into the cache (RoPE and the KV store in one launch).
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
@@ -63,6 +65,8 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from marlin_kernel import pdl
 except ImportError:  # the torch reference path works without triton
     triton = None
 
@@ -308,7 +312,9 @@ def causal_attention(q, k, v):
 
 
 # ----------------------------------------------------------------------------------------------
-# Triton kernels: KV store and paged decode attention (GQA, split over the context)
+# Triton kernels: KV store and paged decode attention (GQA, split over the context). On Hopper
+# they are launched with programmatic dependent launch (marlin_kernel.PDL): USE_PDL makes a kernel
+# release the next one and then wait for the previous one at its very top, before any load.
 
 if triton is not None:
     @triton.jit
@@ -316,9 +322,12 @@ if triton is not None:
         k_ptr, v_ptr, stride_k, stride_v,        # new k, v rows: (N, Hkv*D)
         k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv*D), contiguous
         slot_ptr,                                # (N,) int32 or int64, -1 = skip
-        ROW: tl.constexpr, BLOCK: tl.constexpr,
+        ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """for i in range(N): if slot[i] >= 0: k_cache[slot[i]] = k[i]; v_cache[slot[i]] = v[i]"""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         i = tl.program_id(0)
         slot = tl.load(slot_ptr + i)
         if slot >= 0:
@@ -331,6 +340,44 @@ if triton is not None:
             tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _rope_store_kv_kernel(
+        q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v,   # q (B, Hq, D), k, v (B, Hkv, D): heads contiguous
+        cos_ptr, sin_ptr,                        # (B, D/2) fp32
+        k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv, D), contiguous
+        slot_ptr,                                # (B,) int32 or int64, -1 = skip
+        HQ, HKV, HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    ):
+        """Program (b, h) rotates head h of row b, (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in
+        fp32 rounded to q's dtype (model.apply_rope's math): a q head (h < Hq) in place, a k head
+        into k_cache[slot[b]], next to a copy of the v head in v_cache[slot[b]] (slot -1: skipped)."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        offs = tl.arange(0, HALF)
+        cos, sin = tl.load(cos_ptr + b * HALF + offs), tl.load(sin_ptr + b * HALF + offs)
+        if h < HQ:
+            src = q_ptr + b * stride_q + h * 2 * HALF
+        else:
+            src = k_ptr + b * stride_k + (h - HQ) * 2 * HALF
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + HALF + offs).to(tl.float32)
+        y1 = (x1 * cos - x2 * sin).to(src.dtype.element_ty)
+        y2 = (x2 * cos + x1 * sin).to(src.dtype.element_ty)
+        if h < HQ:                               # q: rotated in place, for the attention kernel
+            tl.store(src + offs, y1)
+            tl.store(src + HALF + offs, y2)
+        else:                                    # k: rotated straight into the cache
+            slot = tl.load(slot_ptr + b)
+            if slot >= 0:
+                dst = (slot.to(tl.int64) * HKV + h - HQ) * 2 * HALF + offs
+                v_src = v_ptr + b * stride_v + (h - HQ) * 2 * HALF + offs
+                tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty))
+                tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + dst, tl.load(v_src).to(v_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF).to(v_cache_ptr.dtype.element_ty))
+
+    @triton.jit
     def _paged_decode_partial_kernel(
         q_ptr, stride_qb, stride_qh,             # q (B, Hq, D), last dim contiguous
         k_cache_ptr, v_cache_ptr,                # (num_blocks, BS, Hkv, D), contiguous
@@ -340,6 +387,7 @@ if triton is not None:
         scale, num_parts,
         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
         BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, FP32_DOT: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """One program = (sequence b, kv head h, partition p): the G query heads of h attend to
         positions [p*PARTITION, min((p+1)*PARTITION, ctx)) with an online softmax.
@@ -349,6 +397,9 @@ if triton is not None:
             m' = max(m, rowmax s); l = l*e^(m-m') + rowsum e^(s-m'); acc = acc*e^(m-m') + e^(s-m') @ V_j
         out[p] = acc / l ; lse[p] = m + log l         (merged across partitions by the next kernel)
         """
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         h = tl.program_id(1)
         p = tl.program_id(2)
@@ -402,9 +453,12 @@ if triton is not None:
         part_out_ptr, part_lse_ptr,              # (B, Hq, P, D), (B, Hq, P) fp32
         ctx_len_ptr, out_ptr,                    # (B,) int32; out (B, Hq, D) contiguous
         HQ: tl.constexpr, D: tl.constexpr, PARTITION: tl.constexpr,
-        NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr,
+        NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M) over the partitions that exist."""
+        if USE_PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         b = tl.program_id(0)
         hq = tl.program_id(1)
         ctx = tl.load(ctx_len_ptr + b)
@@ -431,8 +485,23 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
+    use = pdl(k.device)
     _store_kv_kernel[(N,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slots,
-                           ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D))
+                           ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), USE_PDL=use, launch_pdl=use)
+
+
+def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots):
+    """Decode: q (B, Hq, D) rotated in place (returned; a copy if its heads are not contiguous),
+    k (B, Hkv, D) rotated into the cache and v stored beside it as store_kv_ref does; cos/sin
+    (B, D/2) fp32 at each row's position. One launch for model.rope_triton + store_kv_triton."""
+    B, Hq, D = q.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype in (torch.int32, torch.int64)
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D else t.contiguous() for t in (q, k, v))
+    use = pdl(q.device)
+    _rope_store_kv_kernel[(B, Hq + k.shape[1])](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), cos.contiguous(), sin.contiguous(),
+        k_cache, v_cache, slots, Hq, k.shape[1], HALF=D // 2, USE_PDL=use, launch_pdl=use)
+    return q
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts,
@@ -450,16 +519,17 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
                          f"block_size >= 16 (got {BS}) dividing partition_size (got {partition_size})")
     part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
+    use = pdl(q.device)
     _paged_decode_partial_kernel[(B, Hkv, num_parts)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
         context_lens, part_out, part_lse, scale, num_parts,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BS=BS,
         PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
-        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32)
+        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32, USE_PDL=use, launch_pdl=use)
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
     _paged_decode_merge_kernel[(B, Hq)](
         part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,
-        NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts))
+        NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts), USE_PDL=use, launch_pdl=use)
     return out
 
 
@@ -482,17 +552,25 @@ class PrefillContext:
 
 
 class DecodeContext:
-    """One new token per sequence: q (B, 1, Hq, D); K/V come from the cache via block tables."""
+    """One new token per sequence: q (B, 1, Hq, D); K/V come from the cache via block tables.
+    On the Triton backend it takes RoPE too (rope_in_store): see the module docstring."""
 
     def __init__(self, runner, slots, block_tables, context_lens):
         self.runner, self.slots = runner, slots                     # (B,) int32
         self.block_tables, self.context_lens = block_tables, context_lens  # (B, nb) / (B,) int32
+        self.rope_in_store = runner.attn_backend == "triton"
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, rope=None):
+        """rope: None when q, k come rotated, else their (cos, sin) (B, 1, 1, D/2)."""
         r = self.runner
-        r.store_kv(r.k_cache[layer], r.v_cache[layer], k[:, 0], v[:, 0], self.slots)
-        out = r.paged_attention(q[:, 0], r.k_cache[layer], r.v_cache[layer], self.block_tables,
-                                self.context_lens, q.shape[-1] ** -0.5)
+        k_cache, v_cache = r.k_cache[layer], r.v_cache[layer]
+        if rope is None:
+            r.store_kv(k_cache, v_cache, k[:, 0], v[:, 0], self.slots)
+            q = q[:, 0]
+        else:
+            cos, sin = (t[:, 0, 0] for t in rope)                   # (B, D/2)
+            q = rope_store_kv_triton(q[:, 0], k[:, 0], v[:, 0], cos, sin, k_cache, v_cache, self.slots)
+        out = r.paged_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
         return out[:, None]
 
 
@@ -536,7 +614,7 @@ class Runner:
             raise ValueError(f"attn_backend must be 'triton' or 'torch', got {attn_backend!r}")
         if attn_backend == "triton" and triton is None:
             raise ValueError("attn_backend='triton' needs triton installed")
-        self.partition_size = partition_size
+        self.partition_size, self.attn_backend = partition_size, attn_backend
         if attn_backend == "triton":
             self.store_kv, self.paged_attention = store_kv_triton, self._paged_attention_triton
         else:

@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import model as M
@@ -115,6 +116,60 @@ def test_bf16_model_keeps_norms_fp32(tiny_hf_dir):
     err = rel_err(out, ref)
     print(f"bf16 vs fp32 transformers: rel err {err:.2e}")
     assert out.dtype == torch.bfloat16 and err < 3e-2
+
+
+def add_in_each_layer_forward(model, ids, pos):
+    """The decoder of model.py's docstring in plain torch ops, each residual added where it arises
+    (h' = h + o·W_oᵀ, then h + m) and every op rounded as model.py's torch path rounds it: the oracle
+    for folding those adds into the next norm, which must change no bit."""
+    cfg, (B, T), D = model.config, ids.shape, model.config.head_dim
+
+    def norm(h, w):
+        f = h.float()
+        return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w).to(h.dtype)
+
+    def rope(x, cos, sin):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    def linear(m, x):
+        return F.linear(x, m.weight, m.bias)
+
+    angles = pos[..., None].float() * M.rope_inv_freq(cfg)                  # (B, T, D/2)
+    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+    h = model.model.embed_tokens.weight[ids]                                  # (B, T, H)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        a = norm(h, layer.input_layernorm.weight)
+        q, k, v = (linear(p, a).view(B, T, -1, D) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        o = F.scaled_dot_product_attention(rope(q, cos, sin).transpose(1, 2), rope(k, cos, sin).transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=cfg.num_kv_heads != cfg.num_heads).transpose(1, 2)
+        h = h + linear(attn.o_proj, o.reshape(B, T, -1))
+        m = norm(h, layer.post_attention_layernorm.weight)
+        h = h + linear(mlp.down_proj, F.silu(linear(mlp.gate_proj, m)) * linear(mlp.up_proj, m))
+    return F.linear(norm(h, model.model.norm.weight), model.lm_head.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True)])
+def test_residual_adds_folded_into_norms_change_no_bit(tiny_hf_dir, arch, tie, dtype):
+    """Block returns (MLP output, residual) and the next norm adds them: logits bit-identical to
+    adding in each layer, in inference and under gradient checkpointing (which adds between layers)."""
+    path, _ = tiny_hf_dir(arch, tie)
+    model = M.load_model(path, quant="bf16", device="cpu", dtype=dtype)
+    ids, pos = batch()
+    with torch.no_grad():
+        ref = add_in_each_layer_forward(model, ids, pos)
+        ours, hidden = model(ids, pos), model(ids, pos, return_hidden=True)
+    assert ours.dtype == dtype and torch.equal(ours, ref), f"max abs diff {(ours - ref).abs().max():.2e}"
+    assert torch.equal(model.lm_head(hidden), ref)
+    model.gradient_checkpointing = True
+    model.model.embed_tokens.weight.requires_grad_(True)
+    ckpt = model(ids, pos)
+    assert torch.equal(ckpt.detach(), ref), f"checkpointed: max abs diff {(ckpt - ref).abs().max():.2e}"
+    ckpt.float().logsumexp(-1).mean().backward()
+    assert torch.isfinite(model.model.embed_tokens.weight.grad).all()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 Python block manager and scheduler, the Triton kernels (interpreter on CPU) against the torch
 reference, bad input, and GPU-marked checks of the CUDA paths (kernels, CUDA graphs)."""
 import math
+import os
 import random
 
 import pytest
@@ -210,6 +211,35 @@ def test_store_kv_triton_matches_reference():
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_triton_matches_rope_then_store(dtype):
+    """Decode's one kernel for RoPE + KV store: q rotated in place, k rotated into the cache, v
+    beside it, slot -1 skipped, against model.apply_rope + store_kv_ref. q, k, v are column slices
+    of one row per sequence, as the stacked q/k/v matmul leaves them."""
+    from model import apply_rope
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"        # on CPU: the Triton interpreter
+    B, Hq, Hkv, D = 5, 6, 2, 16
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=g).to(dev, dtype)
+    q, k, v = (t.view(B, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))   # (B, H*, D)
+    angles = torch.rand(B, D // 2, generator=g).to(dev) * 300
+    cos, sin = angles.cos(), angles.sin()                                               # (B, D/2)
+    slots = torch.tensor([5, -1, 17, 31, 0], device=dev)
+    caches = [torch.randn(4, 8, Hkv, D, generator=g).to(dev, dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    want_q, want_k = (apply_rope(x[:, None], cos[:, None, None], sin[:, None, None])[:, 0] for x in (q, k))
+    store_kv_ref(want[0], want[1], want_k, v, slots)
+    k_v_before = qkv[:, Hq * D:].clone()
+    out = rollout.rope_store_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots)
+    # fp32: the same fp32 math; bf16: one rounding step apart (the interpreter truncates to bf16)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    assert out.data_ptr() == q.data_ptr(), "q must be rotated in place"
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(caches[0], want[0], **tol)
+    assert torch.equal(caches[1], want[1]), "v is copied as is, to the slots only"
+    assert torch.equal(qkv[:, Hq * D:], k_v_before), "k and v themselves stay unrotated"
+
+
 # ----------------------------------------------------------------------------------------------
 # The engine on real model code (model.py), CPU fp32, against transformers
 
@@ -388,6 +418,27 @@ def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
                 torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
 
 
+def test_decode_with_rope_in_the_kv_store_matches_the_torch_backend(tiny_hf_dir, monkeypatch):
+    """The rollout path's kernels on the CPU (model.fused on, Triton interpreter): every decode
+    layer hands RoPE to DecodeContext's one kernel; tokens and logprobs equal the torch backend's
+    with torch ops (fp32)."""
+    import model as M
+    model = _load(tiny_hf_dir("llama")[0])
+    prompts = _prompts([14, 30], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=6, n=2, stop_token_ids=())
+    ref = LLMEngine(model, block_size=16, attn_backend="torch").generate(prompts, params)
+    calls, real = [], rollout.rope_store_kv_triton
+    monkeypatch.setattr(rollout, "rope_store_kv_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(M, "fused", lambda x: not torch.is_grad_enabled())
+    engine = LLMEngine(model, block_size=16, attn_backend="triton")
+    out = engine.generate(prompts, params)
+    assert len(calls) == engine.stats["decode_steps"] * model.config.num_layers > 0
+    for rc, oc in zip(ref, out):
+        for r, o in zip(rc, oc):
+            assert o.token_ids == r.token_ids
+            torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+
+
 def test_greedy_matches_hf_generate_smollm2(smollm2_path):
     """The real SmolLM2-135M-Instruct (Llama, tied, 9/3 heads), prompts of different lengths."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -423,6 +474,33 @@ def test_gpu_kernels_match_reference_bf16():
     store_kv_ref(a, b, k, v, slots)
     rollout.store_kv_triton(kc, vc, k, v, slots)
     assert torch.equal(a, kc) and torch.equal(b, vc)
+    # decode's RoPE + store kernel gives the very bits of model.rope_triton, then store_kv_triton
+    from model import rope_triton
+    qkv = torch.randn(9, 1, 36 * 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.view(9, 1, -1, 128) for t in qkv.split([28 * 128, 4 * 128, 4 * 128], -1))
+    angles = torch.rand(9, 1, 1, 64, device="cuda") * 3000
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_k = rope_triton(q.clone(), k.clone(), cos, sin)
+    unfused = kc.clone(), vc.clone()
+    rollout.store_kv_triton(*unfused, want_k[:, 0], v[:, 0], slots)
+    got_q = rollout.rope_store_kv_triton(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], kc, vc, slots)
+    assert torch.equal(got_q, want_q[:, 0]) and torch.equal(kc, unfused[0])
+    assert torch.equal(vc, unfused[1])
+
+
+@pytest.mark.gpu
+def test_gpu_programmatic_dependent_launch_changes_no_bit(tiny_hf_dir, monkeypatch):
+    """Sampling with the Triton kernels launched with PDL (sm_90+; each waits for its predecessor
+    at its top) gives the very tokens and logprobs of plain launches: a kernel that read before
+    its wait would race and, sooner or later, differ."""
+    import marlin_kernel
+    model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
+    prompts, params = _prompts([5, 40, 17], seed=7), SamplingParams(max_tokens=40, n=2, seed=3, stop_token_ids=())
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(marlin_kernel, "PDL", on)
+        runs.append([c for comps in LLMEngine(model).generate(prompts, params) for c in comps])
+    assert [(c.token_ids, c.logprobs) for c in runs[0]] == [(c.token_ids, c.logprobs) for c in runs[1]]
 
 
 @pytest.mark.gpu
