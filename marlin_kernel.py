@@ -86,6 +86,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -121,9 +122,20 @@ def _capability(index: int):
     return torch.cuda.get_device_capability(index)
 
 
-def pdl(device) -> bool:
-    """Launch with programmatic dependent launch on this device? (kernels take it as USE_PDL)"""
-    return PDL and device.type == "cuda" and not _interpreting() and _capability(device.index or 0)[0] >= 9
+def pdl_launch(device) -> dict:
+    """Launch keywords for a kernel that starts with pdl_start(USE_PDL): programmatic dependent
+    launch where the device has it (Hopper and later, not under the interpreter)."""
+    on = PDL and device.type == "cuda" and not _interpreting() and _capability(device.index or 0)[0] >= 9
+    return dict(USE_PDL=on, launch_pdl=on)
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """The first statement of every kernel launched with pdl_launch(): let the next kernel in the
+    stream be scheduled, then wait until the previous one has finished and its writes are visible."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,8 +298,10 @@ def _nvfp4_mm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     SWAP_AB: tl.constexpr,     # True: acc = W·xᵀ (BN, BM), W from registers; False: x·Wᵀ (BM, BN)
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program."""
+    pdl_start(USE_PDL)
     # ---- grouped program order: GROUP weight tiles are swept over all m-tiles together (L2)
     pid_n, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
     pid_k = tl.program_id(1)
@@ -409,11 +423,13 @@ def _nvfp4_gemv_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program
     as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
     accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are wrapped,
     computed and never stored)."""
+    pdl_start(USE_PDL)
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
@@ -600,11 +616,13 @@ def _nvfp4_mma_kernel(
     R: tl.constexpr,        # 16-row tiles per warp: a program owns 16·W·R rows of W
     NT: tl.constexpr,       # token tiles of 8: 1 for M <= 8, 2 for M <= 16
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
     registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
     bits 2-4 (g), warp, tile, 4 values in the lane: the loads' natural layouts already are the
     fragments, so Triton moves nothing between lanes."""
+    pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     T = tl.arange(0, 4)[:, None, None, None, None]
@@ -678,8 +696,10 @@ def _nvfp4_mm_dx_kernel(
     PARTIAL: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr,
     INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
 ):
     """dx[m, k] = sum_n dy[m, n] · W[n, k]; one (BK, BM) tile of dxᵀ per program."""
+    pdl_start(USE_PDL)
     # ---- grouped program order over (k-tile, m-tile)
     pid_k, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(K, BK), tl.cdiv(M, BM), GROUP_K)
     pid_s = tl.program_id(1)
@@ -717,8 +737,10 @@ def _nvfp4_mm_dx_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """out (R, C) bf16 = sum_s part[s] (R, C) fp32 · 2^7/global_scale (+ bias (C,))."""
+    pdl_start(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -732,8 +754,10 @@ def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
 
 @triton.jit
 def _nvfp4_dequant_kernel(packed_ptr, scale_ptr, gs_ptr, out_ptr, N, K, stride_pn, stride_sn,
-                          BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+                          BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """W (N, K) bf16 = e2m1 · scale / global_scale, one (BN, BK) tile per program (BK divides K)."""
+    pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     k0 = tl.multiple_of(tl.program_id(1) * BK, BK)
     offs_n = (pid_n * BN + tl.arange(0, BN)) % N
@@ -931,7 +955,7 @@ def _dequantize_bf16(packed, scale, global_scale):
     sb = scale.view(torch.uint8)
     _nvfp4_dequant_kernel[(triton.cdiv(N, BN), K // BK)](
         packed, sb, global_scale, out, N, K, packed.stride(0), sb.stride(0),
-        BN=BN, BK=BK, INTERPRET=_interpreting(), num_warps=4)
+        BN=BN, BK=BK, INTERPRET=_interpreting(), num_warps=4, **pdl_launch(packed.device))
     return out
 
 
@@ -943,7 +967,7 @@ def _reduce(part, global_scale, bias, out):
     BLOCK = 1024
     _splitk_reduce_kernel[(triton.cdiv(numel, BLOCK),)](
         part, global_scale, bias if bias is not None else out, out, numel, out.shape[1],
-        part.shape[0], HAS_BIAS=bias is not None, BLOCK=BLOCK, INTERPRET=_interpreting())
+        part.shape[0], HAS_BIAS=bias is not None, BLOCK=BLOCK, INTERPRET=_interpreting(), **pdl_launch(out.device))
     return out
 
 
@@ -969,7 +993,7 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap,
-        INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages)
+        INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return _reduce(part, global_scale, bias, out)
 
 
@@ -997,7 +1021,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
         x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=_interpreting(),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return _reduce(part, global_scale, bias, out)
 
 
@@ -1020,7 +1044,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg):
         M, N, K // 128, k_split // 128,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1, W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2,
-        INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=1)
+        INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=1, **pdl_launch(x.device))
     return _reduce(part, global_scale, bias, out)
 
 
@@ -1046,7 +1070,7 @@ def _matmul_dx(dy, packed, scale, global_scale, cfg):
         dy.stride(0), packed.stride(0), scale.stride(0), K, M * K,
         PARTIAL=split > 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=cfg.group, INTERPRET=_interpreting(),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(dy.device))
     return _reduce(part, global_scale, None, out)
 
 

@@ -80,8 +80,7 @@ import nvfp4
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    from marlin_kernel import pdl
+    from marlin_kernel import pdl_launch, pdl_start
 except ImportError:  # the torch path below needs no triton
     triton = None
 
@@ -253,9 +252,7 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps,
                          HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        pdl_start(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_C)
         mask = offs < C
@@ -272,9 +269,7 @@ if triton is not None:
     @triton.jit
     def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ,
                      HALF: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        pdl_start(USE_PDL)
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         if h < HQ:
             base = q_ptr + t * stride_q + h * 2 * HALF
@@ -290,9 +285,7 @@ if triton is not None:
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u,
                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        pdl_start(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < n
@@ -309,10 +302,10 @@ def rms_norm_triton(x, weight, eps, residual=None):
     x = x.contiguous()
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
-    block, use = triton.next_power_of_2(C), pdl(x.device)
+    block = triton.next_power_of_2(C)
     _rms_norm_kernel[(x.numel() // C,)](x, residual.contiguous() if residual is not None else x, weight,
                                         out, total, C, eps, HAS_RES=residual is not None, BLOCK_C=block,
-                                        USE_PDL=use, launch_pdl=use, num_warps=min(16, max(1, block // 256)))
+                                        **pdl_launch(x.device), num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, total)
 
 
@@ -340,9 +333,8 @@ def rope_triton(q, k, cos, sin):
     """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2).
     q and k must have a token_stride."""
     B, T, HQ, D = q.shape
-    use = pdl(q.device)
     _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), token_stride(q),
-                                           token_stride(k), HQ, D // 2, USE_PDL=use, launch_pdl=use)
+                                           token_stride(k), HQ, D // 2, **pdl_launch(q.device))
     return q, k
 
 
@@ -351,9 +343,8 @@ def silu_mul_triton(g, u):
     n = g.shape[-1]
     g2, u2 = g.reshape(-1, n), u.reshape(-1, n)                        # views: rows keep their stride
     out = torch.empty(g.shape, device=g.device, dtype=g.dtype)
-    use = pdl(g.device)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024,
-                                                          USE_PDL=use, launch_pdl=use)
+                                                          **pdl_launch(g.device))
     return out
 
 

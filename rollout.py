@@ -65,8 +65,7 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    from marlin_kernel import pdl
+    from marlin_kernel import pdl_launch, pdl_start
 except ImportError:  # the torch reference path works without triton
     triton = None
 
@@ -325,9 +324,7 @@ if triton is not None:
         ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """for i in range(N): if slot[i] >= 0: k_cache[slot[i]] = k[i]; v_cache[slot[i]] = v[i]"""
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        pdl_start(USE_PDL)
         i = tl.program_id(0)
         slot = tl.load(slot_ptr + i)
         if slot >= 0:
@@ -350,9 +347,7 @@ if triton is not None:
         """Program (b, h) rotates head h of row b, (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in
         fp32 rounded to q's dtype (model.apply_rope's math): a q head (h < Hq) in place, a k head
         into k_cache[slot[b]], next to a copy of the v head in v_cache[slot[b]] (slot -1: skipped)."""
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        pdl_start(USE_PDL)
         b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs = tl.arange(0, HALF)
         cos, sin = tl.load(cos_ptr + b * HALF + offs), tl.load(sin_ptr + b * HALF + offs)
@@ -397,9 +392,7 @@ if triton is not None:
             m' = max(m, rowmax s); l = l*e^(m-m') + rowsum e^(s-m'); acc = acc*e^(m-m') + e^(s-m') @ V_j
         out[p] = acc / l ; lse[p] = m + log l         (merged across partitions by the next kernel)
         """
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        pdl_start(USE_PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         p = tl.program_id(2)
@@ -456,9 +449,7 @@ if triton is not None:
         NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M) over the partitions that exist."""
-        if USE_PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+        pdl_start(USE_PDL)
         b = tl.program_id(0)
         hq = tl.program_id(1)
         ctx = tl.load(ctx_len_ptr + b)
@@ -485,9 +476,8 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    use = pdl(k.device)
     _store_kv_kernel[(N,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slots,
-                           ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), USE_PDL=use, launch_pdl=use)
+                           ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), **pdl_launch(k.device))
 
 
 def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots):
@@ -497,10 +487,9 @@ def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots):
     B, Hq, D = q.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype in (torch.int32, torch.int64)
     q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D else t.contiguous() for t in (q, k, v))
-    use = pdl(q.device)
     _rope_store_kv_kernel[(B, Hq + k.shape[1])](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), cos.contiguous(), sin.contiguous(),
-        k_cache, v_cache, slots, Hq, k.shape[1], HALF=D // 2, USE_PDL=use, launch_pdl=use)
+        k_cache, v_cache, slots, Hq, k.shape[1], HALF=D // 2, **pdl_launch(q.device))
     return q
 
 
@@ -519,17 +508,16 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
                          f"block_size >= 16 (got {BS}) dividing partition_size (got {partition_size})")
     part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
-    use = pdl(q.device)
     _paged_decode_partial_kernel[(B, Hkv, num_parts)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
         context_lens, part_out, part_lse, scale, num_parts,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BS=BS,
         PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
-        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32, USE_PDL=use, launch_pdl=use)
+        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32, **pdl_launch(q.device))
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
     _paged_decode_merge_kernel[(B, Hq)](
         part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,
-        NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts), USE_PDL=use, launch_pdl=use)
+        NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts), **pdl_launch(q.device))
     return out
 
 

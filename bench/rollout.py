@@ -4,6 +4,8 @@ Engines, on the same random weights (model.build_model, real Qwen2.5 config valu
     ours-nvfp4   LLMEngine over the NVFP4 model (Triton FP4 x BF16 linears), CUDA graphs
     ours-bf16    LLMEngine over the bf16 model, CUDA graphs
     hf-bf16      transformers' generate on a Qwen2ForCausalLM that shares the bf16 weights (7B only)
+    *-nopdl      (e.g. ours-nvfp4-nopdl) Triton kernels launched without programmatic dependent launch
+                 (marlin_kernel.PDL): what PDL buys
     *-unfused    (e.g. ours-nvfp4-unfused) norms, RoPE and SiLU·mul as plain torch ops instead of the
                  fused Triton kernels of model.py, and q/k/v, gate/up one linear at a time instead of
                  one stacked matmul each (model.StackedLinear): what the fusion buys
@@ -38,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
+import marlin_kernel
 import model as model_module
 import rollout
 from model import SHAPES, build_model
@@ -153,6 +156,7 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
     cfg = CONFIGS[model_name]
     quant = "nvfp4" if engine_name.startswith("ours-nvfp4") else "bf16"
     model_module.FUSED = not engine_name.endswith("-unfused")   # Triton norm/RoPE/SiLU kernels or torch ops
+    marlin_kernel.PDL = not engine_name.endswith("-nopdl")      # programmatic dependent launch or not
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -207,7 +211,8 @@ def main():
     ap.add_argument("--models", default="7b", help="comma-separated: 7b, 32b, tiny (a quick smoke test)")
     ap.add_argument("--engines", default="ours-nvfp4,ours-bf16,hf-bf16",
                     help="comma-separated: ours-nvfp4, ours-bf16, hf-bf16 (hf is skipped for 32b); "
-                         "an -unfused suffix (ours-nvfp4-unfused) runs norms/RoPE/SiLU as plain torch ops")
+                         "an -unfused suffix (ours-nvfp4-unfused) runs norms/RoPE/SiLU as plain torch ops, "
+                         "a -nopdl suffix launches every Triton kernel without programmatic dependent launch")
     ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, batch2, batch4, batch8, batch16, grpo")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
