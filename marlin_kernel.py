@@ -131,11 +131,14 @@ def pdl_launch(device) -> dict:
 
 @triton.jit
 def pdl_start(USE_PDL: tl.constexpr):
-    """The first statement of every kernel launched with pdl_launch(): let the next kernel in the
-    stream be scheduled, then wait until the previous one has finished and its writes are visible."""
+    """The first statement of every kernel launched with pdl_launch(): wait until the previous
+    kernel has finished and its writes are visible, then let the next one be scheduled. In this
+    order at most one kernel waits ahead; releasing first let every later kernel of a CUDA graph
+    cascade onto the SMs and hold their slots while waiting (H100: batch-4 decode 724 tok/s
+    against 1124 without PDL)."""
     if USE_PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -238,8 +238,7 @@ class RMSNorm(nn.Module):
 # torch ops above (about 7 small kernels per norm, 8 per RoPE call) cost more GPU time than the
 # 4-bit matmuls at batch 1. On CUDA without autograd (rollout) one Triton kernel does each; the
 # math is the same fp32 math (only the order of the norm's sum differs). Training keeps torch ops.
-# On Hopper each is launched with programmatic dependent launch (marlin_kernel.PDL): USE_PDL makes
-# it release the next kernel and then wait for the previous one at its very top, before any load.
+# On Hopper each is launched with programmatic dependent launch (marlin_kernel.pdl_start).
 
 FUSED = True   # bench/rollout.py's *-unfused engines turn it off to measure what the fusion buys
 

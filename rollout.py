@@ -312,8 +312,7 @@ def causal_attention(q, k, v):
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels: KV store and paged decode attention (GQA, split over the context). On Hopper
-# they are launched with programmatic dependent launch (marlin_kernel.PDL): USE_PDL makes a kernel
-# release the next one and then wait for the previous one at its very top, before any load.
+# they are launched with programmatic dependent launch (marlin_kernel.pdl_start).
 
 if triton is not None:
     @triton.jit
