@@ -141,18 +141,6 @@ def pdl_start(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_rows(ptr, rows, stride, col0, NBYTES: tl.constexpr, USE_PDL: tl.constexpr):
-    """Ask L2 for bytes [col0, col0 + NBYTES) of the given rows (1-D tensor) of a weight (ptr: a
-    byte pointer, stride in bytes), one
-    prefetch per 128-byte line. Called before pdl_start: a weight never depends on the previous
-    kernel, so the first bytes of a matmul arrive while that kernel finishes."""
-    if USE_PDL:
-        lines = ptr + rows[:, None] * stride + col0 + 128 * tl.arange(0, NBYTES // 128)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
 # ----------------------------------------------------------------------------------------------
 # pure-torch reference (float64; used by tests and benchmarks)
 
@@ -316,6 +304,7 @@ def _nvfp4_mm_kernel(
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program."""
+    pdl_start(USE_PDL)
     # ---- grouped program order: GROUP weight tiles are swept over all m-tiles together (L2)
     pid_n, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
     pid_k = tl.program_id(1)
@@ -325,8 +314,6 @@ def _nvfp4_mm_kernel(
     offs_n = (pid_n * BN + tl.arange(0, BN)) % N
     offs_m = (pid_m * BM + tl.arange(0, BM)) % M
     k_start = pid_k * K_SPLIT
-    prefetch_rows(packed_ptr, offs_n, stride_pn, k_start // 2, 128, USE_PDL)
-    pdl_start(USE_PDL)
     n_iter = tl.cdiv(min(K - k_start, K_SPLIT), BK)      # BK divides K and K_SPLIT
 
     # ---- main loop: dequantize a (BN, BK) weight tile in registers, bf16 MMA with x (BM, BK).
@@ -445,6 +432,7 @@ def _nvfp4_gemv_kernel(
     as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
     accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are wrapped,
     computed and never stored)."""
+    pdl_start(USE_PDL)
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
@@ -453,8 +441,6 @@ def _nvfp4_gemv_kernel(
     rows = (offs_n % N)[:, :, None]                      # rows past N wrapped, never stored
     kb_start = pid_k * SPLIT2
     kb_end = min(K2, kb_start + SPLIT2)                  # SPLIT2 is a multiple of BKB
-    prefetch_rows(packed_ptr, (pid_n * BN + tl.arange(0, BN)) % N, stride_pn, kb_start, BKB, USE_PDL)
-    pdl_start(USE_PDL)
 
     # ---- main loop over the bytes of the rows, BKB at a time; only the last step can be partial,
     # and its mask is constant over each thread's 16 bytes (K2 % 16 == 0), so loads stay vectorized
@@ -639,11 +625,9 @@ def _nvfp4_mma_kernel(
     registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
     bits 2-4 (g), warp, tile, 4 values in the lane: the loads' natural layouts already are the
     fragments, so Triton moves nothing between lanes."""
+    pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    prefetch_rows(p4_ptr.to(tl.pointer_type(tl.uint8)), (pid_n * 16 * W * R + tl.arange(0, 16 * W * R)) % N,
-                  4 * stride_p4n, pid_k * SPLIT * 64, 256, USE_PDL)    # bytes of its first 4 windows
-    pdl_start(USE_PDL)
     T = tl.arange(0, 4)[:, None, None, None, None]
     G = tl.arange(0, 8)[None, :, None, None, None]
     WP = tl.arange(0, W)[None, None, :, None, None]
