@@ -575,6 +575,7 @@ def test_fused_kernels_match_the_torch_ops(dtype):
     torch.testing.assert_close(M.silu_mul_triton(a, b), torch.nn.functional.silu(a) * b, **two_roundings)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
 def test_stacked_projections_match_one_by_one(tiny_hf_dir, quant, monkeypatch):
     """q/k/v and gate/up share one allocation (each linear a row slice of it: the state dict and

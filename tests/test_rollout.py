@@ -178,6 +178,7 @@ def _random_paged(B, Hq, Hkv, D, bs, num_blocks, ctx_lens, dtype, device="cpu", 
     return q, k_cache, v_cache, tables, torch.tensor(ctx_lens, dtype=torch.int32, device=device)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("partition, tile", [(32, 16), (32, 64), (64, 64), (48, 64)])
 def test_paged_attention_triton_matches_reference(dtype, partition, tile):
@@ -194,6 +195,7 @@ def test_paged_attention_triton_matches_reference(dtype, partition, tile):
     assert torch.all(out[3] == 0)
 
 
+@pytest.mark.interpreter
 def test_store_kv_triton_matches_reference():
     g = torch.Generator().manual_seed(1)
     k = torch.randn(6, 2, 16, generator=g)[:, :, :]
@@ -402,6 +404,7 @@ def test_free_cache_releases_and_the_engine_reallocates(tiny_hf_dir):
     assert engine.generate([[1, 2, 3]], params)[0][0].token_ids == a[0][0].token_ids
 
 
+@pytest.mark.interpreter
 def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
     """The Triton store + paged-decode kernels (interpreter) inside the engine: 16-token blocks,
     16-token partitions, so contexts span several partitions."""
@@ -418,6 +421,7 @@ def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
                 torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
 
 
+@pytest.mark.interpreter
 def test_decode_with_rope_in_the_kv_store_matches_the_torch_backend(tiny_hf_dir, monkeypatch):
     """The rollout path's kernels on the CPU (model.fused on, Triton interpreter): every decode
     layer hands RoPE to DecodeContext's one kernel; tokens and logprobs equal the torch backend's
