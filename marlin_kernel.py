@@ -71,7 +71,7 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
     ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
     copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
 Measured on an H100 (fwd, bench/NOTES.md): M = 1 1.6-3.2x over cuBLAS bf16 (1.0-2.6 TB/s of NVFP4
-weights), M = 2 1.4-2.5x, M = 4..8 1.2-2.7x, M = 16 1.0-1.9x, M = 128 0.5-0.95x.
+weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.7x, M = 16 1.2-1.9x, M = 128 0.5-0.95x.
 
 What it leaves out: activation quantization (this is W4A16), a Marlin-style re-layout of the
 weights (the fragment kernel gets the same register-only decode from a k-permutation instead),
