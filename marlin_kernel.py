@@ -252,6 +252,16 @@ def _to_bf16(y, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _finish(acc, gs_ptr, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The epilogue of every kernel: acc (fp32 sums of w·scale·2^-7 times x) -> y in bf16, times
+    2^7/global_scale, plus bias[cols] (cols broadcasts against acc; columns past N add 0)."""
+    y = acc * (OPERAND_POST / tl.load(gs_ptr))
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    return _to_bf16(y, INTERPRET)
+
+
+@triton.jit
 def _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
                       BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
     """Rows offs_n (all valid), columns k0..k0+BK (BK divides K) of W as bf16 w·scale·2^-7."""
@@ -344,11 +354,8 @@ def _nvfp4_mm_kernel(
         ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(ptrs, acc, mask=mask)
     else:
-        y = acc * (OPERAND_POST / tl.load(gs_ptr))
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], _to_bf16(y, INTERPRET),
-                 mask=mask)
+        y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -404,10 +411,7 @@ def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om,
     """Row m of y (or of the fp32 partial sums) from its (W, R, BKB/8) accumulator."""
     y = tl.sum(acc, axis=2) * GEMV_POST                                           # (W, R)
     if not PARTIAL:
-        y = y * (OPERAND_POST / tl.load(gs_ptr))
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        y = _to_bf16(y, INTERPRET)
+        y = _finish(y, gs_ptr, bias_ptr, offs_n, N, HAS_BIAS, INTERPRET)
     if m < M:
         tl.store(out_ptr + m * stride_om + offs_n, y, mask=offs_n < N)
 
@@ -599,10 +603,8 @@ def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_
     if PARTIAL:
         tl.store(out_ptr + part_off + tok * stride_om + rows, acc, mask=mask)
     else:
-        y = acc * (OPERAND_POST / tl.load(gs_ptr))
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        tl.store(out_ptr + tok * stride_om + rows, _to_bf16(y, INTERPRET), mask=mask)
+        tl.store(out_ptr + tok * stride_om + rows, _finish(acc, gs_ptr, bias_ptr, rows, N, HAS_BIAS, INTERPRET),
+                 mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -733,9 +735,8 @@ def _nvfp4_mm_dx_kernel(
         ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_k[:, None]
         tl.store(ptrs, acc, mask=mask)
     else:
-        y = acc * (OPERAND_POST / tl.load(gs_ptr))
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_k[:, None], _to_bf16(y, INTERPRET),
-                 mask=mask)
+        y = _finish(acc, gs_ptr, gs_ptr, offs_k[:, None], K, False, INTERPRET)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_k[:, None], y, mask=mask)
 
 
 @triton.jit
@@ -749,10 +750,7 @@ def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(SPLIT):
         acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    y = acc * (OPERAND_POST / tl.load(gs_ptr))
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs % C, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _to_bf16(y, INTERPRET), mask=mask)
+    tl.store(out_ptr + offs, _finish(acc, gs_ptr, bias_ptr, offs % C, C, HAS_BIAS, INTERPRET), mask=mask)
 
 
 @triton.jit
