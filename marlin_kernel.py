@@ -164,37 +164,25 @@ def reference_matmul(x, packed, scale, global_scale, bias=None):
 # ----------------------------------------------------------------------------------------------
 # decoding helpers (inlined into both matmul kernels)
 
-# Four packed bytes b0..b3 -> lo = e2m1(low nibbles)·s, hi = e2m1(high nibbles)·s as bf16x2 pairs.
-# $0,$1: lo of (b0,b1),(b2,b3); $2,$3: hi of the same; $4: the 4 bytes; $5,$6: scale pairs.
-# After prmt each 16-bit lane holds byte<<8: the high nibble's sign is already at bit 15 and its
-# magnitude (bits 12..14) moves to 6..8 by >>6; the low nibble's sign (bit 11) moves up by 4 and
-# its magnitude (bits 8..10) down by 2. lop3 0xEA computes (a & b) | c.
-_E2M1X4_TO_BF16_PTX = tl.constexpr("""
-{
-.reg .b32 y01, y23, t, u, sg, nz;
-mov.b32 nz, 0x80008000;
-prmt.b32 y01, $4, 0, 0x1404;
-prmt.b32 y23, $4, 0, 0x3424;
-shr.b32 t, y01, 2;
-shl.b32 u, y01, 4;
-and.b32 sg, u, nz;
-lop3.b32 t, t, 0x01C001C0, sg, 0xEA;
-fma.rn.bf16x2 $0, t, $5, nz;
-shr.b32 t, y23, 2;
-shl.b32 u, y23, 4;
-and.b32 sg, u, nz;
-lop3.b32 t, t, 0x01C001C0, sg, 0xEA;
-fma.rn.bf16x2 $1, t, $6, nz;
-shr.b32 t, y01, 6;
-and.b32 sg, y01, nz;
-lop3.b32 t, t, 0x01C001C0, sg, 0xEA;
-fma.rn.bf16x2 $2, t, $5, nz;
-shr.b32 t, y23, 6;
-and.b32 sg, y23, nz;
-lop3.b32 t, t, 0x01C001C0, sg, 0xEA;
-fma.rn.bf16x2 $3, t, $6, nz;
-}
-""")
+# Four packed bytes b0..b3 -> lo = e2m1(low nibbles)·s, hi = e2m1(high nibbles)·s as bf16x2 pairs
+# (lo b0, lo b1), (lo b2, lo b3), (hi b0, hi b1), (hi b2, hi b3). After prmt each 16-bit lane holds
+# byte<<8: the high nibble's sign is already at bit 15 and its magnitude (bits 12..14) moves to 6..8
+# by >>6; the low nibble's sign (bit 11) moves up by 4 and its magnitude (bits 8..10) down by 2.
+# lop3 0xEA computes (a & b) | c; the fma by the scale pair adds -0 (nz), so w·s keeps its sign.
+# Needs the registers y01, y23, t, u, sg declared and nz = 0x80008000.
+def _e2m1x4_to_bf16_ptx(word, s01, s23, lo01, lo23, hi01, hi23) -> list[str]:
+    return [f"prmt.b32 y01, {word}, 0, 0x1404;", f"prmt.b32 y23, {word}, 0, 0x3424;"] + [
+        line for y, s, lo, hi in (("y01", s01, lo01, hi01), ("y23", s23, lo23, hi23)) for line in (
+            f"shr.b32 t, {y}, 2;", f"shl.b32 u, {y}, 4;", "and.b32 sg, u, nz;",
+            "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {lo}, t, {s}, nz;",
+            f"shr.b32 t, {y}, 6;", f"and.b32 sg, {y}, nz;",
+            "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {hi}, t, {s}, nz;")]
+
+
+_DECODE_REGS = ".reg .b32 y01, y23, t, u, sg, nz; mov.b32 nz, 0x80008000;"
+# $0,$1: lo of (b0,b1),(b2,b3); $2,$3: hi of the same; $4: the 4 bytes; $5,$6: scale pairs
+_E2M1X4_TO_BF16_PTX = tl.constexpr("{ " + " ".join(
+    [_DECODE_REGS] + _e2m1x4_to_bf16_ptx("$4", "$5", "$6", "$0", "$1", "$2", "$3")) + " }")
 
 
 @triton.jit
@@ -487,13 +475,13 @@ def _nvfp4_gemv_kernel(
 # [32t, 32t + 32) of a 128-wide window, in whatever slot order its decode produces. Every load is
 # then a plain 16-byte load of the compressed-tensors layout (no re-layout of the weights), and a
 # decoded pair goes straight into an A register (no shared memory, no barrier, no layout change).
-# The decode (_E2M1X4_TO_BF16_PTX's arithmetic) turns a word of 4 bytes b0..b3 into the pairs
+# The decode (_e2m1x4_to_bf16_ptx, as in the wgmma kernel) turns a word of 4 bytes b0..b3 into the pairs
 # (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3), (hi b2, hi b3) = physical k (0, 2), (1, 3),
 # (4, 6), (5, 7) of the word; the x words (x0, x1), (x2, x3), ... of the same k are re-paired by
 # prmt into (x0, x2), (x1, x3), ... once per window (_X_PAIRS_PTX). Per lane and 16-row tile, a
-# 128-k window is 2 x 16 bytes of W, 4 scales, 8 mma.sync: ~2.7 instructions per weight for any
-# M <= 8 (tokens are the MMA's n = 8; M <= 16 issues a second mma per step), against 4.1 for the
-# CUDA-core kernel at M = 1 and 6.7 + a shared-memory round trip for the wgmma kernel.
+# 128-k window is 2 x 16 bytes of W, 4 scales, 8 mma.sync: 3.4-3.7 SASS instructions per weight
+# for any M <= 8 (tokens are the MMA's n = 8; M <= 16 issues a second mma per step), against 4.1
+# for the CUDA-core kernel at M = 1 and 6.7 + a shared-memory round trip for the wgmma kernel.
 
 def _decode_mma_ptx(nt: int) -> str:
     """Inline PTX for one lane, one 16-row tile, one 128-k window, nt token tiles of 8.
@@ -503,30 +491,17 @@ def _decode_mma_ptx(nt: int) -> str:
     acc_in = 4 * nt
     w0, w1, s = 8 * nt, 8 * nt + 4, 8 * nt + 8
     xp = 8 * nt + 10
-    lines = [".reg .b32 y01, y23, t, u, sg, nz, sa0, sa1, sb0, sb1, l01, l23, h01, h23, "
-             "m01, m23, k01, k23;", "mov.b32 nz, 0x80008000;",
+    lines = [_DECODE_REGS, ".reg .b32 sa0, sa1, sb0, sb1, l01, l23, h01, h23, m01, m23, k01, k23;",
              f"prmt.b32 sa0, ${s}, 0, 0x1010;", f"prmt.b32 sb0, ${s}, 0, 0x3232;",
              f"prmt.b32 sa1, ${s + 1}, 0, 0x1010;", f"prmt.b32 sb1, ${s + 1}, 0, 0x3232;"]
-
-    def decode(word, scale, lo01, lo23, hi01, hi23):
-        return [f"prmt.b32 y01, {word}, 0, 0x1404;", f"prmt.b32 y23, {word}, 0, 0x3424;",
-                "shr.b32 t, y01, 2;", "shl.b32 u, y01, 4;", "and.b32 sg, u, nz;",
-                "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {lo01}, t, {scale}, nz;",
-                "shr.b32 t, y23, 2;", "shl.b32 u, y23, 4;", "and.b32 sg, u, nz;",
-                "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {lo23}, t, {scale}, nz;",
-                "shr.b32 t, y01, 6;", "and.b32 sg, y01, nz;",
-                "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {hi01}, t, {scale}, nz;",
-                "shr.b32 t, y23, 6;", "and.b32 sg, y23, nz;",
-                "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {hi23}, t, {scale}, nz;"]
-
     first = [True] * nt
     for j in range(4):                       # word j of the lane's 16 bytes: k 8j .. 8j+7
-        blk = "1" if j >= 2 else "0"
-        lines += decode(f"${w0 + j}", "sa" + blk, "l01", "l23", "h01", "h23")      # row g
-        lines += decode(f"${w1 + j}", "sb" + blk, "m01", "m23", "k01", "k23")      # row g + 8
+        sa, sb = ("sa1", "sb1") if j >= 2 else ("sa0", "sb0")
+        lines += _e2m1x4_to_bf16_ptx(f"${w0 + j}", sa, sa, "l01", "l23", "h01", "h23")     # row g
+        lines += _e2m1x4_to_bf16_ptx(f"${w1 + j}", sb, sb, "m01", "m23", "k01", "k23")     # row g + 8
         for n in range(nt):
             d = ", ".join(f"${4 * n + i}" for i in range(4))
-            for a, b, xs in (("l01, m01, h01, k01", 0, 0), ("l23, m23, h23, k23", 2, 2)):
+            for a, xs in (("l01, m01, h01, k01", 0), ("l23, m23, h23, k23", 2)):
                 c = ", ".join(f"${acc_in + 4 * n + i}" for i in range(4)) if first[n] else d
                 x = f"${xp + 16 * n + 4 * j + xs}, ${xp + 16 * n + 4 * j + xs + 1}"
                 lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, {{{a}}}, {{{x}}}, {{{c}}};")
@@ -542,8 +517,7 @@ _DECODE_MMA_PTX_2 = tl.constexpr(_decode_mma_ptx(2))
 # outputs: the accumulators; inputs: accumulators (f32), W words, scales, x words (b32)
 _MMA_CONSTRAINTS_1 = tl.constexpr(",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 26))
 _MMA_CONSTRAINTS_2 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 42))
-SCALE_TO_OPERAND = tl.constexpr(2.0 ** (126 - 7))   # scale·2^119 · e2m1·2^-126 = w·scale·2^-7
-
+SCALE_TO_OPERAND = tl.constexpr(2.0 ** (126 - OPERAND_SHIFT.value))   # scale·2^119 · e2m1·2^-126 = w·scale·2^-7
 
 
 @triton.jit
