@@ -266,20 +266,29 @@ if triton is not None:
         tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, t, h, HQ, HALF: tl.constexpr):
+        """Head h of token t (a q head if h < HQ, else k head h - HQ), rotated as apply_rope does:
+        (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in fp32, rounded to the head's dtype.
+        -> (its address, the two rotated halves). Shared with rollout's RoPE + KV-store kernel."""
+        if h < HQ:
+            src = q_ptr + t * stride_q + h * 2 * HALF
+        else:
+            src = k_ptr + t * stride_k + (h - HQ) * 2 * HALF
+        offs = tl.arange(0, HALF)
+        cos, sin = tl.load(cos_ptr + t * HALF + offs), tl.load(sin_ptr + t * HALF + offs)
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + HALF + offs).to(tl.float32)
+        return src, (x1 * cos - x2 * sin).to(src.dtype.element_ty), (x2 * cos + x1 * sin).to(src.dtype.element_ty)
+
+    @triton.jit
     def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ,
                      HALF: tl.constexpr, USE_PDL: tl.constexpr):
         pdl_start(USE_PDL)
         t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        if h < HQ:
-            base = q_ptr + t * stride_q + h * 2 * HALF
-        else:
-            base = k_ptr + t * stride_k + (h - HQ) * 2 * HALF
+        src, y1, y2 = rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, t, h, HQ, HALF)
         offs = tl.arange(0, HALF)
-        cos, sin = tl.load(cos_ptr + t * HALF + offs), tl.load(sin_ptr + t * HALF + offs)
-        x1 = tl.load(base + offs).to(tl.float32)
-        x2 = tl.load(base + HALF + offs).to(tl.float32)
-        tl.store(base + offs, (x1 * cos - x2 * sin).to(base.dtype.element_ty))
-        tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(base.dtype.element_ty))
+        tl.store(src + offs, y1)
+        tl.store(src + HALF + offs, y2)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u,

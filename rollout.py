@@ -66,6 +66,7 @@ try:
     import triton
     import triton.language as tl
     from marlin_kernel import pdl_launch, pdl_start
+    from model import rope_head
 except ImportError:  # the torch reference path works without triton
     triton = None
 
@@ -343,21 +344,13 @@ if triton is not None:
         slot_ptr,                                # (B,) int32 or int64, -1 = skip
         HQ, HKV, HALF: tl.constexpr, USE_PDL: tl.constexpr,
     ):
-        """Program (b, h) rotates head h of row b, (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in
-        fp32 rounded to q's dtype (model.apply_rope's math): a q head (h < Hq) in place, a k head
-        into k_cache[slot[b]], next to a copy of the v head in v_cache[slot[b]] (slot -1: skipped)."""
+        """Program (b, h) rotates head h of row b (model.rope_head: apply_rope's math): a q head
+        (h < Hq) in place, a k head into k_cache[slot[b]], next to a copy of the v head in
+        v_cache[slot[b]] (slot -1: skipped)."""
         pdl_start(USE_PDL)
         b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs = tl.arange(0, HALF)
-        cos, sin = tl.load(cos_ptr + b * HALF + offs), tl.load(sin_ptr + b * HALF + offs)
-        if h < HQ:
-            src = q_ptr + b * stride_q + h * 2 * HALF
-        else:
-            src = k_ptr + b * stride_k + (h - HQ) * 2 * HALF
-        x1 = tl.load(src + offs).to(tl.float32)
-        x2 = tl.load(src + HALF + offs).to(tl.float32)
-        y1 = (x1 * cos - x2 * sin).to(src.dtype.element_ty)
-        y2 = (x2 * cos + x1 * sin).to(src.dtype.element_ty)
+        src, y1, y2 = rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, b, h, HQ, HALF)
         if h < HQ:                               # q: rotated in place, for the attention kernel
             tl.store(src + offs, y1)
             tl.store(src + HALF + offs, y2)
