@@ -48,6 +48,20 @@ def assert_close(out, ref, what, worst=1e-2):
     return e
 
 
+def check_forward(run, M, N, K, has_bias, seed, what):
+    """run(x, packed, scale, global_scale, bias) on fresh random data against float64: shape, dtype,
+    every element written (poisoned buffers), worst error < 1e-2 and typical < 4e-3 (bf16 output
+    rounding is ~1.5e-3)."""
+    gen = torch.Generator().manual_seed(seed)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    y = run(x, packed, scale, gs, bias)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), what)
+    assert e < 4e-3, f"{what}: typical error too large: {e:.2e}"
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU (interpreter) and GPU: small shapes, every path
 
@@ -57,14 +71,7 @@ SMALL = [(1, 16, 16), (3, 32, 64), (5, 48, 80), (17, 64, 32), (2, 16, 272), (4, 
 @pytest.mark.parametrize("M,N,K", SMALL)
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_forward_matches_float64(M, N, K, has_bias, poisoned):
-    gen = torch.Generator().manual_seed(M * 1000 + N + K + has_bias)
-    packed, scale, gs = random_weight(N, K, gen)
-    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
-    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
-    y = mk.nvfp4_matmul(x, packed, scale, gs, bias)
-    assert y.shape == (M, N) and y.dtype == torch.bfloat16
-    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"fwd M={M} N={N} K={K}")
-    assert e < 4e-3, f"typical error too large: {e:.2e}"   # bf16 output rounding is ~1.5e-3
+    check_forward(mk.nvfp4_matmul, M, N, K, has_bias, M * 1000 + N + K + has_bias, f"fwd M={M} N={N} K={K}")
 
 
 @pytest.mark.parametrize("M,N,K", SMALL)
@@ -102,14 +109,8 @@ def test_split_and_tile_variants_agree(cfg, poisoned):
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
     """The CUDA-core kernel (M <= 4): odd M, minimum N and K, a K tail, split-K and single pass."""
-    gen = torch.Generator().manual_seed(M * 1000 + N + K + cfg.bk + has_bias)
-    packed, scale, gs = random_weight(N, K, gen)
-    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
-    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
-    y = mk._gemv(x, packed, scale, gs, bias, cfg)
-    assert y.shape == (M, N) and y.dtype == torch.bfloat16
-    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"gemv M={M} N={N} K={K} {cfg}")
-    assert e < 4e-3, f"typical error too large: {e:.2e}"
+    check_forward(lambda *a: mk._gemv(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + cfg.bk + has_bias,
+                  f"gemv M={M} N={N} K={K} {cfg}")
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 16, 16), (67, 48, 80), (130, 144, 256)])
@@ -118,16 +119,9 @@ def test_medium_m_unswapped_kernel_matches_float64(M, N, K, has_bias, poisoned):
     """The medium-M launch (x·Wᵀ, decoded W as the MMA's shared-memory operand, MEDIUM_CONFIG's
     128 x 128 tiles): odd M, minimum N and K (K padded to 64), N and M not multiples of the tile,
     two m-tiles, a single pass and split-K."""
-    gen = torch.Generator().manual_seed(M * 1000 + N + K + has_bias)
-    packed, scale, gs = random_weight(N, K, gen)
-    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
-    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
-    ref = mk.reference_matmul(x, packed, scale, gs, bias)
     for cfg in (mk.MEDIUM_CONFIG, dataclasses.replace(mk.MEDIUM_CONFIG, split=2)):
-        y = mk._matmul(x, packed, scale, gs, bias, cfg)
-        assert y.shape == (M, N) and y.dtype == torch.bfloat16
-        e = assert_close(y, ref, f"medium M={M} N={N} K={K} {cfg}")
-        assert e < 4e-3, f"typical error too large: {e:.2e}"
+        check_forward(lambda *a: mk._matmul(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + has_bias,
+                      f"medium M={M} N={N} K={K} {cfg}")
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256), (6, 16, 640)])
@@ -138,14 +132,8 @@ def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
     one and two token tiles, odd M, N not a multiple of the program's rows (wrapped rows must not
     be stored), several windows, a single pass and split-K. On the CPU the PTX is replaced by its
     plain-fp32 emulation, so this checks the index maps; the GPU run checks the PTX itself."""
-    gen = torch.Generator().manual_seed(M * 1000 + N + K + cfg.tiles + has_bias)
-    packed, scale, gs = random_weight(N, K, gen)
-    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
-    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
-    y = mk._mma(x, packed, scale, gs, bias, cfg)
-    assert y.shape == (M, N) and y.dtype == torch.bfloat16
-    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"mma M={M} N={N} K={K} {cfg}")
-    assert e < 4e-3, f"typical error too large: {e:.2e}"
+    check_forward(lambda *a: mk._mma(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + cfg.tiles + has_bias,
+                  f"mma M={M} N={N} K={K} {cfg}")
 
 
 @pytest.mark.parametrize("M", [4, 13])
