@@ -321,16 +321,24 @@ def medium_candidates():
         label: (lambda x, p, s, g, cfg=cfg: mk._matmul(x, p, s, g, None, cfg)) for label, cfg in MEDIUM_CANDIDATES.items()}
 
 
-# M <= 16: the shipped route (CUDA-core kernel at M <= 2, swapped wgmma kernel above) against the
-# fragment kernel (mma.sync on weights decoded into its registers) in several launch shapes
+# M <= 16: the shipped route against each small-M kernel in several launch shapes: the CUDA-core
+# kernel (M <= 2) and the fragment kernel (mma.sync on weights decoded into its registers)
 SMALL_MS = (1, 2, 4, 8, 16)
-FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 1), mk.MmaConfig(2, 2)]
+GEMV = [mk.GemvConfig(32, 1024), mk.GemvConfig(16, 2048), mk.GemvConfig(16, 1024)]
+FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 1)]
+
+
+def _gemv_only(x, p, s, g, cfg):
+    if x.shape[0] > mk.GEMV_MAX_M:
+        raise ValueError("the CUDA-core kernel is timed at M <= GEMV_MAX_M only")
+    return mk._gemv(x, p, s, g, None, cfg)
 
 
 def small_candidates():
-    return {"shipped": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)} | {
-        f"mma w{c.warps}t{c.tiles}s{c.split}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
-        for c in FRAGMENT}
+    return ({"shipped": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)}
+            | {f"gemv {c.bn}x{c.bk}": (lambda x, p, s, g, cfg=c: _gemv_only(x, p, s, g, cfg)) for c in GEMV}
+            | {f"mma w{c.warps}t{c.tiles}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
+               for c in FRAGMENT})
 
 
 def variants(device, log, Ms, candidates, budget_s=110.0):

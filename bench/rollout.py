@@ -187,7 +187,7 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
         print(f"  {wl}: {r['tok_s']:.1f} tok/s total, ttft {r['ttft_s'] * 1e3:.0f} ms, "
               f"peak {r['peak_mem_gib']:.1f} GiB", flush=True)
     if profile_path and engine_name != "hf-bf16":
-        for batch in (1, 2, 128):
+        for batch in (1, 16, 128):
             profile(run, cfg["vocab_size"], batch, 33, profile_path)
     if engine_name != "hf-bf16":
         engine.free_cache()
