@@ -22,6 +22,7 @@ The weights are random codes and random E4M3 scales (the kernel's speed does not
 values; the correctness check uses fresh random data against a float64 reference).
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -328,22 +329,24 @@ GEMV = [mk.GemvConfig(32, 1024), mk.GemvConfig(16, 2048), mk.GemvConfig(16, 1024
 FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 1)]
 
 
-def _gemv_only(x, p, s, g, cfg):
-    if x.shape[0] > mk.GEMV_MAX_M:
-        raise ValueError("the CUDA-core kernel is timed at M <= GEMV_MAX_M only")
-    return mk._gemv(x, p, s, g, None, cfg)
+def _gemv(cfg):
+    """The CUDA-core kernel in one launch shape, as a candidate for M <= GEMV_MAX_M only."""
+    fn = functools.partial(mk._gemv, bias=None, cfg=cfg)
+    fn.max_m = mk.GEMV_MAX_M
+    return fn
 
 
 def small_candidates():
     return ({"shipped": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)}
-            | {f"gemv {c.bn}x{c.bk}": (lambda x, p, s, g, cfg=c: _gemv_only(x, p, s, g, cfg)) for c in GEMV}
+            | {f"gemv {c.bn}x{c.bk}": _gemv(c) for c in GEMV}
             | {f"mma w{c.warps}t{c.tiles}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
                for c in FRAGMENT})
 
 
 def variants(device, log, Ms, candidates, budget_s=110.0):
     """Forward only, CUDA graphs, weights rotated: cuBLAS bf16 and every candidate per (shape, M);
-    each candidate's output is also compared with float64 (rel_err; a check of the real kernels)."""
+    each candidate's output is also compared with float64 (rel_err; a check of the real kernels).
+    A candidate with a max_m attribute is timed only up to that M."""
     gen = torch.Generator(device=device).manual_seed(5)
     rows, t0 = [], time.time()
     for name, (N, K) in sorted(SHAPES.items(), key=lambda kv: -kv[1][0] * kv[1][1]):   # big first
@@ -359,6 +362,8 @@ def variants(device, log, Ms, candidates, budget_s=110.0):
             r = dict(shape=name, N=N, K=K, M=M, us={}, rel_err={})
             r["us"]["cublas"] = bench_ms(lambda: x @ ws.next().t(), rep=5) * 1e3
             for label, fn in candidates.items():
+                if M > getattr(fn, "max_m", M):
+                    continue
                 try:
                     poison_allocator(max(M * N * 8, 1 << 20), device)
                     r["rel_err"][label] = rel_err(fn(x, *qs.items[0]), ref)
