@@ -139,7 +139,7 @@ class LoRALinear(nn.Module):
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + scaling · dropout(x) Aᵀ Bᵀ for a base output y (..., out) computed here or elsewhere
-        (model.StackedLinear computes q, k and v in one matmul, then each adapter adds its part)."""
+        (stacked_linear.StackedLinear computes q, k and v in one matmul, then each adapter adds its part)."""
         if not self.enabled:
             return y
         A, B = self._cast(x.dtype)
@@ -150,7 +150,7 @@ class LoRALinear(nn.Module):
     @staticmethod
     def add_group_delta(mods, x: torch.Tensor, y: torch.Tensor):
         """y + every adapter's update for LoRALinears `mods` that share the input x and whose base
-        outputs are the column blocks of y (..., Σ out), as model.StackedLinear computes q/k/v:
+        outputs are the column blocks of y (..., Σ out), as stacked_linear.StackedLinear computes q/k/v:
         one GEMM with the A's stacked (Σr, in) and one addmm with the B's as a block-diagonal
         (Σ out, Σr) matrix: two kernels for the group instead of two per adapter. Sampling only
         (no autograd, dropout off, one scaling for the group), else None. The stacked bf16 copies

@@ -25,7 +25,7 @@ output to the activation dtype; RoPE angles, cos/sin and the rotation itself are
 Residual adds (vLLM's fused add + RMSNorm). Each `h + ...` above is done by the norm that reads the
 sum: a layer returns the pair (MLP(m), h') instead of hˡ⁺¹ = h' + MLP(m), and the next
 input_layernorm (or model.norm) computes the sum and its norm together: one Triton kernel on the
-rollout path instead of an add and a norm. The sum is rounded to the activation dtype as the add
+rollout path instead of an add and a norm (fused_ops.py). The sum is rounded to the activation dtype as the add
 in each layer would round it, so the logits are bit-identical.
 
 Names. Module paths are Hugging Face's (`model.layers.3.self_attn.q_proj`, `lm_head`), so a state
@@ -40,7 +40,7 @@ causal SDPA over its T tokens (training, scoring). Otherwise layer i calls
 
 with RoPE already applied at `positions`; the context stores k/v in its paged cache and attends over
 everything cached (rollout.py: packed prefill, paged decode). A context with `rope_in_store = True`
-(rollout's decode on the Triton backend) is called on the fused path (`fused` below) as
+(rollout's decode on the Triton backend) is called on the fused path (fused_ops.fused) as
 attend(i, q, k, v, rope=(cos, sin)) with q, k not yet rotated: one kernel rotates them as it writes
 k, v to the cache. The model never imports the sampler, and the same weights, LoRA adapters and AQN
 noise serve both paths.
@@ -57,6 +57,12 @@ the final footprint plus one bf16 matrix and quantize's temporaries for it (H100
 5.45 GiB final, +1.1 GiB peak, nearly all of it quantize's fp32 work on gate_proj). Embeddings, lm_head,
 norms and biases stay unquantized, as in QeRL. A compressed-tensors NVFP4 checkpoint is assigned as
 is. Base weights come back frozen (requires_grad=False); LoRA adds the trainable parameters.
+The files themselves (a Hub id resolved, shards listed, `save_pretrained`) are hf_checkpoint.py's.
+
+Next to this file. fused_ops.py: the Triton kernels that replace the norm, RoPE and SiLU·mul torch ops
+on the rollout path (`fused(x)`: CUDA, no autograd). stacked_linear.py: q/k/v and gate/up as one
+matmul on that path (`project`), each linear still its own module; loading gives a group one NVFP4
+global scale (quantize_group). hf_checkpoint.py: checkpoint directories on disk.
 
 Left out: KV cache (rollout.py owns it), sliding-window attention, RoPE types other than default and
 llama3, MLP biases, dropout. Tests: tests/test_model.py compares logits with transformers in fp32.
@@ -66,29 +72,22 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.utils.checkpoint import checkpoint
 
 import nvfp4
-
-try:
-    import triton
-    import triton.language as tl
-    from marlin_kernel import pdl_launch, pdl_start
-except ImportError:  # the torch path below needs no triton
-    triton = None
+from fused_ops import fused, rms_norm_triton, rope_triton, silu_mul_triton, token_stride
+from hf_checkpoint import checkpoint_files, resolve
+from stacked_linear import GROUPS, group_of, project, stack_groups
 
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 INIT_STD = 0.02  # build_model's random weights (transformers' initializer_range)
 
 # ----------------------------------------------------------------------------------------------
@@ -233,102 +232,6 @@ class RMSNorm(nn.Module):
         return h if residual is None else (h, x)
 
 
-# ----------------------------------------------------------------------------------------------
-# Fused inference kernels. A decode step runs every layer on one token per sequence, so the
-# torch ops above (about 7 small kernels per norm, 8 per RoPE call) cost more GPU time than the
-# 4-bit matmuls at batch 1. On CUDA without autograd (rollout) one Triton kernel does each; the
-# math is the same fp32 math (only the order of the norm's sum differs). Training keeps torch ops.
-# On Hopper each is launched with programmatic dependent launch (marlin_kernel.pdl_start).
-
-FUSED = True   # bench/rollout.py's *-unfused engines turn it off to measure what the fusion buys
-
-
-def fused(x: torch.Tensor) -> bool:
-    return FUSED and triton is not None and x.is_cuda and not torch.is_grad_enabled()
-
-
-if triton is not None:
-    @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps,
-                         HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
-        pdl_start(USE_PDL)
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_C)
-        mask = offs < C
-        x = tl.load(x_ptr + row * C + offs, mask=mask, other=0.0)
-        if HAS_RES:     # x + residual, rounded to the activation dtype as torch's add does
-            x = (x.to(tl.float32) + tl.load(res_ptr + row * C + offs, mask=mask, other=0.0).to(tl.float32))
-            x = x.to(sum_ptr.dtype.element_ty)
-            tl.store(sum_ptr + row * C + offs, x, mask=mask)
-        h = x.to(tl.float32)
-        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / C + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, t, h, HQ, HALF: tl.constexpr):
-        """Head h of token t (a q head if h < HQ, else k head h - HQ), rotated as apply_rope does:
-        (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in fp32, rounded to the head's dtype.
-        -> (its address, the two rotated halves). Shared with rollout's RoPE + KV-store kernel."""
-        if h < HQ:
-            src = q_ptr + t * stride_q + h * 2 * HALF
-        else:
-            src = k_ptr + t * stride_k + (h - HQ) * 2 * HALF
-        offs = tl.arange(0, HALF)
-        cos, sin = tl.load(cos_ptr + t * HALF + offs), tl.load(sin_ptr + t * HALF + offs)
-        x1 = tl.load(src + offs).to(tl.float32)
-        x2 = tl.load(src + HALF + offs).to(tl.float32)
-        return src, (x1 * cos - x2 * sin).to(src.dtype.element_ty), (x2 * cos + x1 * sin).to(src.dtype.element_ty)
-
-    @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ,
-                     HALF: tl.constexpr, USE_PDL: tl.constexpr):
-        pdl_start(USE_PDL)
-        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        src, y1, y2 = rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, t, h, HQ, HALF)
-        offs = tl.arange(0, HALF)
-        tl.store(src + offs, y1)
-        tl.store(src + HALF + offs, y2)
-
-    @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u,
-                         BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
-        pdl_start(USE_PDL)
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = offs < n
-        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-        s = (g / (1 + tl.exp(-g))).to(out_ptr.dtype.element_ty)     # silu rounded, then the product
-        u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * n + offs, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
-
-
-def rms_norm_triton(x, weight, eps, residual=None):
-    """RMSNorm.forward in one kernel per row: x (..., C) contiguous, weight (C,) fp32."""
-    C = x.shape[-1]
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    total = torch.empty_like(x) if residual is not None else out
-    block = triton.next_power_of_2(C)
-    _rms_norm_kernel[(x.numel() // C,)](x, residual.contiguous() if residual is not None else x, weight,
-                                        out, total, C, eps, HAS_RES=residual is not None, BLOCK_C=block,
-                                        **pdl_launch(x.device), num_warps=min(16, max(1, block // 256)))
-    return out if residual is None else (out, total)
-
-
-def token_stride(t: torch.Tensor) -> int | None:
-    """The one stride between consecutive tokens of t (B, T, H, D) with contiguous heads (a column
-    slice of a stacked q/k/v output has one), or None. A size-1 dim's stride is arbitrary (view
-    may set it to anything), so decode (T = 1) steps by the batch stride."""
-    B, T, H, D = t.shape
-    if t.stride(3) != 1 or (H > 1 and t.stride(2) != D):
-        return None
-    if T == 1:
-        return t.stride(0)
-    return t.stride(1) if B == 1 or t.stride(0) == T * t.stride(1) else None
-
-
 def rope(q, k, cos, sin):
     """apply_rope on q and k: one Triton launch on the rollout path when the layout allows, else torch ops."""
     D = q.shape[-1]
@@ -337,113 +240,10 @@ def rope(q, k, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def rope_triton(q, k, cos, sin):
-    """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2).
-    q and k must have a token_stride."""
-    B, T, HQ, D = q.shape
-    _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), token_stride(q),
-                                           token_stride(k), HQ, D // 2, **pdl_launch(q.device))
-    return q, k
-
-
-def silu_mul_triton(g, u):
-    """silu(g)·u for g, u (..., n) whose rows may be strided (gate and up slices of one output)."""
-    n = g.shape[-1]
-    g2, u2 = g.reshape(-1, n), u.reshape(-1, n)                        # views: rows keep their stride
-    out = torch.empty(g.shape, device=g.device, dtype=g.dtype)
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024,
-                                                          **pdl_launch(g.device))
-    return out
-
-
 def make_linear(in_features: int, out_features: int, bias: bool, quant: str, dtype) -> nn.Module:
     if quant == "nvfp4":
         return nvfp4.NVFP4Linear(in_features, out_features, bias=bias, dtype=dtype)
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# q/k/v and gate/up as one matmul when sampling. At decode the 7B k and v projections are 512 x 3584:
-# one launch each for about a microsecond of weight traffic, and q/k/v, gate/up read the same x.
-# StackedLinear lays a group's weights back to back in one allocation; each member keeps a row slice
-# of it as its own tensor (state dict, LoRA, training: unchanged), and on the rollout path (fused(x))
-# one matmul covers the group, then each member's LoRA adds its part. NVFP4 members must share one
-# global scale (the kernel applies one per matmul): loading gives them one (quantize_group), as
-# llm-compressor does for checkpoints meant to be served fused.
-
-GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
-
-
-class StackedLinear:
-    """The linears `mods` (same input, same kind) over one stacked copy of their weights."""
-
-    TENSORS = ("weight", "weight_packed", "weight_scale", "bias")
-
-    @staticmethod
-    def can_stack(mods) -> bool:
-        first = mods[0]
-        if type(first) not in (nn.Linear, nvfp4.NVFP4Linear) or not all(
-                type(m) is type(first) and m.in_features == first.in_features
-                and (m.bias is None) == (first.bias is None) for m in mods):
-            return False
-        return not isinstance(first, nvfp4.NVFP4Linear) or \
-            all(torch.equal(m.weight_global_scale, first.weight_global_scale) for m in mods)
-
-    def __init__(self, mods):
-        self.sizes = [m.out_features for m in mods]
-        self.global_scale = getattr(mods[0], "weight_global_scale", None)   # None: bf16
-        self.tensors = {}
-        for name in self.TENSORS:
-            if getattr(mods[0], name, None) is None:
-                continue
-            stacked = torch.cat([getattr(m, name).detach() for m in mods])              # (sum N, ...)
-            self.tensors[name] = stacked
-            for m, rows in zip(mods, stacked.split(self.sizes)):
-                if name in m._parameters:
-                    m._parameters[name] = nn.Parameter(rows, requires_grad=False)
-                else:
-                    m._buffers[name] = rows
-        self.ptrs = self._ptrs(mods)
-
-    def _ptrs(self, mods):
-        return [getattr(m, name).data_ptr() for m in mods for name in self.tensors]
-
-    def holds(self, mods) -> bool:
-        """Are the members' tensors still slices of the stack? (.to() or a reload ends that.)"""
-        return self._ptrs(mods) == self.ptrs
-
-    def __call__(self, x):
-        """x (..., K) -> (..., Σ N): the members' outputs side by side."""
-        t = self.tensors
-        if self.global_scale is None:
-            return F.linear(x, t["weight"], t.get("bias"))
-        return nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"))
-
-
-def project(parent: nn.Module, names, x):
-    """[parent.<name>(x) for each name]: on the rollout path one matmul over the stacked weights,
-    then the members' LoRA updates (lora.LoRALinear.add_group_delta: two kernels for the group)."""
-    mods = [getattr(parent, n) for n in names]
-    stack = parent.stacked
-    if stack is not None and fused(x):
-        if stack.holds([getattr(m, "base_layer", m) for m in mods]):     # through a LoRA wrapper
-            y = stack(x)                                                  # (..., Σ N)
-            group = getattr(type(mods[0]), "add_group_delta", None)
-            with_lora = group(mods, x, y) if group is not None else None
-            if with_lora is not None:
-                return with_lora.split(stack.sizes, -1)
-            return [m.add_delta(x, o) if hasattr(m, "add_delta") else o for m, o in zip(mods, y.split(stack.sizes, -1))]
-        parent.stacked = None                   # the members moved: use them one by one, free the stack
-    return [m(x) for m in mods]
-
-
-def stack_groups(model: "Transformer") -> None:
-    """Give every layer's q/k/v and gate/up a StackedLinear where they can share one."""
-    for layer in model.model.layers:
-        for attr, names in GROUPS.items():
-            parent = getattr(layer, attr)
-            mods = [getattr(parent, n) for n in names]
-            parent.stacked = StackedLinear(mods) if StackedLinear.can_stack(mods) else None
 
 
 class Attention(nn.Module):
@@ -455,7 +255,7 @@ class Attention(nn.Module):
         self.k_proj = make_linear(H, self.n_kv * D, b, quant, dtype)
         self.v_proj = make_linear(H, self.n_kv * D, b, quant, dtype)
         self.o_proj = make_linear(self.n_heads * D, H, cfg.o_bias, quant, dtype)
-        self.stacked = None                                          # StackedLinear: see stack_groups
+        self.stacked = None                                          # StackedLinear: see stacked_linear.py
 
     def forward(self, x, cos, sin, attn_ctx=None):
         B, T, _ = x.shape
@@ -483,7 +283,7 @@ class MLP(nn.Module):
         self.gate_proj = make_linear(H, I, False, quant, dtype)
         self.up_proj = make_linear(H, I, False, quant, dtype)
         self.down_proj = make_linear(I, H, False, quant, dtype)
-        self.stacked = None                                          # StackedLinear: see stack_groups
+        self.stacked = None                                          # StackedLinear: see stacked_linear.py
 
     def forward(self, x):  # (B, T, H) -> (B, T, H) through (B, T, I)
         g, u = project(self, GROUPS["mlp"], x)
@@ -571,40 +371,6 @@ class Transformer(nn.Module):
 # Loading: meta-device build, header checks, one tensor at a time
 
 
-def resolve(name_or_path: str) -> str:
-    """A local directory, or a Hub id fetched with huggingface_hub (json, safetensors, tokenizer files)."""
-    path = os.path.expanduser(name_or_path)
-    if os.path.isdir(path):
-        return path
-    if os.path.isabs(path) or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
-        raise FileNotFoundError(f"{name_or_path!r}: no such directory (nor a Hub id like 'Qwen/Qwen2.5-7B-Instruct')")
-    from huggingface_hub import snapshot_download
-    try:
-        return snapshot_download(name_or_path, allow_patterns=HUB_FILES)
-    except Exception as e:  # offline, unknown repo, gated, ...
-        raise FileNotFoundError(f"{name_or_path!r} is not a local directory and could not be fetched "
-                                f"from the Hugging Face Hub: {e}") from e
-
-
-def checkpoint_files(path: str) -> dict[str, str]:
-    """{tensor key: safetensors file} from model.safetensors.index.json or model.safetensors."""
-    index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-        absent = sorted({file for file in weight_map.values() if not os.path.exists(file)})
-        if absent:
-            raise FileNotFoundError(f"{index} lists files that do not exist: {absent}")
-        return weight_map
-    if os.path.exists(single):
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
-    if any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in os.listdir(path)):
-        raise ValueError(f"{path} has only pickle weights (.bin/.pt): qerl never unpickles checkpoints "
-                         "(that can run arbitrary code); convert them to safetensors first")
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-
-
 def _assign(model: nn.Module, key: str, value: torch.Tensor):
     """Replace the (meta) parameter or buffer `key` by `value`, cast to its declared dtype, frozen."""
     mod_name, _, attr = key.rpartition(".")
@@ -614,13 +380,6 @@ def _assign(model: nn.Module, key: str, value: torch.Tensor):
         mod._parameters[attr] = nn.Parameter(value.to(old.dtype), requires_grad=False)
     else:
         mod._buffers[attr] = value.to(mod._buffers[attr].dtype)
-
-
-def group_of(linear_name: str) -> list[str]:
-    """The linears quantized with one shared global scale: q/k/v and gate/up (GROUPS), else itself."""
-    parent, _, name = linear_name.rpartition(".")
-    names = GROUPS.get(parent.rpartition(".")[2], ())
-    return [f"{parent}.{n}" for n in names] if name in names else [linear_name]
 
 
 def quantize_group(model, linear_names: list[str], weights: list[torch.Tensor]):
@@ -813,58 +572,6 @@ def build_model(config, quant: str = "nvfp4", device=None, dtype=torch.bfloat16,
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(resolve(name_or_path))
-
-
-# ----------------------------------------------------------------------------------------------
-# Saving
-
-
-def _atomic(file: str, write):
-    """write(tmp_name), then rename: a crash never leaves a half-written file under the real name."""
-    write(file + ".tmp")
-    os.replace(file + ".tmp", file)
-
-
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """t, copied if it is a slice of a larger allocation (StackedLinear): safetensors refuses those."""
-    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
-
-
-def save_pretrained(model: Transformer, directory: str, max_shard_size: int | None = None):
-    """Write config.json (+ the compressed-tensors quantization_config when quantized) and
-    model.safetensors, or shards of at most max_shard_size bytes plus model.safetensors.index.json.
-    Only one shard's tensors are copied to the CPU at a time."""
-    sd = model.state_dict()
-    if any(".base_layer." in k or ".lora_" in k for k in sd):
-        raise ValueError("save_pretrained writes the base model only: save adapters with lora.save_adapter, "
-                         "or export a merged bf16 model with lora.merge_lora")
-    if model.config.tie_word_embeddings:
-        sd.pop("lm_head.weight")
-    os.makedirs(directory, exist_ok=True)
-    shards, size = [[]], 0  # greedy: start a new shard when the next tensor would overflow this one
-    for key, t in sd.items():
-        if max_shard_size and shards[-1] and size + t.nbytes > max_shard_size:
-            shards, size = shards + [[]], 0
-        shards[-1].append(key)
-        size += t.nbytes
-    names = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, keys in zip(names, shards):
-        tensors = {k: _owned(sd[k].detach().contiguous().cpu()) for k in keys}
-        _atomic(os.path.join(directory, name), lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if len(shards) > 1:
-        weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
-        total = sum(t.nbytes for t in sd.values())
-        index_json = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        _atomic(index, lambda tmp: Path(tmp).write_text(index_json))
-    stale = index if len(shards) == 1 else os.path.join(directory, "model.safetensors")
-    if os.path.exists(stale):  # left by an earlier save, it would shadow this one
-        os.remove(stale)
-    hf = {**model.config.to_hf(), "dtype": str(model.dtype).removeprefix("torch.")}
-    if model.quant == "nvfp4":
-        hf["quantization_config"] = nvfp4.quantization_config(ignore=["lm_head"])
-    _atomic(os.path.join(directory, "config.json"), lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2)))
 
 
 # ----------------------------------------------------------------------------------------------

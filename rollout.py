@@ -1,39 +1,39 @@
 """Paged KV-cache sampler: one engine for GRPO rollouts and evaluation.
 
 The training model itself (NVFP4 base + live LoRA + AQN noise on the norms) samples: there is no
-second copy of the weights and no weight sync. This file turns `model.forward` into a batched,
-continuously-scheduled generator in four layers, as nano-vllm splits it:
+second copy of the weights and no weight sync. The sampler turns `model.forward` into a batched,
+continuously-scheduled generator in four layers, as nano-vllm splits its engine; this file holds
+the public API and the tensor half, the others one concern each:
 
-    Sequence      plain state of one completion: its tokens, logprobs and block table
-    BlockManager  pure Python: fixed-size KV blocks, reference counts, a free list
-    Scheduler     pure Python: waiting / running queues, prefill first, then decode steps,
-                  preemption by recompute when blocks run out (never an out-of-memory crash)
-    Runner        all tensor work: the KV cache, packed prefill, paged decode, CUDA graphs
+    scheduler.py        Sequence (plain state of one completion), BlockManager (fixed-size KV
+                        blocks, reference counts, a free list), Scheduler (waiting / running
+                        queues, prefill first, then decode steps, preemption by recompute when
+                        blocks run out, never an out-of-memory crash): pure Python, no tensors
+    paged_attention.py  the KV store and attention over the paged cache: the torch reference and
+                        the Triton kernels (paged decode split over the context, RoPE + KV store)
+    sampling.py         logits -> tokens and their logprobs (temperature, top-k, top-p; no host sync)
+    rollout.py          SamplingParams, Completion, LLMEngine and generate (the public API); the
+                        attention contexts the model's layers call; the Runner: all tensor work
+                        (the KV cache, packed prefill, paged decode, CUDA graphs)
 
-KV cache layout. One tensor per K and V of shape (L, num_blocks, block_size, Hkv, D). A token at
-position t of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`.
-The model never sees this: each layer calls `attn_ctx.attend(layer, q, k, v)` with RoPE already
-applied, and the context object (PrefillContext / DecodeContext below, passed explicitly, no
-module globals) stores k, v in the cache and returns the attention output. Decode on the Triton
-backend sets `rope_in_store`: the model then hands it q, k unrotated with cos/sin, and one kernel
-rotates q in place and k on its way into the cache (RoPE and the KV store in one launch).
+KV cache. One tensor per K and V of shape (L, num_blocks, block_size, Hkv, D), held by the Runner;
+paged_attention.py describes the slots. The model never sees it: each layer calls
+`attn_ctx.attend(layer, q, k, v)` with RoPE already applied, and the context object
+(PrefillContext / DecodeContext below, passed explicitly, no module globals) stores k, v in the
+cache and returns the attention output. Decode on the Triton backend sets `rope_in_store`: the
+model then hands it q, k unrotated with cos/sin, and one kernel rotates q in place and k on its
+way into the cache (RoPE and the KV store in one launch).
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
     decode:  one token per sequence (B, 1); attention reads K/V through the block tables
              (Triton kernel on GPU, torch reference on CPU); split over the context into
              partitions (32·B tokens, 16..512) merged by log-sum-exp (flash-decoding), so batch 1
-             still fills the GPU.
+             still fills the GPU. CUDA graphs: one per batch-size bucket, padded rows write nothing.
 
-GRPO sharing. The n samples of one prompt are prefilled once: the first sample allocates the
-prompt's blocks, the others `fork` it (reference count + 1). Full blocks are never written again;
-the partial last block is copied on write when a sample first appends to it.
-
-Sampling. logits / T, then top-k, then top-p, renormalised: `logp`. The token is
-argmax(logp - log E) with E ~ Exp(1) (the exponential race: P(argmax = i) = p_i), with no
-host sync inside the sampler; temperature 0 takes the explicit greedy branch. The recorded logprob
-of each token is `logp[token]`, i.e. under the sampling distribution after temperature/top-k/top-p
-(under greedy: the plain log-softmax of the logits).
+GRPO sharing. The n samples of one prompt are prefilled once and share the prompt's KV blocks,
+copied on write (scheduler.py). Sampling records each token's logprob under the sampling
+distribution (sampling.py).
 
 One step late. The Python scheduler needs the sampled tokens (stop tokens end sequences), but
 waiting for them after every step would leave the GPU idle while Python prepares the next one.
@@ -44,33 +44,26 @@ price: a sequence that sampled its stop token at step t is still decoded at t+1 
 whose output is dropped). Before a prefill (new prompts, or a recompute after preemption) the
 step in flight is drained, so prefills only ever see real tokens.
 
-Preemption by recompute. When a decode step needs a block and none is free, the most recently
-admitted sequence is evicted (its blocks freed) and later re-prefilled from prompt + its tokens
-so far; the oldest running sequence always makes progress, so nothing hangs. A sequence whose
-prompt + max_tokens alone exceeds the whole cache is rejected up front with a ValueError.
+Preemption by recompute (scheduler.py) means a full cache never crashes or hangs; a sequence whose
+prompt + max_tokens alone exceeds the whole cache is rejected up front here, with a ValueError.
 
 Left out: prefix caching across calls, chunked prefill, speculative decoding, tensor parallelism.
 Tests: tests/test_rollout.py (CPU: greedy == transformers' generate, logprobs == a dense forward,
-block manager / scheduler units, Triton kernels under TRITON_INTERPRET=1; GPU-marked: kernels and
-CUDA graphs vs the CPU reference). Benchmark: bench/rollout.py.
+stops and preemption, the Triton backend under TRITON_INTERPRET=1 == the torch backend; GPU-marked:
+CUDA graphs, PDL, bf16 logprobs vs a dense forward); each layer's own units in
+tests/test_scheduler.py, tests/test_paged_attention.py, tests/test_sampling.py. Benchmark:
+bench/rollout.py.
 """
-import os
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-    from marlin_kernel import pdl_launch, pdl_start
-    from model import rope_head
-except ImportError:  # the torch reference path works without triton
-    triton = None
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from paged_attention import (causal_attention, paged_attention_ref, paged_attention_triton,
+                             rope_store_kv_triton, store_kv_ref, store_kv_triton)
+from paged_attention import triton   # None where the kernels cannot be built: the torch path only
+from sampling import sample
+from scheduler import BlockManager, Scheduler, Sequence
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,409 +101,6 @@ class Completion:
     token_ids: list        # generated tokens, the stop token included
     logprobs: list         # one float per token, under the sampling distribution
     finish_reason: str     # "stop" (a stop token was sampled) | "length" (max_tokens or context)
-
-
-# ----------------------------------------------------------------------------------------------
-# Sequence, BlockManager, Scheduler: pure Python, no tensors
-
-class Sequence:
-    def __init__(self, seq_id, prompt_index, sample_index, prompt, max_tokens):
-        self.seq_id, self.prompt_index, self.sample_index = seq_id, prompt_index, sample_index
-        self.token_ids = list(prompt)           # prompt + completion so far
-        self.num_prompt_tokens = len(prompt)
-        self.max_tokens = max_tokens            # already cut to the context length
-        self.logprobs = []
-        self.block_table = []                   # KV block ids, one per block_size positions
-        self.finish_reason = None
-
-    def __len__(self):
-        return len(self.token_ids)
-
-    @property
-    def at_max_tokens(self):
-        """Has the last allowed token been sampled (it may still be on the GPU)?"""
-        return len(self) - self.num_prompt_tokens >= self.max_tokens
-
-    @property
-    def completion_ids(self):
-        return self.token_ids[self.num_prompt_tokens:]
-
-
-class BlockManager:
-    """Fixed-size KV blocks with reference counts. Returns copy orders; never touches tensors."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.ref_counts = [0] * num_blocks
-        self.free_blocks = deque(range(num_blocks))
-
-    def num_free(self):
-        return len(self.free_blocks)
-
-    def blocks_for(self, num_tokens):
-        return -(-num_tokens // self.block_size)
-
-    def _take(self):
-        block = self.free_blocks.popleft()
-        assert self.ref_counts[block] == 0
-        self.ref_counts[block] = 1
-        return block
-
-    def allocate(self, seq):
-        """Blocks for all of seq's current tokens (a prefill)."""
-        assert not seq.block_table, "allocate() on a sequence that already holds blocks"
-        need = self.blocks_for(len(seq))
-        if need > self.num_free():
-            raise RuntimeError(f"allocate needs {need} blocks, {self.num_free()} free")
-        seq.block_table = [self._take() for _ in range(need)]
-
-    def fork(self, parent, child):
-        """child shares all of parent's blocks (the GRPO samples of one prompt)."""
-        child.block_table = list(parent.block_table)
-        for block in child.block_table:
-            self.ref_counts[block] += 1
-
-    def free(self, seq):
-        for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
-        seq.block_table = []
-
-    def needs_block(self, seq):
-        """Does writing the KV of seq's last token (position len-1) need a fresh block?"""
-        pos = len(seq) - 1
-        if pos // self.block_size >= len(seq.block_table):
-            return True                                        # crossing into a new block
-        return self.ref_counts[seq.block_table[pos // self.block_size]] > 1  # shared: copy on write
-
-    def append_slot(self, seq):
-        """Make position len-1 writable. Returns (src, dst) when a block must be copied, else None."""
-        pos = len(seq) - 1
-        idx = pos // self.block_size
-        if idx >= len(seq.block_table):
-            seq.block_table.append(self._take())
-            return None
-        old = seq.block_table[idx]
-        if self.ref_counts[old] == 1:
-            return None
-        new = self._take()                                     # copy on write
-        self.ref_counts[old] -= 1
-        seq.block_table[idx] = new
-        return (old, new)
-
-
-class Scheduler:
-    """Waiting items are groups: the n fresh samples of one prompt, or one preempted sequence."""
-
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.bm = block_manager
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.waiting = deque()       # of lists of Sequence (all members share one token list)
-        self.running = []            # admission order: the oldest first
-        self.num_preemptions = 0
-
-    def add(self, group):
-        self.waiting.append(group)
-
-    def done(self):
-        return not self.waiting and not self.running
-
-    def schedule(self):
-        """-> ("prefill", [group, ...]) or ("decode", [seq, ...], [(src, dst) block copies])."""
-        groups, num_tokens = [], 0
-        while self.waiting:
-            group = self.waiting[0]
-            need = self.bm.blocks_for(len(group[0]))
-            # keep one block per member for its first append, unless nothing else could run
-            reserve = len(group) if (self.running or groups) else 0
-            if groups and (num_tokens + len(group[0]) > self.max_num_batched_tokens):
-                break
-            if len(self.running) + len(group) > self.max_num_seqs and (self.running or groups):
-                break
-            if need + reserve > self.bm.num_free():
-                break
-            self.waiting.popleft()
-            self.bm.allocate(group[0])
-            for seq in group[1:]:
-                self.bm.fork(group[0], seq)
-            self.running.extend(group)
-            groups.append(group)
-            num_tokens += len(group[0])
-        if groups:
-            return "prefill", groups, []
-        if not self.running and self.waiting:  # unreachable when the up-front size check passed
-            raise RuntimeError("scheduler stuck: a waiting sequence can never fit in the KV cache")
-        # a sequence whose last allowed token is still on the GPU (the engine reads results one
-        # step late) is not decoded again; it keeps its blocks until that token arrives
-        waiting_for_last = [s for s in self.running if s.at_max_tokens]
-        scheduled, copies = [], []
-        queue = deque(s for s in self.running if not s.at_max_tokens)
-        while queue:
-            seq = queue.popleft()
-            while self.bm.needs_block(seq) and self.bm.num_free() == 0:
-                self._preempt(queue.pop() if queue else seq)   # evict the newest first
-                if seq.block_table == []:
-                    break
-            if seq.block_table:
-                copy = self.bm.append_slot(seq)
-                if copy is not None:
-                    copies.append(copy)
-                scheduled.append(seq)
-        keep = {id(s) for s in scheduled + waiting_for_last}
-        self.running = [s for s in self.running if id(s) in keep]   # admission order; preempted ones left
-        return "decode", scheduled, copies
-
-    def _preempt(self, seq):
-        self.num_preemptions += 1
-        self.bm.free(seq)
-        self.waiting.appendleft([seq])   # re-prefilled from prompt + completion so far
-
-    def finish(self, seq):
-        """seq is done: free its blocks. It may be waiting, preempted after its last token was sampled."""
-        self.bm.free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            self.waiting = deque(g for g in self.waiting if g != [seq])
-
-
-# ----------------------------------------------------------------------------------------------
-# Attention over the paged cache: torch reference (CPU, and the oracle for the kernels)
-
-def store_kv_ref(k_cache, v_cache, k, v, slots):
-    """k_cache (num_blocks, bs, Hkv, D); k (N, Hkv, D); slots (N,) int, -1 = skip (graph padding)."""
-    keep = slots >= 0
-    k_cache.view(-1, *k_cache.shape[2:])[slots[keep]] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots[keep]] = v[keep].to(v_cache.dtype)
-
-
-def paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """q (B, Hq, D); block_tables (B, nb) int; context_lens (B,) int -> (B, Hq, D).
-
-    Each query attends to the first context_lens[b] positions of its own sequence (fp32 math);
-    a row with context 0 (CUDA-graph padding) gives zeros. No host sync."""
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    k = k_cache[block_tables.long()].flatten(1, 2).float()                  # (B, nb*bs, Hkv, D)
-    v = v_cache[block_tables.long()].flatten(1, 2).float()
-    k, v = k.repeat_interleave(Hq // Hkv, dim=2), v.repeat_interleave(Hq // Hkv, dim=2)
-    s = torch.einsum("bhd,bnhd->bhn", q.float(), k) * scale                 # (B, Hq, nb*bs)
-    pos = torch.arange(k.shape[1], device=q.device)
-    s = s.masked_fill(pos >= context_lens[:, None, None], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)                            # empty rows: 0
-    return torch.einsum("bhn,bnhd->bhd", p, v).to(q.dtype)
-
-
-def causal_attention(q, k, v):
-    """One prompt's prefill: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D), causal, GQA. SDPA gets
-    (1, heads, T, D) and shares the KV heads itself: 3-D inputs with repeated heads sent it to the
-    math path (fp32 GEMMs, ~8 kernels per prompt and layer on the H100)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton kernels: KV store and paged decode attention (GQA, split over the context). On Hopper
-# they are launched with programmatic dependent launch (marlin_kernel.pdl_start).
-
-if triton is not None:
-    @triton.jit
-    def _store_kv_kernel(
-        k_ptr, v_ptr, stride_k, stride_v,        # new k, v rows: (N, Hkv*D)
-        k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv*D), contiguous
-        slot_ptr,                                # (N,) int32 or int64, -1 = skip
-        ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-    ):
-        """for i in range(N): if slot[i] >= 0: k_cache[slot[i]] = k[i]; v_cache[slot[i]] = v[i]"""
-        pdl_start(USE_PDL)
-        i = tl.program_id(0)
-        slot = tl.load(slot_ptr + i)
-        if slot >= 0:
-            offs = tl.arange(0, BLOCK)
-            mask = offs < ROW
-            k = tl.load(k_ptr + i * stride_k + offs, mask=mask)
-            v = tl.load(v_ptr + i * stride_v + offs, mask=mask)
-            dst = slot.to(tl.int64) * ROW + offs
-            tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _rope_store_kv_kernel(
-        q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v,   # q (B, Hq, D), k, v (B, Hkv, D): heads contiguous
-        cos_ptr, sin_ptr,                        # (B, D/2) fp32
-        k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv, D), contiguous
-        slot_ptr,                                # (B,) int32 or int64, -1 = skip
-        HQ, HKV, HALF: tl.constexpr, USE_PDL: tl.constexpr,
-    ):
-        """Program (b, h) rotates head h of row b (model.rope_head: apply_rope's math): a q head
-        (h < Hq) in place, a k head into k_cache[slot[b]], next to a copy of the v head in
-        v_cache[slot[b]] (slot -1: skipped)."""
-        pdl_start(USE_PDL)
-        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        offs = tl.arange(0, HALF)
-        src, y1, y2 = rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, b, h, HQ, HALF)
-        if h < HQ:                               # q: rotated in place, for the attention kernel
-            tl.store(src + offs, y1)
-            tl.store(src + HALF + offs, y2)
-        else:                                    # k: rotated straight into the cache
-            slot = tl.load(slot_ptr + b)
-            if slot >= 0:
-                dst = (slot.to(tl.int64) * HKV + h - HQ) * 2 * HALF + offs
-                v_src = v_ptr + b * stride_v + (h - HQ) * 2 * HALF + offs
-                tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + dst, tl.load(v_src).to(v_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF).to(v_cache_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _paged_decode_partial_kernel(
-        q_ptr, stride_qb, stride_qh,             # q (B, Hq, D), last dim contiguous
-        k_cache_ptr, v_cache_ptr,                # (num_blocks, BS, Hkv, D), contiguous
-        block_table_ptr, stride_bt,              # (B, max_blocks) int32
-        ctx_len_ptr,                             # (B,) int32
-        part_out_ptr, part_lse_ptr,              # (B, Hq, P, D) fp32, (B, Hq, P) fp32
-        scale, num_parts,
-        HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-        BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, FP32_DOT: tl.constexpr,
-        USE_PDL: tl.constexpr,
-    ):
-        """One program = (sequence b, kv head h, partition p): the G query heads of h attend to
-        positions [p*PARTITION, min((p+1)*PARTITION, ctx)) with an online softmax.
-
-        for each tile j of TILE positions (gathered from TILE / BS cache blocks) of the partition:
-            s = q @ K_j^T * scale             (G, TILE), masked beyond the partition
-            m' = max(m, rowmax s); l = l*e^(m-m') + rowsum e^(s-m'); acc = acc*e^(m-m') + e^(s-m') @ V_j
-        out[p] = acc / l ; lse[p] = m + log l         (merged across partitions by the next kernel)
-        """
-        pdl_start(USE_PDL)
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        p = tl.program_id(2)
-        ctx = tl.load(ctx_len_ptr + b)
-        start = p * PARTITION
-        if start < ctx:
-            # ---- the G query heads that share kv head h, padded to a dot-friendly G_PAD
-            offs_g = tl.arange(0, G_PAD)
-            offs_d = tl.arange(0, D)
-            offs_n = tl.arange(0, TILE)
-            g_mask = offs_g < G
-            q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                        mask=g_mask[:, None], other=0.0)                        # (G_PAD, D)
-            if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 caches want full fp32
-                q = q.to(tl.float32)
-            m = tl.full([G_PAD], float("-inf"), tl.float32)
-            l = tl.zeros([G_PAD], tl.float32)
-            acc = tl.zeros([G_PAD, D], tl.float32)
-            end = tl.minimum(start + PARTITION, ctx)
-            # ---- walk the partition TILE positions (TILE / BS cache blocks) at a time
-            for tok0 in range(start, end, TILE):
-                pos = tok0 + offs_n                                                # (TILE,)
-                valid = pos < end
-                block = tl.load(block_table_ptr + b * stride_bt + pos // BS, mask=valid, other=0).to(tl.int64)
-                kv_off = ((block * BS + pos % BS)[:, None] * HKV + h) * D + offs_d[None, :]  # (TILE, D)
-                k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
-                v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
-                if FP32_DOT:
-                    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (G_PAD, TILE)
-                else:
-                    s = tl.dot(q, tl.trans(k))                                   # bf16 MMA
-                s = s * scale
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp(m - m_new)
-                pr = tl.exp(s - m_new[:, None])
-                l = l * alpha + tl.sum(pr, 1)
-                if FP32_DOT:
-                    acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-                m = m_new
-            # ---- this partition's normalised output and log-sum-exp
-            row = (b * HKV * G + h * G + offs_g) * num_parts + p                 # (G_PAD,)
-            tl.store(part_out_ptr + row[:, None] * D + offs_d[None, :], acc / l[:, None],
-                     mask=g_mask[:, None])
-            tl.store(part_lse_ptr + row, m + tl.log(l), mask=g_mask)
-
-    @triton.jit
-    def _paged_decode_merge_kernel(
-        part_out_ptr, part_lse_ptr,              # (B, Hq, P, D), (B, Hq, P) fp32
-        ctx_len_ptr, out_ptr,                    # (B,) int32; out (B, Hq, D) contiguous
-        HQ: tl.constexpr, D: tl.constexpr, PARTITION: tl.constexpr,
-        NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    ):
-        """out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M) over the partitions that exist."""
-        pdl_start(USE_PDL)
-        b = tl.program_id(0)
-        hq = tl.program_id(1)
-        ctx = tl.load(ctx_len_ptr + b)
-        n_parts = (ctx + PARTITION - 1) // PARTITION
-        offs_p = tl.arange(0, P_PAD)
-        offs_d = tl.arange(0, D)
-        p_mask = offs_p < n_parts
-        row = (b * HQ + hq) * NUM_PARTS + offs_p
-        lse = tl.load(part_lse_ptr + row, mask=p_mask, other=float("-inf"))
-        mx = tl.where(n_parts > 0, tl.max(lse, 0), 0.0)   # an empty (padding) row: no -inf - -inf
-        w = tl.exp(lse - mx)                                                     # (P_PAD,)
-        o = tl.load(part_out_ptr + row[:, None] * D + offs_d[None, :], mask=p_mask[:, None], other=0.0)
-        denom = tl.sum(w, 0)
-        out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)        # (D,); 0 if empty
-        tl.store(out_ptr + (b * HQ + hq) * D + offs_d, out.to(out_ptr.dtype.element_ty))
-
-
-def store_kv_triton(k_cache, v_cache, k, v, slots):
-    """Same contract as store_kv_ref; k_cache must be contiguous."""
-    N, Hkv, D = k.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype in (torch.int32, torch.int64)
-    k, v = k.reshape(N, Hkv * D), v.reshape(N, Hkv * D)
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    _store_kv_kernel[(N,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slots,
-                           ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), **pdl_launch(k.device))
-
-
-def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots):
-    """Decode: q (B, Hq, D) rotated in place (returned; a copy if its heads are not contiguous),
-    k (B, Hkv, D) rotated into the cache and v stored beside it as store_kv_ref does; cos/sin
-    (B, D/2) fp32 at each row's position. One launch for model.rope_triton + store_kv_triton."""
-    B, Hq, D = q.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype in (torch.int32, torch.int64)
-    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D else t.contiguous() for t in (q, k, v))
-    _rope_store_kv_kernel[(B, Hq + k.shape[1])](
-        q, k, v, q.stride(0), k.stride(0), v.stride(0), cos.contiguous(), sin.contiguous(),
-        k_cache, v_cache, slots, Hq, k.shape[1], HALF=D // 2, **pdl_launch(q.device))
-    return q
-
-
-def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts,
-                           partition_size=256, tile=128):
-    """Same contract as paged_attention_ref. num_parts * partition_size >= every context length;
-    it is fixed per engine (not per step) so that a captured CUDA graph stays valid. Each program
-    reads `tile` positions (a power of 2, several cache blocks) per step: bigger loads, fewer steps."""
-    B, Hq, D = q.shape
-    _, BS, Hkv, _ = k_cache.shape
-    G = Hq // Hkv
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if D & (D - 1) or BS < 16 or BS & (BS - 1) or partition_size % BS:
-        raise ValueError(f"Triton paged attention needs a power-of-2 head_dim (got {D}), a power-of-2 "
-                         f"block_size >= 16 (got {BS}) dividing partition_size (got {partition_size})")
-    part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
-    part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
-    _paged_decode_partial_kernel[(B, Hkv, num_parts)](
-        q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
-        context_lens, part_out, part_lse, scale, num_parts,
-        HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BS=BS,
-        PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
-        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32, **pdl_launch(q.device))
-    out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
-    _paged_decode_merge_kernel[(B, Hq)](
-        part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,
-        NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts), **pdl_launch(q.device))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -552,30 +142,6 @@ class DecodeContext:
             q = rope_store_kv_triton(q[:, 0], k[:, 0], v[:, 0], cos, sin, k_cache, v_cache, self.slots)
         out = r.paged_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
         return out[:, None]
-
-
-# ----------------------------------------------------------------------------------------------
-# Sampling: exponential race, no host sync; explicit greedy branch
-
-def sample(logits, params: SamplingParams, generator=None):
-    """logits (B, V) fp32 -> tokens (B,) long, logprobs (B,) fp32 under the sampling distribution."""
-    if params.temperature == 0:
-        tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]             # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, -1)
-        # drop a token when the mass strictly before it already reaches top_p (the first stays)
-        drop = (torch.cumsum(probs, -1) - probs) >= params.top_p
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    logp = torch.log_softmax(logits, -1)                                            # (B, V)
-    e = torch.empty_like(logp).exponential_(generator=generator).clamp_min_(1e-30)  # no log(0)
-    tokens = (logp - e.log()).argmax(-1)     # argmax p_i / E_i, E_i ~ Exp(1): a draw from p
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ Engines, on the same random weights (model.build_model, real Qwen2.5 config valu
     *-nopdl      (e.g. ours-nvfp4-nopdl) Triton kernels launched without programmatic dependent launch
                  (marlin_kernel.PDL): what PDL buys
     *-unfused    (e.g. ours-nvfp4-unfused) norms, RoPE and SiLU·mul as plain torch ops instead of the
-                 fused Triton kernels of model.py, and q/k/v, gate/up one linear at a time instead of
-                 one stacked matmul each (model.StackedLinear): what the fusion buys
+                 fused Triton kernels of fused_ops.py, and q/k/v, gate/up one linear at a time instead of
+                 one stacked matmul each (stacked_linear.StackedLinear): what the fusion buys
 Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
     batchB   B = 1, 2, 4, 8, 16 prompts of 256 random tokens, 512 new each:
              decode tok/s = B·(new - 1) / (total - TTFT)
@@ -40,8 +40,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
+import fused_ops
 import marlin_kernel
-import model as model_module
+import paged_attention
 import rollout
 from model import SHAPES, build_model
 
@@ -140,7 +141,7 @@ def attention(path):
         lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
         q = torch.randn(B, 28, 128, device="cuda", dtype=torch.bfloat16)
         for tile in (16, 32, 64, 128):
-            fn = functools.partial(rollout.paged_attention_triton, q, kc, vc, tables, lens, 0.088,
+            fn = functools.partial(paged_attention.paged_attention_triton, q, kc, vc, tables, lens, 0.088,
                                    num_parts=2048 // part, partition_size=part, tile=tile)
             fn()
             us = triton.testing.do_bench_cudagraph(fn) * 1e3
@@ -155,7 +156,7 @@ def attention(path):
 def measure(model_name, engine_name, workloads, max_model_len, profile_path=None):
     cfg = CONFIGS[model_name]
     quant = "nvfp4" if engine_name.startswith("ours-nvfp4") else "bf16"
-    model_module.FUSED = not engine_name.endswith("-unfused")   # Triton norm/RoPE/SiLU kernels or torch ops
+    fused_ops.FUSED = not engine_name.endswith("-unfused")   # Triton norm/RoPE/SiLU kernels or torch ops
     marlin_kernel.PDL = not engine_name.endswith("-nopdl")      # programmatic dependent launch or not
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

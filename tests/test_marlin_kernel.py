@@ -4,6 +4,11 @@ On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET
 are tiny; the `gpu` tests use the real Qwen2.5 projection shapes. Every test draws fresh random
 codes and scales (all 16 E2M1 codes, E4M3 scales from subnormal to large) and poisons every
 buffer the wrappers allocate with NaN, so an element the kernel forgets to write fails.
+
+The kernels marlin_kernel.py launches live in small_m_kernels.py and tile_kernels.py, their shared
+decode in fp4_decode.py; all three are tested here, through marlin_kernel's wrappers: small_m_kernels
+by the _gemv / _mma tests, tile_kernels by the _matmul / _matmul_dx / dequantize ones, fp4_decode by
+every exact-decode test.
 """
 import dataclasses
 
@@ -11,6 +16,8 @@ import pytest
 import torch
 
 import marlin_kernel as mk
+from small_m_kernels import _nvfp4_gemv_kernel, _nvfp4_mma_kernel
+from tile_kernels import _nvfp4_mm_kernel
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -178,7 +185,8 @@ def test_cuda_core_gemv_decodes_every_code_exactly():
 
 
 class LaunchSpy:
-    """Stands in for a Triton kernel: records (kernel, launch keyword arguments), then launches."""
+    """Stands in for a Triton kernel: records (kernel, launch keyword arguments), then launches.
+    Installed under the name marlin_kernel's wrappers launch (mk._nvfp4_..._kernel)."""
     def __init__(self, kernel, launched):
         self.kernel, self.launched = kernel, launched
 
@@ -193,13 +201,13 @@ class LaunchSpy:
 def test_wrapper_picks_cuda_core_path_for_tiny_m(M, monkeypatch):
     """nvfp4_matmul must run the CUDA-core kernel (and not the MMA one) for M <= GEMV_MAX_M."""
     launched = []
-    monkeypatch.setattr(mk, "_nvfp4_gemv_kernel", LaunchSpy(mk._nvfp4_gemv_kernel, launched))
-    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(mk._nvfp4_mm_kernel, launched))
+    monkeypatch.setattr(mk, "_nvfp4_gemv_kernel", LaunchSpy(_nvfp4_gemv_kernel, launched))
+    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(_nvfp4_mm_kernel, launched))
     gen = torch.Generator().manual_seed(M)
     packed, scale, gs = random_weight(32, 64, gen)
     x = torch.randn(M, 64, generator=gen).bfloat16().to(DEV)
     assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
-    assert launched and all(k is mk._nvfp4_gemv_kernel.kernel for k, _ in launched), "MMA kernel used"
+    assert launched and all(k is _nvfp4_gemv_kernel for k, _ in launched), "MMA kernel used"
     assert M <= mk.GEMV_MAX_M and isinstance(mk.fwd_config(M, 32, 64), mk.GemvConfig)
     assert not isinstance(mk.fwd_config(mk.GEMV_MAX_M + 1, 32, 64), mk.GemvConfig)
 
@@ -209,14 +217,14 @@ def test_wrapper_routes_small_m_to_fragment_kernel(M, K, fragment, monkeypatch):
     """nvfp4_matmul runs the fragment kernel for GEMV_MAX_M < M <= FRAGMENT_MAX_M when K is a
     multiple of 128, and the swapped wgmma kernel otherwise."""
     launched = []
-    monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(mk._nvfp4_mma_kernel, launched))
-    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(mk._nvfp4_mm_kernel, launched))
+    monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(_nvfp4_mma_kernel, launched))
+    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(_nvfp4_mm_kernel, launched))
     gen = torch.Generator().manual_seed(M + K)
     packed, scale, gs = random_weight(32, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
     assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
     kernels = {k for k, _ in launched}
-    assert kernels == {mk._nvfp4_mma_kernel.kernel if fragment else mk._nvfp4_mm_kernel.kernel}, kernels
+    assert kernels == {_nvfp4_mma_kernel if fragment else _nvfp4_mm_kernel}, kernels
     assert mk.GEMV_MAX_M < 3 and mk.FRAGMENT_MAX_M == 8
 
 
@@ -225,12 +233,12 @@ def test_wrapper_routes_medium_m_to_unswapped_kernel(M, swapped, monkeypatch):
     """nvfp4_matmul runs the MMA kernel with SWAP_AB=False (MEDIUM_CONFIG) exactly for 64 < M,
     up to where dequantize + cuBLAS takes over; M <= 64 stays swapped."""
     launched = []
-    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(mk._nvfp4_mm_kernel, launched))
+    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(_nvfp4_mm_kernel, launched))
     gen = torch.Generator().manual_seed(M)
     packed, scale, gs = random_weight(16, 64, gen)
     x = torch.randn(M, 64, generator=gen).bfloat16().to(DEV)
     assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
-    mm = [kw for k, kw in launched if k is mk._nvfp4_mm_kernel.kernel]
+    mm = [kw for k, kw in launched if k is _nvfp4_mm_kernel]
     assert len(mm) == 1 and mm[0]["SWAP_AB"] == swapped, f"launches: {mm}"
     assert mm[0]["BM"] == (64 if swapped else mk.MEDIUM_CONFIG.bm)
     for m in (65, 128, 256, mk.DEQUANT_MIN_M - 1):       # a 7B gate_up-sized weight: never dequantized

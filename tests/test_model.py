@@ -1,8 +1,9 @@
-"""model.py against transformers: logits, NVFP4 loading, checkpoints, the attention hook, errors.
+"""model.py against transformers: logits, NVFP4 loading, streaming, the attention hook, errors, memory.
 
 References are independent of model.py: transformers' own Qwen2/Llama (fp32, logits compared with a
-relative max-error bound), transformers + compressed-tensors reading the NVFP4 checkpoints we write,
-and a float64 attention written out below for the hook.
+relative max-error bound; with dequantized weights for NVFP4) and a float64 attention written out
+below for the hook. What moved out of model.py is tested beside it: test_hf_checkpoint.py (the
+checkpoints we write), test_fused_ops.py (the Triton norm/RoPE/SiLU·mul), test_stacked_linear.py.
 """
 import json
 import os
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 import model as M
 import nvfp4
 from conftest import TINY, make_tiny_hf
+from hf_checkpoint import save_pretrained
 
 ARCHS = [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)]
 
@@ -200,82 +202,8 @@ def test_nvfp4_logits_match_transformers_with_dequantized_weights(tiny_hf_dir, a
     assert err < 1e-5
 
 
-def test_nvfp4_save_reload_without_requantizing(tiny_hf_dir, tmp_path, monkeypatch):
-    path, _ = tiny_hf_dir("qwen2")
-    model = load32(path, quant="nvfp4")
-    out = str(tmp_path / "nvfp4")
-    M.save_pretrained(model, out)
-    config = json.load(open(os.path.join(out, "config.json")))
-    assert nvfp4.is_nvfp4_checkpoint(config) and config["quantization_config"]["ignore"] == ["lm_head"]
-    saved = load_file(os.path.join(out, "model.safetensors"))
-    q = "model.layers.0.self_attn.q_proj"
-    assert saved[f"{q}.weight_packed"].dtype == torch.uint8 and saved[f"{q}.weight_packed"].shape == (64, 32)
-    assert saved[f"{q}.weight_scale"].dtype == torch.float8_e4m3fn and saved[f"{q}.weight_scale"].shape == (64, 4)
-    assert saved[f"{q}.weight_global_scale"].shape == (1,) and f"{q}.bias" in saved and f"{q}.weight" not in saved
-    assert "lm_head.weight" in saved
-
-    def no_quantize(*a, **k):
-        raise AssertionError("load_model re-quantized an NVFP4 checkpoint")
-    monkeypatch.setattr(nvfp4, "quantize", no_quantize)
-    again = load32(out, quant="nvfp4")
-    a, b = model.state_dict(), again.state_dict()
-    assert a.keys() == b.keys()
-    for k in a:  # bitwise (float8 compared through its bytes)
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
-    ids, pos = batch()
-    with torch.no_grad():
-        assert torch.equal(model(ids, pos), again(ids, pos))
-    with pytest.raises(ValueError, match="quant='nvfp4'"):
-        M.load_model(out, quant="bf16", device="cpu")
-
-
-@pytest.mark.filterwarnings("ignore:You passed `quantization_config`")
-def test_compressed_tensors_reads_our_nvfp4_checkpoint(tiny_hf_dir, tmp_path):
-    """transformers + compressed-tensors decompress each linear of our file to our dequantized weight."""
-    pytest.importorskip("compressed_tensors")   # a test dependency (requirements.txt); the GPU box lacks it
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
-    path, _ = tiny_hf_dir("llama", tie=True)
-    model = load32(path, quant="nvfp4")
-    M.save_pretrained(model, str(tmp_path))
-    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32,
-                                               quantization_config=CompressedTensorsConfig(dequantize=True))
-    n = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, nvfp4.NVFP4Linear):
-            theirs, ours = ref.get_submodule(name).weight.float(), mod.dequantized_weight(torch.float32)
-            # compressed-tensors decompresses to bf16; accept exact or exact-after-bf16-rounding
-            assert torch.equal(theirs, ours) or torch.equal(theirs, ours.bfloat16().float()), name
-            n += 1
-    assert n == 14
-
-
 # ----------------------------------------------------------------------------------------------
-# checkpoints: sharded, round trip through transformers, streaming
-
-
-def test_sharded_checkpoints_load_and_round_trip(tiny_hf_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
-    path, hf = tiny_hf_dir("qwen2")
-    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")  # sharded by transformers itself
-    assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
-    model = load32(str(tmp_path / "hf"))
-    ids, pos = batch()
-    with torch.no_grad():
-        ref = hf_logits(hf, ids, pos)
-        err = rel_err(model(ids, pos), ref)
-    ours = str(tmp_path / "ours")
-    M.save_pretrained(model, ours, max_shard_size=40_000)  # our writer, sharded; transformers reads it
-    shards = [f for f in os.listdir(ours) if f.startswith("model-")]
-    back = AutoModelForCausalLM.from_pretrained(ours, dtype=torch.float32).eval()
-    again = load32(ours)
-    with torch.no_grad():
-        err_hf, err_again = rel_err(hf_logits(back, ids, pos), ref), rel_err(again(ids, pos), ref)
-    print(f"sharded: {len(shards)} shards; rel err ours {err:.1e}, transformers reading ours {err_hf:.1e}")
-    assert len(shards) > 2 and not os.path.exists(os.path.join(ours, "model.safetensors"))
-    assert err < 1e-5 and err_hf < 1e-5 and err_again < 1e-5
-    M.save_pretrained(model, ours)  # back to one file: the stale index must go
-    assert not os.path.exists(os.path.join(ours, "model.safetensors.index.json"))
-    assert rel_err(load32(ours)(ids, pos).detach(), ref) < 1e-5
+# streaming: one tensor at a time
 
 
 def test_loader_streams_one_dense_weight_at_a_time(tiny_hf_dir, monkeypatch):
@@ -499,7 +427,7 @@ def test_gpu_nvfp4_model_matches_dequantized_bf16_and_loads_in_bounded_memory(tm
     cfg = M.ModelConfig("Qwen2ForCausalLM", vocab_size=4096, hidden_size=1024, intermediate_size=4096,
                         num_layers=4, num_heads=16, num_kv_heads=4)
     dense = M.build_model(cfg, "bf16", "cuda", seed=0)
-    M.save_pretrained(dense, str(tmp_path))
+    save_pretrained(dense, str(tmp_path))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -526,112 +454,7 @@ def test_gpu_nvfp4_model_matches_dequantized_bf16_and_loads_in_bounded_memory(tm
 
 
 # ----------------------------------------------------------------------------------------------
-# fused inference kernels (RMSNorm, RoPE, SiLU·mul) against the torch ops training uses
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_kernels_match_the_torch_ops(dtype):
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    dev = "cuda" if torch.cuda.is_available() else "cpu"   # on CPU: the Triton interpreter
-    x, r = (torch.randn(3, 5, 96, generator=g).to(dev, dtype) for _ in range(2))  # C=96: masked tail
-    norm = M.RMSNorm(96, 1e-6).to(dev)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=g))
-    want_h, want_sum = norm(x, residual=r)         # grad enabled: the torch path
-    got_h, got_sum = M.rms_norm_triton(x, norm.weight, 1e-6, residual=r)
-    # fp32: only the order of the norm's sum differs; bf16: at most one rounding step (the
-    # interpreter truncates fp32 -> bf16 instead of rounding to nearest; the GPU rounds)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-2)
-    if dtype == torch.float32 or dev == "cuda":
-        assert torch.equal(got_sum, want_sum)      # x + residual rounds as torch's add does
-    torch.testing.assert_close(got_sum, want_sum, **tol)
-    torch.testing.assert_close(got_h, want_h, **tol)
-    torch.testing.assert_close(M.rms_norm_triton(x, norm.weight, 1e-6), norm(x), **tol)
-    q, k = torch.randn(2, 3, 4, 32, generator=g).to(dev, dtype), torch.randn(2, 3, 2, 32, generator=g).to(dev, dtype)
-    angles = torch.rand(2, 3, 16, generator=g).to(dev) * 50
-    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
-    want_q, want_k = M.apply_rope(q, cos, sin), M.apply_rope(k, cos, sin)
-    got_q, got_k = M.rope_triton(q.clone(), k.clone(), cos, sin)
-    torch.testing.assert_close(got_q, want_q, **tol)
-    torch.testing.assert_close(got_k, want_k, **tol)
-    # column slices of one stacked output (StackedLinear): strided token rows, prefill-like (T = 3)
-    # and decode-like (T = 1, where view gives the size-1 dim a stride that is not the row's)
-    for T in (3, 1):
-        qkv = torch.randn(2, T, 8 * 32, generator=g).to(dev, dtype)
-        q, k = qkv[..., :128].view(2, T, 4, 32), qkv[..., 128:192].view(2, T, 2, 32)
-        assert M.token_stride(q) == 8 * 32 and not q.is_contiguous()
-        c, s_ = cos[:, :T], sin[:, :T]
-        want_q, want_k = M.apply_rope(q, c, s_), M.apply_rope(k, c, s_)
-        before = qkv[..., 192:].clone()
-        M.rope_triton(q, k, c, s_)
-        torch.testing.assert_close(q, want_q, **tol)
-        torch.testing.assert_close(k, want_k, **tol)
-        assert torch.equal(qkv[..., 192:], before)     # v untouched
-    a, b = torch.randn(3, 1500, generator=g).to(dev, dtype), torch.randn(3, 1500, generator=g).to(dev, dtype)
-    two_roundings = tol if dtype == torch.float32 else dict(rtol=2 ** -5, atol=2e-2)  # silu, then the product
-    torch.testing.assert_close(M.silu_mul_triton(a, b), torch.nn.functional.silu(a) * b, **two_roundings)
-    gu = torch.randn(2, 3, 3000, generator=g).to(dev, dtype)
-    a, b = gu[..., :1500], gu[..., 1500:]
-    torch.testing.assert_close(M.silu_mul_triton(a, b), torch.nn.functional.silu(a) * b, **two_roundings)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
-def test_stacked_projections_match_one_by_one(tiny_hf_dir, quant, monkeypatch):
-    """q/k/v and gate/up share one allocation (each linear a row slice of it: the state dict and
-    the training forward are unchanged) and the sampling path multiplies once per group, then adds
-    each LoRA: the logits equal the training forward's (torch ops, one linear at a time)."""
-    from lora import LoRAConfig, LoRALinear, adapters_disabled, apply_lora, lora_modules
-    path, _ = tiny_hf_dir("qwen2")
-    model = load32(path, quant)
-    attn = model.model.layers[0].self_attn
-    assert attn.stacked is not None and model.model.layers[1].mlp.stacked is not None
-    key = "weight_packed" if quant == "nvfp4" else "weight"
-    q, k = getattr(attn.q_proj, key), getattr(attn.k_proj, key)
-    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr(), "not one allocation"
-    assert k.data_ptr() == q.data_ptr() + q.nbytes, "not back to back"
-    apply_lora(model, LoRAConfig(r=4, alpha=8))
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    with torch.no_grad():
-        for m in lora_modules(model).values():
-            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
-    calls, groups = [], []
-    real_call, real_group = M.StackedLinear.__call__, LoRALinear.add_group_delta
-    monkeypatch.setattr(M.StackedLinear, "__call__", lambda self, x: calls.append(1) or real_call(self, x))
-    monkeypatch.setattr(LoRALinear, "add_group_delta",
-                        staticmethod(lambda *a: groups.append(1) or real_group(*a)))
-    # the sampling path on the CPU: Triton kernels in the interpreter (conftest)
-    monkeypatch.setattr(M, "fused", lambda x: not torch.is_grad_enabled())
-    ids, pos = batch()
-    with torch.no_grad():
-        sampled = model(ids, pos)
-    assert len(calls) == len(groups) == 2 * model.config.num_layers
-    with torch.enable_grad():
-        trained = model(ids, pos)                  # one linear at a time, torch ops
-    assert rel_err(sampled, trained) < 1e-5
-    with torch.no_grad():                          # an optimizer step in place: the group's stacked
-        for m in lora_modules(model).values():     # copies of A and B follow (an eager call)
-            m.lora_B.mul_(-2.0)
-        sampled = model(ids, pos)
-        with adapters_disabled(model):
-            base = model(ids, pos)
-    with torch.enable_grad():
-        trained = model(ids, pos)
-        with adapters_disabled(model):
-            base_trained = model(ids, pos)
-    assert rel_err(sampled, trained) < 1e-5 and rel_err(base, base_trained) < 1e-5
-    assert rel_err(base, trained) > 1e-3           # the adapters matter here
-    calls.clear()
-    # a member that no longer lives in the stack (a reload that rebinds it) turns the stack off
-    base = attn.k_proj.base_layer
-    if key in base._parameters:
-        base._parameters[key] = nn.Parameter(base.weight.detach().clone(), requires_grad=False)
-    else:
-        base._buffers[key] = base.weight_packed.clone()
-    with torch.no_grad():
-        again = model(ids, pos)
-    assert attn.stacked is None and len(calls) == 2 * model.config.num_layers - 1
-    assert rel_err(again, trained) < 1e-5
+# GPU: the rollout path's fused kernels and stacked matmuls inside the model
 
 
 @pytest.mark.gpu

@@ -1,0 +1,173 @@
+"""NVFP4 inside a kernel: E2M1 codes and E4M3 scales to exact bf16 / fp32 operands, and the epilogue.
+
+Every NVFP4 kernel (tile_kernels.py, small_m_kernels.py; marlin_kernel.py launches them) reads
+the compressed-tensors bytes as they are and decodes them in registers. The pieces they share
+are here: @triton.jit device functions (inlined into the kernels) and inline-PTX strings held as
+tl.constexpr (a jit function may read no other module global). The bytes they take:
+
+    packed        uint8  (N, K/2)   two E2M1 codes per byte, even k in the LOW nibble
+    scale         uint8  (N, K/16)  E4M3 bits (the wrappers view float8_e4m3fn as uint8)
+    global_scale  float32 (1,)
+    W[n, k] = e2m1(code[n, k]) * scale[n, k // 16] / global_scale
+
+E2M1 to bf16 (the hot spot: at M <= 64 it costs as much as reading the bytes). A code is
+s|e e|m (sign, 2 exponent bits, 1 mantissa bit); its magnitudes are 0, .5, 1, 1.5, 2, 3, 4, 6.
+Moving the three magnitude bits into bf16 bits 8..6 (the two lowest exponent bits and the top
+mantissa bit) and the sign into bit 15 gives a bf16 whose value is exactly e2m1 · 2^-126: for
+e >= 1 it is a normal number 2^(e-127)·(1+m/2), and for e = 0 the bf16 subnormal m·2^-1·2^-126,
+which is why the E2M1 subnormal 0.5 needs no special case. On the GPU this is done by inline PTX
+on four packed bytes at a time (prmt spreads bytes into 16-bit lanes, then shift/and/lop3 place
+the bits of both nibbles, ~2 integer ops per weight: _e2m1x4_to_bf16_ptx), followed by one bf16x2
+multiply by scale·2^119, so the operand is w·scale·2^-7 (OPERAND_SHIFT): every value is a normal
+bf16 and exact (2 significant bits times 4). The factor 2^7/global_scale (OPERAND_POST) is
+applied to the fp32 accumulator in the epilogue (_finish).
+
+E2M1 to fp32, for the CUDA-core kernel: the same bit trick with the magnitude bits on fp32 bits
+22..24 and the sign on bit 31 gives exactly e2m1 · 2^-126 (±0.5 is an fp32 subnormal, kept since
+nothing runs with .ftz; 19 integer ops per 8 weights, _E2M1X4_TO_F32_PTX).
+
+E4M3 to fp32 (_e4m3_to_f32): integer ops (sign, exponent + bias shift, mantissa, subnormal
+branch) and a bitcast, exact, with any power of two folded into the exponent, so no float8 type
+is needed inside Triton (the tile kernels' decode; the CUDA-core and fragment kernels use the
+hardware's fp8 conversion on the GPU and this function only under the interpreter).
+
+Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and the interpreter's bf16 tl.dot is
+wrong (triton 3.9), so the wrappers pass INTERPRET=True: the codes are decoded with plain tl ops
+to the same values (_e2m1x2_to_f32's branch, _e2m1_f32) and the kernels run their dots on fp32
+copies. _to_bf16 rounds to nearest even by hand there, since that interpreter truncates.
+
+pdl_start, the first statement of every kernel, is the device side of programmatic dependent
+launch; the host side (the PDL switch, pdl_launch) is in marlin_kernel.py, where the benchmarks
+turn it off.
+
+Test: every byte value and E4M3 scales from subnormal to 448 decode exactly through each kernel,
+tests/test_marlin_kernel.py (test_every_code_and_scale_decodes_exactly,
+test_cuda_core_gemv_decodes_every_code_exactly, test_fragment_kernel_decodes_every_code_exactly):
+on the CPU they check the plain-tl branches, on the GPU the PTX.
+"""
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# ----------------------------------------------------------------------------------------------
+# constants
+
+OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all normal bf16 numbers) ...
+OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
+
+
+# ----------------------------------------------------------------------------------------------
+# programmatic dependent launch, device side (the host side and why: marlin_kernel.pdl_launch)
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """The first statement of every kernel launched with pdl_launch(): wait until the previous
+    kernel has finished and its writes are visible, then let the next one be scheduled. In this
+    order at most one kernel waits ahead; releasing first let every later kernel of a CUDA graph
+    cascade onto the SMs and hold their slots while waiting (H100: batch-4 decode 724 tok/s
+    against 1124 without PDL)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+# ----------------------------------------------------------------------------------------------
+# E2M1 -> bf16 operand (inline PTX; the tile kernels and the fragment kernel)
+
+# Four packed bytes b0..b3 -> lo = e2m1(low nibbles)·s, hi = e2m1(high nibbles)·s as bf16x2 pairs
+# (lo b0, lo b1), (lo b2, lo b3), (hi b0, hi b1), (hi b2, hi b3). After prmt each 16-bit lane holds
+# byte<<8: the high nibble's sign is already at bit 15 and its magnitude (bits 12..14) moves to 6..8
+# by >>6; the low nibble's sign (bit 11) moves up by 4 and its magnitude (bits 8..10) down by 2.
+# lop3 0xEA computes (a & b) | c; the fma by the scale pair adds -0 (nz), so w·s keeps its sign.
+# Needs the registers y01, y23, t, u, sg declared and nz = 0x80008000.
+def _e2m1x4_to_bf16_ptx(word, s01, s23, lo01, lo23, hi01, hi23) -> list[str]:
+    return [f"prmt.b32 y01, {word}, 0, 0x1404;", f"prmt.b32 y23, {word}, 0, 0x3424;"] + [
+        line for y, s, lo, hi in (("y01", s01, lo01, hi01), ("y23", s23, lo23, hi23)) for line in (
+            f"shr.b32 t, {y}, 2;", f"shl.b32 u, {y}, 4;", "and.b32 sg, u, nz;",
+            "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {lo}, t, {s}, nz;",
+            f"shr.b32 t, {y}, 6;", f"and.b32 sg, {y}, nz;",
+            "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {hi}, t, {s}, nz;")]
+
+
+_DECODE_REGS = ".reg .b32 y01, y23, t, u, sg, nz; mov.b32 nz, 0x80008000;"
+# $0,$1: lo of (b0,b1),(b2,b3); $2,$3: hi of the same; $4: the 4 bytes; $5,$6: scale pairs
+_E2M1X4_TO_BF16_PTX = tl.constexpr("{ " + " ".join(
+    [_DECODE_REGS] + _e2m1x4_to_bf16_ptx("$4", "$5", "$6", "$0", "$1", "$2", "$3")) + " }")
+
+
+# ----------------------------------------------------------------------------------------------
+# E4M3 scale -> fp32, E2M1 -> fp32 (the CUDA-core kernel; the plain-tl forms for the interpreter)
+
+@triton.jit
+def _e4m3_to_f32(bits, EXP_SHIFT: tl.constexpr):
+    """E4M3 bits (uint8 tensor) -> float32 value · 2^EXP_SHIFT, exact (no float8 type needed)."""
+    b = bits.to(tl.int32)
+    sub = (b & 0x78) == 0                                # exponent field 0: subnormal m·2^-9
+    mag = (b & 0x7F) | tl.where(sub, 8, 0)               # ... decoded as if e = 1: 2^-6·(1 + m/8)
+    # fp32 exponent = e - 7 + 127 (+ EXP_SHIFT); E4M3's 3 mantissa bits go to the top of fp32's 23
+    v = ((mag << 20) + ((120 + EXP_SHIFT) << 23)).to(tl.float32, bitcast=True)
+    implicit = tl.full([], (8 << 20) + ((120 + EXP_SHIFT) << 23), tl.int32).to(tl.float32, bitcast=True)
+    v = tl.where(sub, v - implicit, v)                   # remove the implicit 2^-6: exact
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+# Four packed bytes -> eight fp32 e2m1·2^-126 ($0..$3: low nibbles of bytes 0..3, $4..$7: high
+# nibbles; $8: the 4 bytes = nibbles n0..n7 from bit 0). Two words first gather four nibbles each
+# with the magnitude at bits p..p+2 and the sign at p+9, p = 2, 6, 18, 22 (lop3 0xE4 = a where
+# c is set, else b): za from w<<2 (magnitudes) and w<<8 (signs) holds n0, n1, n4, n5; zb from
+# w>>6 and w holds n2, n3, n6, n7. Each output is then (z << (22 - p)) & 0x81C00000: the
+# magnitude on bits 22..24, the sign on bit 31. 19 integer ops per 8 weights.
+_E2M1X4_TO_F32_PTX = tl.constexpr(
+    "{ .reg .b32 a, b, za, zb; shl.b32 a, $8, 2; shl.b32 b, $8, 8; lop3.b32 za, a, b, 0x01DC01DC, 0xE4; "
+    "shr.b32 a, $8, 6; lop3.b32 zb, a, $8, 0x01DC01DC, 0xE4; " + " ".join(
+        f"shl.b32 a, {z}, {22 - p}; and.b32 ${i}, a, 0x81C00000;" for i, (z, p) in enumerate(
+            (("za", 2), ("zb", 2), ("za", 18), ("zb", 18), ("za", 6), ("zb", 6), ("za", 22), ("zb", 22)))) + " }")
+
+
+@triton.jit
+def _e2m1x2_to_f32(p, INTERPRET: tl.constexpr):
+    """Packed bytes (uint8 tensor) -> (lo, hi) float32 e2m1·2^-126 of the low / high nibble, exact:
+    the magnitude bits on fp32 bits 22..24, the sign on bit 31 (module docstring). Code ±1 (±0.5)
+    becomes an fp32 subnormal, which the GPU keeps (our PTX has no .ftz; bench/kernel.py checks)."""
+    if INTERPRET:
+        b = p.to(tl.int32)
+        lo = ((b << 28) >> 6) & -0x7E400000             # -0x7E400000 == 0x81C00000
+        hi = ((b << 24) >> 6) & -0x7E400000
+        lo, hi = lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1X4_TO_F32_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [p],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _e2m1_f32(code):
+    """E2M1 codes (int32 tensor, 0..15) -> float32 values (plain arithmetic: the emulation)."""
+    mag = code & 7
+    v = tl.where(mag < 2, mag * 0.5, tl.exp2(((mag >> 1) - 1).to(tl.float32)) * (1 + (mag & 1) * 0.5))
+    return tl.where((code & 8) != 0, -v, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# epilogue: fp32 sums -> bf16 y
+
+@triton.jit
+def _to_bf16(y, INTERPRET: tl.constexpr):
+    """fp32 -> bf16, round to nearest even. (The triton 3.9 interpreter truncates instead, so
+    there the rounding is done on the bits first; finite values only.)"""
+    if INTERPRET:
+        b = y.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        y = b.to(tl.float32, bitcast=True)
+    return y.to(tl.bfloat16)
+
+
+@triton.jit
+def _finish(acc, gs_ptr, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The epilogue of every kernel: acc (fp32 sums of w·scale·2^-7 times x) -> y in bf16, times
+    2^7/global_scale, plus bias[cols] (cols broadcasts against acc; columns past N add 0)."""
+    y = acc * (OPERAND_POST / tl.load(gs_ptr))
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    return _to_bf16(y, INTERPRET)

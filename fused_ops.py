@@ -1,0 +1,156 @@
+"""Fused inference kernels for the decoder's small ops: add + RMSNorm, RoPE on q and k, SiLU·mul.
+
+Why. A decode step runs every layer on one token per sequence, so the torch ops of model.py (about 7
+small kernels per norm, 8 per RoPE call) cost more GPU time than the 4-bit matmuls at batch 1. On
+CUDA without autograd (rollout: `fused(x)`) one Triton kernel does each; the math is the same fp32
+math (only the order of the norm's sum differs). Training keeps torch ops, so autograd never sees
+these kernels. On Hopper each is launched with programmatic dependent launch (marlin_kernel.pdl_start).
+`FUSED = False` turns them all off (bench/rollout.py's *-unfused engines measure what they buy).
+
+The ops, with the torch reference each one matches (model.py):
+
+    rms_norm_triton(x, w, eps)       y = x / sqrt(mean_c(x²) + ε) ⊙ w          RMSNorm.forward
+    rms_norm_triton(x, w, eps, r)    s = x + r (rounded to x.dtype); (norm(s), s)
+    rope_triton(q, k, cos, sin)      (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin)   apply_rope, in place
+    silu_mul_triton(g, u)            silu(g)·u, silu rounded to the dtype first       F.silu(g) * u
+
+Residual adds (vLLM's fused add + RMSNorm). A decoder layer hands the next norm the pair (MLP(m), h')
+instead of their sum (model.py's docstring); the norm kernel adds them, writes the sum rounded to the
+activation dtype exactly as torch's add rounds it, and normalizes it in fp32: one kernel instead of an
+add and a norm, and the logits stay bit-identical.
+
+Layouts. x (..., C) contiguous rows, one program per row, C padded to a power of two; w (C,) fp32
+(AQN's noise lives there). q (B, T, Hq, D), k (B, T, Hkv, D) need contiguous heads and one stride
+between tokens (`token_stride`): the column slices of a stacked q/k/v output have one, so RoPE
+rotates them in place where the matmul left them, one program per (token, head), D a power of two;
+cos/sin (B, T, 1, D/2) fp32. SiLU·mul reads g and u rows with their own strides (the gate and up
+halves of one stacked output) and writes a fresh contiguous (..., n).
+
+`rope_head` is a device function shared with the rollout's RoPE + KV-store kernel, so decode's
+rotation gives the very bits of rope_triton.
+
+Tests: tests/test_fused_ops.py against the torch ops (CPU: Triton interpreter; GPU: CUDA);
+tests/test_model.py's GPU test runs the whole forward with and without them.
+"""
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from marlin_kernel import pdl_launch, pdl_start
+except ImportError:  # model.py's torch path needs no triton
+    triton = None
+
+FUSED = True   # bench/rollout.py's *-unfused engines turn it off to measure what the fusion buys
+
+
+def fused(x: torch.Tensor) -> bool:
+    return FUSED and triton is not None and x.is_cuda and not torch.is_grad_enabled()
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps,
+                         HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+        pdl_start(USE_PDL)
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_C)
+        mask = offs < C
+        x = tl.load(x_ptr + row * C + offs, mask=mask, other=0.0)
+        if HAS_RES:     # x + residual, rounded to the activation dtype as torch's add does
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * C + offs, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(sum_ptr.dtype.element_ty)
+            tl.store(sum_ptr + row * C + offs, x, mask=mask)
+        h = x.to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / C + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, t, h, HQ, HALF: tl.constexpr):
+        """Head h of token t (a q head if h < HQ, else k head h - HQ), rotated as apply_rope does:
+        (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in fp32, rounded to the head's dtype.
+        -> (its address, the two rotated halves). Shared with rollout's RoPE + KV-store kernel."""
+        if h < HQ:
+            src = q_ptr + t * stride_q + h * 2 * HALF
+        else:
+            src = k_ptr + t * stride_k + (h - HQ) * 2 * HALF
+        offs = tl.arange(0, HALF)
+        cos, sin = tl.load(cos_ptr + t * HALF + offs), tl.load(sin_ptr + t * HALF + offs)
+        x1 = tl.load(src + offs).to(tl.float32)
+        x2 = tl.load(src + HALF + offs).to(tl.float32)
+        return src, (x1 * cos - x2 * sin).to(src.dtype.element_ty), (x2 * cos + x1 * sin).to(src.dtype.element_ty)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ,
+                     HALF: tl.constexpr, USE_PDL: tl.constexpr):
+        pdl_start(USE_PDL)
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        src, y1, y2 = rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, t, h, HQ, HALF)
+        offs = tl.arange(0, HALF)
+        tl.store(src + offs, y1)
+        tl.store(src + HALF + offs, y2)
+
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u,
+                         BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        pdl_start(USE_PDL)
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = offs < n
+        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1 + tl.exp(-g))).to(out_ptr.dtype.element_ty)     # silu rounded, then the product
+        u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + row * n + offs, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers: check the layout, allocate, launch
+
+
+def rms_norm_triton(x, weight, eps, residual=None):
+    """RMSNorm.forward in one kernel per row: x (..., C) contiguous, weight (C,) fp32."""
+    C = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out
+    block = triton.next_power_of_2(C)
+    _rms_norm_kernel[(x.numel() // C,)](x, residual.contiguous() if residual is not None else x, weight,
+                                        out, total, C, eps, HAS_RES=residual is not None, BLOCK_C=block,
+                                        **pdl_launch(x.device), num_warps=min(16, max(1, block // 256)))
+    return out if residual is None else (out, total)
+
+
+def token_stride(t: torch.Tensor) -> int | None:
+    """The one stride between consecutive tokens of t (B, T, H, D) with contiguous heads (a column
+    slice of a stacked q/k/v output has one), or None. A size-1 dim's stride is arbitrary (view
+    may set it to anything), so decode (T = 1) steps by the batch stride."""
+    B, T, H, D = t.shape
+    if t.stride(3) != 1 or (H > 1 and t.stride(2) != D):
+        return None
+    if T == 1:
+        return t.stride(0)
+    return t.stride(1) if B == 1 or t.stride(0) == T * t.stride(1) else None
+
+
+def rope_triton(q, k, cos, sin):
+    """apply_rope on q (B,T,Hq,D) and k (B,T,Hkv,D) in place, one launch; cos/sin (B,T,1,D/2).
+    q and k must have a token_stride."""
+    B, T, HQ, D = q.shape
+    _rope_kernel[(B * T, HQ + k.shape[2])](q, k, cos.contiguous(), sin.contiguous(), token_stride(q),
+                                           token_stride(k), HQ, D // 2, **pdl_launch(q.device))
+    return q, k
+
+
+def silu_mul_triton(g, u):
+    """silu(g)·u for g, u (..., n) whose rows may be strided (gate and up slices of one output)."""
+    n = g.shape[-1]
+    g2, u2 = g.reshape(-1, n), u.reshape(-1, n)                        # views: rows keep their stride
+    out = torch.empty(g.shape, device=g.device, dtype=g.dtype)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024,
+                                                          **pdl_launch(g.device))
+    return out

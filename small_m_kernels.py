@@ -1,0 +1,366 @@
+"""The decode-time kernels: y = x·Wᵀ for a few rows of x (M <= 8), on CUDA cores or mma.sync.
+
+At decode time M is the batch, 1..8 rows of x against a weight of millions of elements: the
+product is memory-bound, and an MMA tile of 16 rows or more would spend most of its work on
+padding. What is left to win is the instruction count per weight of the decode, so both kernels
+here keep the weights in registers from load to multiply (no shared memory, no barrier in the
+loop). marlin_kernel.fwd_config chooses between them; marlin_kernel._gemv and _mma launch them.
+
+The CUDA-core kernel, _nvfp4_gemv_kernel (M <= GEMV_MAX_M = 2; it takes up to 4 rows), decodes
+E2M1 to fp32 e2m1·2^-126 (fp4_decode._E2M1X4_TO_F32_PTX, ~2.4 integer ops per weight). x is
+multiplied by 2^64 (X_SCALE) so that the products stay normal (|x| < 2^64 assumed), and per row
+of x
+
+    acc[BN, K/16] += (sum over each 16-weight block of w·x) · scale    # fp32: a chain of 16 FMAs
+    y[m, n-tile] = sum(acc) · 2^62/global_scale (+ bias)                 # and one FMA per block
+
+so the scale (E4M3 -> fp32 by the hardware's fp8 conversion) costs one FMA per 16 weights. Each
+thread owns 16 bytes (32 weights) of each of its rows per step; x is read as int32 words, each
+the bf16 pair (x[2j], x[2j+1]) that meets byte j of W (low nibble = even k), and every warp loads
+the 16 words its threads need straight into registers in the weights' layout (_gemv_row):
+~4.1 SASS instructions per weight at M = 1.
+
+The fragment kernel, _nvfp4_mma_kernel (M <= FRAGMENT_MAX_M = 8 and K a multiple of 128; it takes
+up to 16 rows), decodes the weights straight into the A registers of mma.sync.m16n8k16 (the
+bf16 decode of fp4_decode.py) and lets each lane own the k of its own 16-byte loads, so the
+compressed-tensors layout needs no re-layout: 3.4-3.7 SASS instructions per weight for any
+M <= 8. The comment above _decode_mma_ptx gives the register maps.
+
+    x2       int32 (M, K/2)      x viewed as bf16 pairs
+    packed   uint8 (N, K/2)      (the fragment kernel reads it as int32 words, (N, K/8))
+    scale    uint8 (N, K/16)     E4M3 bits
+    out      bf16 (M, N), or fp32 partial sums (split, M, N) that marlin_kernel._reduce adds up
+             (tile_kernels._splitk_reduce_kernel): deterministic, no atomics.
+
+M is not specialized (do_not_specialize, as in tile_kernels.py). Under the interpreter
+(INTERPRET) the PTX is replaced by plain-tl emulations of the same sums (_mma_emulate).
+
+Test: tests/test_marlin_kernel.py through marlin_kernel's wrappers: test_cuda_core_gemv_*,
+test_fragment_kernel_* (CPU: the index maps, through the emulation; GPU: the PTX, on the real
+projection shapes too) and the routing tests test_wrapper_picks_cuda_core_path_for_tiny_m,
+test_wrapper_routes_small_m_to_fragment_kernel. Benchmark: python bench/kernel.py --sweep-gemv,
+--small-variants.
+"""
+import triton
+import triton.language as tl
+
+from fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
+                        _e4m3_to_f32, _finish, pdl_start)
+
+# ----------------------------------------------------------------------------------------------
+# constants
+
+X_SCALE = tl.constexpr(2.0 ** 64)    # the CUDA-core kernel multiplies x by 2^64 (weights are ·2^-126),
+GEMV_POST = tl.constexpr(2.0 ** 55)  # so its sums are ·2^-62: ·2^55 brings them to the MMA's ·2^-7
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA-core kernel (M <= 4): fp32 FMAs, a chain of 16 per scale block.
+
+@triton.jit
+def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
+              BKB: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc (W, R, BKB/8) += (sum over each 16-weight block of w·x) · scale for one row of x: an
+    in-thread chain of 16 FMAs per block (lo, hi interleaved in k order), one FMA with the scale.
+    A thread holds bytes 16t..16t+15 of its rows, so it needs the x2 words 16t..16t+15 (each the
+    bf16 pair x[2j], x[2j+1] that meets byte j). A load gives a thread 4 contiguous words, so they
+    come as four loads (words 16t + 4r + 0..3) stacked in registers, a copy per warp (dim 1): no
+    shared memory, no barrier. Words past kb_end read as 0."""
+    chunk = kb0 + 16 * tl.arange(0, BKB // 16)[:, None, None]                   # (BKB/16, 1, 1)
+    offs = tl.broadcast_to(chunk + tl.arange(0, 4)[None, None, :], (BKB // 16, W, 4))
+    x0 = tl.load(x2_ptr + offs, mask=chunk < kb_end, other=0)
+    x1 = tl.load(x2_ptr + offs + 4, mask=chunk < kb_end, other=0)
+    x2 = tl.load(x2_ptr + offs + 8, mask=chunk < kb_end, other=0)
+    x3 = tl.load(x2_ptr + offs + 12, mask=chunk < kb_end, other=0)
+    xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))           # (BKB/16, W, 4, 2, 2): [t, ., c, a, b]
+    xw = xw.permute(1, 0, 4, 3, 2).reshape(W, BKB)           # word 16t + 4(a + 2b) + c
+    # x·2^64, so that its products with e2m1·2^-126 stay normal; one bf16x2 multiply on the GPU
+    if INTERPRET:
+        xe = (xw << 16).to(tl.float32, bitcast=True) * X_SCALE
+        xo = (xw & -65536).to(tl.float32, bitcast=True) * X_SCALE
+    else:
+        xe, xo = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, c, z;"
+            " shl.b32 $0, t, 16; and.b32 $1, t, 0xFFFF0000; }",
+            "=r,=r,r", [xw], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    prod = tl.join(lo * xe[:, None, :], hi * xo[:, None, :])                  # (W, R, BKB, 2)
+    return acc + tl.sum(prod.reshape(W, R, BKB // 8, 16), axis=3) * s
+
+
+@triton.jit
+def _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
+                 BKB: tl.constexpr, INTERPRET: tl.constexpr):
+    """The (W, R, BKB/8) E4M3 scales of the tile as fp32. A thread's 16 bytes of a row hold two
+    16-weight blocks, so it needs two scale bytes: they are loaded 2 at a time as a (BKB/16, W, R,
+    2) tensor (threads along the blocks, like the bytes; a plain (W, R, BKB/8) load would give a
+    thread 16 contiguous scales and need a shared-memory shuffle). Blocks past kb_end read as 0."""
+    t = tl.arange(0, BKB // 16)[:, None, None, None]
+    c = tl.arange(0, 2)[None, None, None, :]
+    ptrs = scale_ptr + tl.permute(rows, 2, 0, 1)[:, :, :, None] * stride_sn + kb0 // 8 + 2 * t + c
+    sb = tl.load(ptrs, mask=kb0 + 16 * t < kb_end, other=0)
+    sb = sb.permute(1, 2, 0, 3).reshape(W, R, BKB // 8)                # (W, R, BKB/8) u8
+    if INTERPRET:
+        return _e4m3_to_f32(sb, 0)
+    return sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om,
+                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Row m of y (or of the fp32 partial sums) from its (W, R, BKB/8) accumulator."""
+    y = tl.sum(acc, axis=2) * GEMV_POST                                           # (W, R)
+    if not PARTIAL:
+        y = _finish(y, gs_ptr, bias_ptr, offs_n, N, HAS_BIAS, INTERPRET)
+    if m < M:
+        tl.store(out_ptr + m * stride_om + offs_n, y, mask=offs_n < N)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_gemv_kernel(
+    # pointers (x2: x viewed as int32 words, one bf16 pair each)
+    x2_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    # sizes: x (M, K), W (N, K), K2 = K/2 (bytes per row of W, words per row of x2);
+    # each program of split pid_k reduces the bytes [pid_k·SPLIT2, +SPLIT2) of its rows
+    M, N, K2, SPLIT2,
+    # strides (the innermost stride of every tensor is 1)
+    stride_x2m, stride_pn, stride_sn, stride_om, stride_os,
+    # meta
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
+):
+    """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program
+    as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
+    accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are wrapped,
+    computed and never stored)."""
+    pdl_start(USE_PDL)
+    R: tl.constexpr = BN // W                            # rows per warp
+    BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + R * tl.arange(0, W)[:, None] + tl.arange(0, R)[None, :]   # (W, R)
+    rows = (offs_n % N)[:, :, None]                      # rows past N wrapped, never stored
+    kb_start = pid_k * SPLIT2
+    kb_end = min(K2, kb_start + SPLIT2)                  # SPLIT2 is a multiple of BKB
+
+    # ---- main loop over the bytes of the rows, BKB at a time; only the last step can be partial,
+    # and its mask is constant over each thread's 16 bytes (K2 % 16 == 0), so loads stay vectorized
+    acc0 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    acc1 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    acc2 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    acc3 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    for kb0 in range(kb_start, kb_end, BKB):
+        kb0 = tl.multiple_of(kb0, BKB)
+        offs_b = kb0 + tl.arange(0, BKB)[None, None, :]       # bytes past kb_end decode to some
+        p = tl.load(packed_ptr + rows * stride_pn + offs_b, mask=offs_b < kb_end)   # finite w; x = 0
+        lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (W, R, BKB)
+        s = _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, INTERPRET)
+        acc0 = _gemv_row(acc0, lo, hi, s, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
+        if BM > 1:
+            acc1 = _gemv_row(acc1, lo, hi, s, x2_ptr + (1 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
+        if BM > 2:
+            acc2 = _gemv_row(acc2, lo, hi, s, x2_ptr + (2 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
+            acc3 = _gemv_row(acc3, lo, hi, s, x2_ptr + (3 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
+
+    # ---- epilogue: rows of y (or fp32 partial sums for the split-K reduce)
+    out_ptr += pid_k * stride_os
+    _gemv_store(acc0, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+    if BM > 1:
+        _gemv_store(acc1, 1, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+    if BM > 2:
+        _gemv_store(acc2, 2, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+        _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fragment kernel (M <= 16): mma.sync on weights decoded straight into the MMA's registers.
+#
+# One mma.sync.m16n8k16 multiplies a 16 x 16 tile of W (A, four bf16x2 registers per lane) by a
+# 16 x 8 tile of xᵀ (B, two registers) into 16 x 8 fp32 (four registers). Lane l = 4g + t holds
+# A rows g and g+8 at k-slots 2t, 2t+1 (registers 0, 1) and 2t+8, 2t+9 (registers 2, 3), B column
+# (token) g at the same k-slots, and D rows g, g+8 at tokens 2t, 2t+1 (PTX ISA, "Matrix fragments
+# for mma.m16n8k16"). A sum over k does not care which physical k a slot stands for, as long as A
+# and B agree: so lane t takes the 32 consecutive k of its own 16-byte piece of each row,
+# [32t, 32t + 32) of a 128-wide window, in whatever slot order its decode produces. Every load is
+# then a plain 16-byte load of the compressed-tensors layout (no re-layout of the weights), and a
+# decoded pair goes straight into an A register (no shared memory, no barrier, no layout change).
+# The decode (_e2m1x4_to_bf16_ptx, as in the wgmma kernel) turns a word of 4 bytes b0..b3 into the pairs
+# (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3), (hi b2, hi b3) = physical k (0, 2), (1, 3),
+# (4, 6), (5, 7) of the word; the x words (x0, x1), (x2, x3), ... of the same k are re-paired by
+# prmt into (x0, x2), (x1, x3), ... once per window (_X_PAIRS_PTX). Per lane and 16-row tile, a
+# 128-k window is 2 x 16 bytes of W, 4 scales, 8 mma.sync: 3.4-3.7 SASS instructions per weight
+# for any M <= 8 (tokens are the MMA's n = 8; M <= 16 issues a second mma per step), against 4.1
+# for the CUDA-core kernel at M = 1 and 6.7 + a shared-memory round trip for the wgmma kernel.
+
+def _decode_mma_ptx(nt: int) -> str:
+    """Inline PTX for one lane, one 16-row tile, one 128-k window, nt token tiles of 8.
+    Operands: $0.. acc out (4 per token tile); then acc in (4 per tile), W rows g and g+8 (4 words
+    each), the scales (4 bf16 = 2 registers: (g, block 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1), each
+    ·2^119), the re-paired x words (16 per token tile)."""
+    acc_in = 4 * nt
+    w0, w1, s = 8 * nt, 8 * nt + 4, 8 * nt + 8
+    xp = 8 * nt + 10
+    lines = [_DECODE_REGS, ".reg .b32 sa0, sa1, sb0, sb1, l01, l23, h01, h23, m01, m23, k01, k23;",
+             f"prmt.b32 sa0, ${s}, 0, 0x1010;", f"prmt.b32 sb0, ${s}, 0, 0x3232;",
+             f"prmt.b32 sa1, ${s + 1}, 0, 0x1010;", f"prmt.b32 sb1, ${s + 1}, 0, 0x3232;"]
+    first = [True] * nt
+    for j in range(4):                       # word j of the lane's 16 bytes: k 8j .. 8j+7
+        sa, sb = ("sa1", "sb1") if j >= 2 else ("sa0", "sb0")
+        lines += _e2m1x4_to_bf16_ptx(f"${w0 + j}", sa, sa, "l01", "l23", "h01", "h23")     # row g
+        lines += _e2m1x4_to_bf16_ptx(f"${w1 + j}", sb, sb, "m01", "m23", "k01", "k23")     # row g + 8
+        for n in range(nt):
+            d = ", ".join(f"${4 * n + i}" for i in range(4))
+            for a, xs in (("l01, m01, h01, k01", 0), ("l23, m23, h23, k23", 2)):
+                c = ", ".join(f"${acc_in + 4 * n + i}" for i in range(4)) if first[n] else d
+                x = f"${xp + 16 * n + 4 * j + xs}, ${xp + 16 * n + 4 * j + xs + 1}"
+                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d}}}, {{{a}}}, {{{x}}}, {{{c}}};")
+                first[n] = False
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# x words (x0, x1), (x2, x3), (x4, x5), (x6, x7) -> (x0, x2), (x1, x3), (x4, x6), (x5, x7)
+_X_PAIRS_PTX = tl.constexpr("prmt.b32 $0, $4, $5, 0x5410; prmt.b32 $1, $4, $5, 0x7632; "
+                            "prmt.b32 $2, $6, $7, 0x5410; prmt.b32 $3, $6, $7, 0x7632;")
+_DECODE_MMA_PTX_1 = tl.constexpr(_decode_mma_ptx(1))
+_DECODE_MMA_PTX_2 = tl.constexpr(_decode_mma_ptx(2))
+# outputs: the accumulators; inputs: accumulators (f32), W words, scales, x words (b32)
+_MMA_CONSTRAINTS_1 = tl.constexpr(",".join(["=f"] * 4 + ["f"] * 4 + ["r"] * 26))
+_MMA_CONSTRAINTS_2 = tl.constexpr(",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 42))
+SCALE_TO_OPERAND = tl.constexpr(2.0 ** (126 - OPERAND_SHIFT.value))   # scale·2^119 · e2m1·2^-126 = w·scale·2^-7
+
+
+@triton.jit
+def _mma_x(x2_ptr, tok, stride_x2m, word0, M, T, Q, WP, j: tl.constexpr, INTERPRET: tl.constexpr):
+    """x words 16t + 4j .. +3 of the window for token `tok` (rows past M read 0): (4, 8, W, 1, 4)
+    int32, one copy per warp; re-paired for the B fragment on the GPU (the emulation reads k in
+    order)."""
+    ptrs = x2_ptr + tok * stride_x2m + word0 + 16 * T + 4 * j + Q + 0 * WP
+    x = tl.load(ptrs, mask=tok < M, other=0)
+    if not INTERPRET:
+        x = tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.int32,
+                                      is_pure=True, pack=4)
+    return x
+
+
+@triton.jit
+def _mma_emulate_rows(words, s, h: tl.constexpr, xv, W: tl.constexpr, R: tl.constexpr):
+    """(8 g, 8 token, W, R): sum over the window of W[row g + 8h of tile (w, r), k] · x[token, k]."""
+    J = tl.arange(0, 4)[None, None, None, None, :, None]
+    Q = tl.arange(0, 4)[None, None, None, None, :]
+    s_lo = tl.sum(tl.where(Q == h, s, 0.0), axis=4)[:, :, :, :, None, None]        # block 2t'
+    s_hi = tl.sum(tl.where(Q == 2 + h, s, 0.0), axis=4)[:, :, :, :, None, None]    # block 2t'+1
+    codes = (words[:, :, :, :, :, None] >> (4 * tl.arange(0, 8)[None, None, None, None, None, :])) & 15
+    wv = tl.reshape(_e2m1_f32(codes) * tl.where(J < 2, s_lo, s_hi), (4, 8, 1, W, R, 32))  # [t', g, ., w, r, k]
+    return tl.sum(tl.sum(wv * xv, axis=5), axis=0)
+
+
+@triton.jit
+def _mma_emulate(acc, w0, w1, s, x0, x1, x2, x3, W: tl.constexpr, R: tl.constexpr):
+    """What the PTX adds to acc, in plain fp32, for the interpreter: acc[t, g, w, r, 2h + p] +=
+    sum over the window of W[row g + 8h of tile (w, r), k] · x[token 2t + p, k]. w0, w1: the words
+    of rows g, g + 8 (lane t' holds k 32t' .. 32t' + 31); s: the scales·2^-7 (q = 2·block + h) as
+    fp32; x0..x3: the lanes' x words (natural pairs) of tokens g."""
+    xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))                   # (4, 8, W, 1, 4q, 2a, 2b)
+    xw = tl.permute(xw, 0, 1, 2, 3, 6, 5, 4).reshape(4, 8, W, 1, 16)  # word 4j + q, j = 2b + a
+    xv = tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True))
+    xv = tl.reshape(xv, (4, 1, 8, W, 1, 32))                          # [t', ., token, w, ., k]
+    y = tl.join(_mma_emulate_rows(w0, s, 0, xv, W, R), _mma_emulate_rows(w1, s, 1, xv, W, R))
+    y = y.reshape(8, 4, 2, W, R, 2)                                   # [g, t, p, w, r, h]
+    return acc + tl.permute(y, 1, 0, 3, 4, 5, 2).reshape(4, 8, W, R, 4)
+
+
+@triton.jit
+def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc[t, g, w, r, q] is y[tok, rows] (tok (4, 1, 1, 1, 4), rows (1, 8, W, R, 4)): store it,
+    or its fp32 partial sum."""
+    mask = (tok < M) & (rows < N)
+    if PARTIAL:
+        tl.store(out_ptr + part_off + tok * stride_om + rows, acc, mask=mask)
+    else:
+        tl.store(out_ptr + tok * stride_om + rows, _finish(acc, gs_ptr, bias_ptr, rows, N, HAS_BIAS, INTERPRET),
+                 mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_mma_kernel(
+    # pointers (x2: x as int32 words, a bf16 pair each; p4: packed as int32 words, 8 codes each)
+    x2_ptr, p4_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    # sizes: x (M, K), W (N, K); NWIN = K / 128 windows, program pid_k takes [pid_k·SPLIT, +SPLIT)
+    M, N, NWIN, SPLIT,
+    # strides (the innermost stride of every tensor is 1)
+    stride_x2m, stride_p4n, stride_sn, stride_om, stride_os,
+    # meta
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    W: tl.constexpr,        # = num_warps
+    R: tl.constexpr,        # 16-row tiles per warp: a program owns 16·W·R rows of W
+    NT: tl.constexpr,       # token tiles of 8: 1 for M <= 8, 2 for M <= 16
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
+):
+    """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
+    registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
+    bits 2-4 (g), warp, tile, 4 values in the lane: the loads' natural layouts already are the
+    fragments, so Triton moves nothing between lanes."""
+    pdl_start(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    T = tl.arange(0, 4)[:, None, None, None, None]
+    G = tl.arange(0, 8)[None, :, None, None, None]
+    WP = tl.arange(0, W)[None, None, :, None, None]
+    Q = tl.arange(0, 4)[None, None, None, None, :]
+    tile = (pid_n * W + WP) * R + tl.arange(0, R)[None, None, None, :, None]    # (1, 1, W, R, 1)
+    row0 = (16 * tile + G) % N                 # rows g and g + 8 of each tile; past N: wrapped,
+    row1 = (16 * tile + 8 + G) % N             # never stored
+    srow = tl.where(Q % 2 == 0, row0, row1)    # scale q: (g, block 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1)
+    win_start = pid_k * SPLIT
+    win_end = min(NWIN, win_start + SPLIT)
+
+    acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 0..7
+    acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
+    for win in range(win_start, win_end):
+        wo = win * 16 + 4 * T + Q                                               # lane t's 4 words
+        w0 = tl.load(p4_ptr + row0 * stride_p4n + wo)                           # (4, 8, W, R, 4)
+        w1 = tl.load(p4_ptr + row1 * stride_p4n + wo)
+        sb = tl.load(scale_ptr + srow * stride_sn + win * 8 + 2 * T + Q // 2)    # E4M3 bits
+        if INTERPRET:
+            s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                             # scale·2^-7
+        else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
+            s = (sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * SCALE_TO_OPERAND).to(tl.bfloat16)
+        word0 = win * 64
+        xa0 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
+        xa1 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
+        xa2 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
+        xa3 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
+        if NT == 1:
+            if INTERPRET:
+                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+            else:
+                acc0 = tl.inline_asm_elementwise(
+                    _DECODE_MMA_PTX_1, _MMA_CONSTRAINTS_1,
+                    [acc0, w0, w1, s, xa0, xa1, xa2, xa3], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            xb0 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
+            xb1 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
+            xb2 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
+            xb3 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
+            if INTERPRET:
+                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+                acc1 = _mma_emulate(acc1, w0, w1, s, xb0, xb1, xb2, xb3, W, R)
+            else:
+                acc0, acc1 = tl.inline_asm_elementwise(
+                    _DECODE_MMA_PTX_2, _MMA_CONSTRAINTS_2,
+                    [acc0, acc1, w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+
+    # ---- epilogue: acc[t, g, w, r, q] is y at token 2t + q % 2 (+ 8 for acc1), row g + 8·(q // 2)
+    rows = 16 * tile + G + 8 * (Q // 2)                                         # (1, 8, W, R, 4)
+    tok = 2 * T + Q % 2                                                         # (4, 1, 1, 1, 4)
+    part_off = pid_k * stride_os
+    _mma_store(acc0, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+               HAS_BIAS, PARTIAL, INTERPRET)
+    if NT == 2:
+        _mma_store(acc1, tok + 8, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+                   HAS_BIAS, PARTIAL, INTERPRET)

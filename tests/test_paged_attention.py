@@ -1,0 +1,120 @@
+"""Tests for paged_attention.py: the Triton KV-store, RoPE + KV-store and paged-decode kernels
+against the torch reference (interpreter on CPU: GQA, scattered block tables, partitions that
+tiles do not divide, an empty row, non-contiguous k/v), and GPU-marked bf16 checks at 7B head
+shapes. The kernels inside the engine are tested in tests/test_rollout.py."""
+import os
+
+import pytest
+import torch
+
+from paged_attention import (paged_attention_ref, paged_attention_triton, rope_store_kv_triton,
+                             store_kv_ref, store_kv_triton)
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels (TRITON_INTERPRET=1 on CPU) against the torch reference
+
+def _random_paged(B, Hq, Hkv, D, bs, num_blocks, ctx_lens, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, D, generator=g).to(device, dtype)
+    k_cache = torch.randn(num_blocks, bs, Hkv, D, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_blocks, bs, Hkv, D, generator=g).to(device, dtype)
+    width = max(-(-n // bs) for n in ctx_lens)
+    perm = torch.randperm(num_blocks, generator=g)        # scattered, non-contiguous block tables
+    tables = perm[:B * width].view(B, width).to(device, torch.int32)
+    return q, k_cache, v_cache, tables, torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partition, tile", [(32, 16), (32, 64), (64, 64), (48, 64)])
+def test_paged_attention_triton_matches_reference(dtype, partition, tile):
+    # GQA 6/2 (G=3, padded to 16), contexts spanning 1..4 partitions, one empty row; tiles of one
+    # block, of several blocks, and (48, 64 -> 32) not dividing the partition
+    ctx = [1, 17, 40, 0, 97]
+    q, kc, vc, tables, lens = _random_paged(5, 6, 2, 16, 16, 48, ctx, dtype)
+    ref = paged_attention_ref(q, kc, vc, tables, lens, 0.25)
+    out = paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=-(-128 // partition),
+                                 partition_size=partition, tile=tile)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (out.float() - ref.float()).abs()
+    assert err.max() < tol, f"max err {err.max():.2e} mean {err.mean():.2e}"
+    assert torch.all(out[3] == 0)
+
+
+@pytest.mark.interpreter
+def test_store_kv_triton_matches_reference():
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(6, 2, 16, generator=g)[:, :, :]
+    v = torch.randn(6, 2, 16, generator=g)
+    slots = torch.tensor([5, 0, -1, 17, 31, 8])
+    caches = [torch.randn(4, 8, 2, 16, generator=g) for _ in range(2)]
+    ref = [c.clone() for c in caches]
+    store_kv_ref(ref[0], ref[1], k, v, slots)
+    store_kv_triton(caches[0], caches[1], k, v, slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    # a non-contiguous view (k sliced out of a fused qkv row) also works
+    qkv = torch.randn(6, 2, 48, generator=g)
+    store_kv_triton(caches[0], caches[1], qkv[..., 16:32], qkv[..., 32:], slots)
+    store_kv_ref(ref[0], ref[1], qkv[..., 16:32], qkv[..., 32:], slots)
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_triton_matches_rope_then_store(dtype):
+    """Decode's one kernel for RoPE + KV store: q rotated in place, k rotated into the cache, v
+    beside it, slot -1 skipped, against model.apply_rope + store_kv_ref. q, k, v are column slices
+    of one row per sequence, as the stacked q/k/v matmul leaves them."""
+    from model import apply_rope
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"        # on CPU: the Triton interpreter
+    B, Hq, Hkv, D = 5, 6, 2, 16
+    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=g).to(dev, dtype)
+    q, k, v = (t.view(B, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))   # (B, H*, D)
+    angles = torch.rand(B, D // 2, generator=g).to(dev) * 300
+    cos, sin = angles.cos(), angles.sin()                                               # (B, D/2)
+    slots = torch.tensor([5, -1, 17, 31, 0], device=dev)
+    caches = [torch.randn(4, 8, Hkv, D, generator=g).to(dev, dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    want_q, want_k = (apply_rope(x[:, None], cos[:, None, None], sin[:, None, None])[:, 0] for x in (q, k))
+    store_kv_ref(want[0], want[1], want_k, v, slots)
+    k_v_before = qkv[:, Hq * D:].clone()
+    out = rope_store_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots)
+    # fp32: the same fp32 math; bf16: one rounding step apart (the interpreter truncates to bf16)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
+    assert out.data_ptr() == q.data_ptr(), "q must be rotated in place"
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(caches[0], want[0], **tol)
+    assert torch.equal(caches[1], want[1]), "v is copied as is, to the slots only"
+    assert torch.equal(qkv[:, Hq * D:], k_v_before), "k and v themselves stay unrotated"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the Triton kernels in bf16 against the torch reference
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_reference_bf16():
+    # Qwen2.5-7B head layout (28/4, D=128), 16-token blocks, contexts over several partitions
+    ctx = [1, 255, 256, 257, 1000, 0, 37]
+    q, kc, vc, tables, lens = _random_paged(7, 28, 4, 128, 16, 600, ctx, torch.bfloat16, "cuda")
+    ref = paged_attention_ref(q, kc, vc, tables, lens, 128 ** -0.5)
+    out = paged_attention_triton(q, kc, vc, tables, lens, 128 ** -0.5, num_parts=8, partition_size=128)
+    err = (out.float() - ref.float()).abs()
+    assert err.max() < 2e-2, f"max err {err.max():.2e} mean {err.mean():.2e}"
+    k, v = torch.randn(2, 9, 4, 128, device="cuda", dtype=torch.bfloat16).unbind(0)
+    slots = torch.tensor([0, 5, -1, 17, 31, 8, 900, 2000, 40], device="cuda")
+    a, b = kc.clone(), vc.clone()
+    store_kv_ref(a, b, k, v, slots)
+    store_kv_triton(kc, vc, k, v, slots)
+    assert torch.equal(a, kc) and torch.equal(b, vc)
+    # decode's RoPE + store kernel gives the very bits of fused_ops.rope_triton, then store_kv_triton
+    from fused_ops import rope_triton
+    qkv = torch.randn(9, 1, 36 * 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.view(9, 1, -1, 128) for t in qkv.split([28 * 128, 4 * 128, 4 * 128], -1))
+    angles = torch.rand(9, 1, 1, 64, device="cuda") * 3000
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_k = rope_triton(q.clone(), k.clone(), cos, sin)
+    unfused = kc.clone(), vc.clone()
+    store_kv_triton(*unfused, want_k[:, 0], v[:, 0], slots)
+    got_q = rope_store_kv_triton(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], kc, vc, slots)
+    assert torch.equal(got_q, want_q[:, 0]) and torch.equal(kc, unfused[0])
+    assert torch.equal(vc, unfused[1])

@@ -1,0 +1,74 @@
+"""stacked_linear.py: q/k/v and gate/up in one allocation and one matmul on the sampling path give
+the training forward's logits (one linear at a time, torch ops), with and without LoRA.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import model as M
+import stacked_linear
+from stacked_linear import StackedLinear
+from test_model import batch, load32, rel_err
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
+def test_stacked_projections_match_one_by_one(tiny_hf_dir, quant, monkeypatch):
+    """q/k/v and gate/up share one allocation (each linear a row slice of it: the state dict and
+    the training forward are unchanged) and the sampling path multiplies once per group, then adds
+    each LoRA: the logits equal the training forward's (torch ops, one linear at a time)."""
+    from lora import LoRAConfig, LoRALinear, adapters_disabled, apply_lora, lora_modules
+    path, _ = tiny_hf_dir("qwen2")
+    model = load32(path, quant)
+    attn = model.model.layers[0].self_attn
+    assert attn.stacked is not None and model.model.layers[1].mlp.stacked is not None
+    key = "weight_packed" if quant == "nvfp4" else "weight"
+    q, k = getattr(attn.q_proj, key), getattr(attn.k_proj, key)
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr(), "not one allocation"
+    assert k.data_ptr() == q.data_ptr() + q.nbytes, "not back to back"
+    apply_lora(model, LoRAConfig(r=4, alpha=8))
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
+    calls, groups = [], []
+    real_call, real_group = StackedLinear.__call__, LoRALinear.add_group_delta
+    monkeypatch.setattr(StackedLinear, "__call__", lambda self, x: calls.append(1) or real_call(self, x))
+    monkeypatch.setattr(LoRALinear, "add_group_delta",
+                        staticmethod(lambda *a: groups.append(1) or real_group(*a)))
+    # the sampling path on the CPU: Triton kernels in the interpreter (conftest); model.py's norm,
+    # RoPE and SiLU·mul and project's stacked matmul each read their own `fused`
+    for module in (M, stacked_linear):
+        monkeypatch.setattr(module, "fused", lambda x: not torch.is_grad_enabled())
+    ids, pos = batch()
+    with torch.no_grad():
+        sampled = model(ids, pos)
+    assert len(calls) == len(groups) == 2 * model.config.num_layers
+    with torch.enable_grad():
+        trained = model(ids, pos)                  # one linear at a time, torch ops
+    assert rel_err(sampled, trained) < 1e-5
+    with torch.no_grad():                          # an optimizer step in place: the group's stacked
+        for m in lora_modules(model).values():     # copies of A and B follow (an eager call)
+            m.lora_B.mul_(-2.0)
+        sampled = model(ids, pos)
+        with adapters_disabled(model):
+            base = model(ids, pos)
+    with torch.enable_grad():
+        trained = model(ids, pos)
+        with adapters_disabled(model):
+            base_trained = model(ids, pos)
+    assert rel_err(sampled, trained) < 1e-5 and rel_err(base, base_trained) < 1e-5
+    assert rel_err(base, trained) > 1e-3           # the adapters matter here
+    calls.clear()
+    # a member that no longer lives in the stack (a reload that rebinds it) turns the stack off
+    base = attn.k_proj.base_layer
+    if key in base._parameters:
+        base._parameters[key] = nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+    else:
+        base._buffers[key] = base.weight_packed.clone()
+    with torch.no_grad():
+        again = model(ids, pos)
+    assert attn.stacked is None and len(calls) == 2 * model.config.num_layers - 1
+    assert rel_err(again, trained) < 1e-5

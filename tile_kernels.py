@@ -1,0 +1,227 @@
+"""The tile kernels: y = x·Wᵀ and dx = dy·W with bf16 tensor-core MMAs (wgmma), for M > 8.
+
+Hopper has no FP4 tensor cores, so each program decodes a (BN, BK) tile of the 4.5-bit weight
+into bf16 in registers (fp4_decode.py) and issues ordinary bf16 MMAs with fp32 accumulation
+("Marlin-style" mixed-input GEMM, written in Triton). The math of one output tile, written
+transposed ("swap AB") so that the big operand, the weight, is the MMA's left operand (it may then
+live in registers, and a 16-row weight tile is a legal MMA even when M is 1):
+
+    acc[BN, BM] = 0                                        # fp32
+    for k0 in range(k_start, k_end, BK):
+        w  = e2m1(packed[n-tile, k0:k0+BK]) * scale · 2^-7  # (BN, BK) bf16, exact
+        acc += w @ x[m-tile, k0:k0+BK]ᵀ                     # bf16 MMA, fp32 accumulate
+    y[m-tile, n-tile] = (acc · 2^7 / global_scale + bias)ᵀ  # bf16
+
+dx = dy·W is the same loop with the reduction over N: acc[BK, BM] += wᵀ @ dy[m-tile, n0:n0+BN]ᵀ
+(_nvfp4_mm_dx_kernel). The forward kernel, _nvfp4_mm_kernel, has two schedules
+(marlin_kernel.TileConfig.swap):
+
+  * swapped, M <= 64 (memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
+    weight rows per program, W from registers, split-K until there are >= 4 programs per SM.
+  * not swapped, 64 < M < 512: acc[BM, BN] += x·wᵀ with 128 x 128 tiles: the decoded W is the
+    MMA's B operand, stored once to shared memory (no round trip back to registers), and x is
+    re-read from L2 N/128 times instead of N/64.
+
+A split launch writes fp32 partial sums (split, M, N); _splitk_reduce_kernel adds them up with
+the epilogue (scale, bias, cast): deterministic, no atomics. It also serves the split launches of
+small_m_kernels.py. From M = 512 on (M = 128 for weights under 20M elements) the fused kernel
+reaches only ~45% of cuBLAS, so _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS
+multiplies (marlin_kernel.use_dequant).
+
+    x, dy    bf16  (M, K), (M, N)   innermost stride 1
+    packed   uint8 (N, K/2), scale uint8 (N, K/16) E4M3 bits, global_scale fp32 (1,)
+    BK divides K (and BN divides N for dx): the wrappers zero-pad odd reductions to 64 (MIN_RED)
+
+Rows past N or M are wrapped rather than masked, so loads stay unmasked and vectorized; they are
+never stored. Under the interpreter (INTERPRET) the dots run on fp32 copies.
+
+Test: tests/test_marlin_kernel.py through marlin_kernel's wrappers: test_forward_matches_float64,
+test_backward_input_matches_float64, test_split_and_tile_variants_agree,
+test_medium_m_unswapped_kernel_matches_float64, test_large_m_dequantize_then_matmul_path,
+test_real_shapes_gpu. Benchmark: python bench/kernel.py (--sweep, --medium-variants).
+"""
+import triton
+import triton.language as tl
+
+from fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _e2m1x2_to_f32, _e4m3_to_f32,
+                        _finish, _to_bf16, pdl_start)
+
+# ----------------------------------------------------------------------------------------------
+# the weight tile
+
+@triton.jit
+def _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
+                      BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows offs_n (all valid), columns k0..k0+BK (BK divides K) of W as bf16 w·scale·2^-7."""
+    offs_b = k0 // 2 + tl.arange(0, BK // 2)             # byte columns
+    offs_s = k0 // 16 + tl.arange(0, BK // 16)           # scale columns
+    p = tl.load(packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :])    # (BN, BK/2) u8
+    sb = tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_s[None, :])    # (BN, BK/16) u8
+    # scale·2^119 times the pseudo-value e2m1·2^-126 = e2m1·scale·2^-7 (exact in bf16)
+    s = _e4m3_to_f32(sb, 126 - OPERAND_SHIFT)
+    if INTERPRET:
+        s = tl.broadcast_to(s[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)
+        lo, hi = _e2m1x2_to_f32(p, INTERPRET)
+        lo, hi = (lo * s).to(tl.bfloat16), (hi * s).to(tl.bfloat16)
+    else:
+        s = tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1X4_TO_BF16_PTX, "=r,=r,=r,=r,r,r,r", [p, s],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    return tl.join(lo, hi).reshape(BN, BK)               # (BN, BK): even k from the low nibble
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+# M is not specialized: Triton would otherwise compile a separate M == 1 kernel, which ran
+# 3-28% slower than the general one at M = 2 on the H100 (bench/NOTES.md).
+@triton.jit
+def _grouped_order(pid, num_pid_w, num_pid_m, GROUP: tl.constexpr):
+    """Program id -> (weight tile, m tile), GROUP weight tiles swept over every m tile together,
+    so a weight tile is read from HBM once and reused from L2 (the Triton tutorial's swizzle)."""
+    num_pid_in_group = GROUP * num_pid_m
+    first = (pid // num_pid_in_group) * GROUP
+    group_size = min(num_pid_w - first, GROUP)
+    return first + (pid % num_pid_in_group) % group_size, (pid % num_pid_in_group) // group_size
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_mm_kernel(
+    # pointers
+    x_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    # sizes: x (M, K), W (N, K); each program of split pid_k reduces k in [pid_k·K_SPLIT, +K_SPLIT)
+    M, N, K, K_SPLIT,
+    # strides (the innermost stride of every tensor is 1)
+    stride_xm, stride_pn, stride_sn, stride_om, stride_os,
+    # meta
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    SWAP_AB: tl.constexpr,     # True: acc = W·xᵀ (BN, BM), W from registers; False: x·Wᵀ (BM, BN)
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
+):
+    """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program."""
+    pdl_start(USE_PDL)
+    # ---- grouped program order: GROUP weight tiles are swept over all m-tiles together (L2)
+    pid_n, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
+    pid_k = tl.program_id(1)
+
+    # rows past N or M are clamped (wrapped) instead of masked: loads stay unmasked and
+    # vectorized, and those rows of the result are never stored
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M
+    k_start = pid_k * K_SPLIT
+    n_iter = tl.cdiv(min(K - k_start, K_SPLIT), BK)      # BK divides K and K_SPLIT
+
+    # ---- main loop: dequantize a (BN, BK) weight tile in registers, bf16 MMA with x (BM, BK).
+    # Swapped (small M): W is the MMA's A operand, taken from registers, so BN = 64 weight rows
+    # are a legal tile at M = 1. Not swapped (medium M): the decoded W is the B operand, which
+    # the MMA reads from shared memory: it is stored there once and the MMA runs asynchronously.
+    acc = tl.zeros((BN, BM) if SWAP_AB else (BM, BN), dtype=tl.float32)
+    for it in range(0, n_iter):
+        k0 = tl.multiple_of(k_start + it * BK, BK)
+        w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
+                              BN, BK, INTERPRET)                                   # (BN, BK)
+        offs_k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :])        # (BM, BK)
+        if INTERPRET:
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(x), acc)                                      # (BN, BM)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)                                      # (BM, BN)
+    if SWAP_AB:
+        acc = tl.trans(acc)                                                        # (BM, BN)
+
+    # ---- epilogue: the y tile (or an fp32 partial sum for the split-K reduce)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if PARTIAL:
+        ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _nvfp4_mm_dx_kernel(
+    # pointers
+    dy_ptr, packed_ptr, scale_ptr, gs_ptr, out_ptr,
+    # sizes: dy (M, N), W (N, K); each program of split pid_s reduces n in [pid_s·N_SPLIT, +N_SPLIT)
+    M, N, K, N_SPLIT,
+    # strides (the innermost stride of every tensor is 1)
+    stride_dym, stride_pn, stride_sn, stride_om, stride_os,
+    # meta
+    PARTIAL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
+):
+    """dx[m, k] = sum_n dy[m, n] · W[n, k]; one (BK, BM) tile of dxᵀ per program."""
+    pdl_start(USE_PDL)
+    # ---- grouped program order over (k-tile, m-tile)
+    pid_k, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(K, BK), tl.cdiv(M, BM), GROUP_K)
+    pid_s = tl.program_id(1)
+
+    k0 = tl.multiple_of(pid_k * BK, BK)                  # BK divides K: no tail in k
+    offs_m = (pid_m * BM + tl.arange(0, BM)) % M         # rows past M wrapped, never stored
+    n_start = pid_s * N_SPLIT
+    n_iter = tl.cdiv(min(N - n_start, N_SPLIT), BN)      # BN divides N and N_SPLIT
+
+    # ---- main loop over n: the same (BN, BK) weight tile, used transposed
+    acc = tl.zeros((BK, BM), dtype=tl.float32)
+    for it in range(0, n_iter):
+        n0 = tl.multiple_of(n_start + it * BN, BN)
+        offs_n = n0 + tl.arange(0, BN)
+        w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
+                              BN, BK, INTERPRET)                                   # (BN, BK)
+        dyt = tl.load(dy_ptr + offs_m[None, :] * stride_dym + offs_n[:, None])    # (BN, BM)
+        if INTERPRET:
+            acc = tl.dot(tl.trans(w.to(tl.float32)), dyt.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(w), dyt, acc)
+
+    # ---- epilogue: dxᵀ tile -> dx (or an fp32 partial sum)
+    offs_k = k0 + tl.arange(0, BK)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    mask = (offs_k < K)[:, None] & (offs_m < M)[None, :]
+    if PARTIAL:
+        ptrs = out_ptr + pid_s * stride_os + offs_m[None, :] * stride_om + offs_k[:, None]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        y = _finish(acc, gs_ptr, gs_ptr, offs_k[:, None], K, False, INTERPRET)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_k[:, None], y, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """out (R, C) bf16 = sum_s part[s] (R, C) fp32 · 2^7/global_scale (+ bias (C,))."""
+    pdl_start(USE_PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, _finish(acc, gs_ptr, bias_ptr, offs % C, C, HAS_BIAS, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _nvfp4_dequant_kernel(packed_ptr, scale_ptr, gs_ptr, out_ptr, N, K, stride_pn, stride_sn,
+                          BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """W (N, K) bf16 = e2m1 · scale / global_scale, one (BN, BK) tile per program (BK divides K)."""
+    pdl_start(USE_PDL)
+    pid_n = tl.program_id(0)
+    k0 = tl.multiple_of(tl.program_id(1) * BK, BK)
+    offs_n = (pid_n * BN + tl.arange(0, BN)) % N
+    w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn, BN, BK, INTERPRET)
+    w = w.to(tl.float32) * (OPERAND_POST / tl.load(gs_ptr))
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = k0 + tl.arange(0, BK)
+    tl.store(out_ptr + offs_n[:, None] * K + offs_k[None, :], _to_bf16(w, INTERPRET),
+             mask=(offs_n < N)[:, None])
