@@ -22,9 +22,13 @@ scheduler.py's BlockManager). Slot -1 means "write nothing": the padding rows of
 
 Split decode. One program per (sequence b, kv head h, partition p) runs the G = Hq / Hkv query
 heads that share h as one (G, D) tile (padded to 16 rows for the MMA) through an online softmax
-over the partition's positions; it writes the partition's normalised output out_p and log-sum-exp
-lse_p (fp32). A second kernel merges: out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M), M the
-max lse. An empty context (a padding row) gives zeros. Both kernels, and the stores, start with
+over the partition's positions. A context that fits one partition is done there. Otherwise each
+program writes its partition's normalised output out_p and log-sum-exp lse_p (fp32) and bumps a
+counter of (b, h) with one atomic (release-acquire, after a barrier: every thread's stores come
+first); the program that finishes last merges, out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M)
+(M the max lse, partitions read a few at a time), and sets the counter back to 0 for the next call.
+This saves the separate merge kernel of flash-decoding (one launch per layer and step; the Runner
+owns the counters). An empty context (a padding row) gives zeros. The kernels start with
 marlin_kernel.pdl_start (programmatic dependent launch on Hopper). Under TRITON_INTERPRET=1 the dot
 operands are upcast to fp32 (the interpreter's bf16 tl.dot is wrong); fp32 caches use fp32 dots too.
 
@@ -142,16 +146,47 @@ if triton is not None:
                 tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF).to(v_cache_ptr.dtype.element_ty))
 
     @triton.jit
-    def _paged_decode_partial_kernel(
+    def _merge_partitions(part_out_ptr, part_lse_ptr, out_ptr, head0, num_parts, n_parts,
+                          G: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr, P_CHUNK: tl.constexpr):
+        """out[head0 + g] = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M) for the G heads, reading
+        P_CHUNK partitions at a time (online, as the attention itself: M grows chunk by chunk)."""
+        offs_g = tl.arange(0, G_M)
+        offs_c = tl.arange(0, P_CHUNK)
+        offs_d = tl.arange(0, D)
+        head = head0 + offs_g                                                    # (G_M,)
+        mx = tl.full([G_M], float("-inf"), tl.float32)
+        den = tl.zeros([G_M], tl.float32)
+        o = tl.zeros([G_M, D], tl.float32)
+        for p0 in range(0, n_parts, P_CHUNK):
+            rows = head[:, None] * num_parts + (p0 + offs_c)[None, :]           # (G_M, P_CHUNK)
+            ok = (offs_g < G)[:, None] & (p0 + offs_c < n_parts)[None, :]
+            # .cg: read through L2, where the other programs' partials are (never a stale L1 line)
+            lse = tl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            po = tl.load(part_out_ptr + rows[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None],
+                         other=0.0, cache_modifier=".cg")                       # (G_M, P_CHUNK, D)
+            mx_new = tl.maximum(mx, tl.max(lse, 1))
+            safe = tl.where(mx_new > float("-inf"), mx_new, 0.0)                # padded heads: no inf - inf
+            w = tl.exp(lse - safe[:, None])                                      # (G_M, P_CHUNK)
+            alpha = tl.exp(mx - safe)
+            den = den * alpha + tl.sum(w, 1)
+            o = o * alpha[:, None] + tl.sum(po * w[:, :, None], 1)
+            mx = mx_new
+        tl.store(out_ptr + head[:, None] * D + offs_d[None, :],
+                 (o / tl.where(den > 0, den, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=(offs_g < G)[:, None])
+
+    @triton.jit
+    def _paged_decode_kernel(
         q_ptr, stride_qb, stride_qh,             # q (B, Hq, D), last dim contiguous
         k_cache_ptr, v_cache_ptr,                # (num_blocks, BS, Hkv, D), contiguous
         block_table_ptr, stride_bt,              # (B, max_blocks) int32
         ctx_len_ptr,                             # (B,) int32
         part_out_ptr, part_lse_ptr,              # (B, Hq, P, D) fp32, (B, Hq, P) fp32
+        count_ptr, out_ptr,                      # (B, Hkv) int32, 0 between calls; out (B, Hq, D)
         scale, num_parts,
-        HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-        BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, FP32_DOT: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr,
+        BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, P_CHUNK: tl.constexpr,
+        MERGE: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """One program = (sequence b, kv head h, partition p): the G query heads of h attend to
         positions [p*PARTITION, min((p+1)*PARTITION, ctx)) with an online softmax.
@@ -159,20 +194,24 @@ if triton is not None:
         for each tile j of TILE positions (gathered from TILE / BS cache blocks) of the partition:
             s = q @ K_j^T * scale             (G, TILE), masked beyond the partition
             m' = max(m, rowmax s); l = l*e^(m-m') + rowsum e^(s-m'); acc = acc*e^(m-m') + e^(s-m') @ V_j
-        out[p] = acc / l ; lse[p] = m + log l         (merged across partitions by the next kernel)
+        out_p = acc / l, lse_p = m + log l to memory for _paged_decode_merge_kernel; or with MERGE,
+        out = acc / l if the context has one partition, else the program that finishes last for
+        (b, h) (an atomic count) merges them all.
         """
         pdl_start(USE_PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         p = tl.program_id(2)
         ctx = tl.load(ctx_len_ptr + b)
+        n_parts = (ctx + PARTITION - 1) // PARTITION
         start = p * PARTITION
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D)
+        g_mask = offs_g < G
+        head = b * HKV * G + h * G + offs_g                                      # (G_PAD,) rows of out
         if start < ctx:
             # ---- the G query heads that share kv head h, padded to a dot-friendly G_PAD
-            offs_g = tl.arange(0, G_PAD)
-            offs_d = tl.arange(0, D)
             offs_n = tl.arange(0, TILE)
-            g_mask = offs_g < G
             q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
                         mask=g_mask[:, None], other=0.0)                        # (G_PAD, D)
             if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 caches want full fp32
@@ -204,11 +243,28 @@ if triton is not None:
                 else:
                     acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
                 m = m_new
-            # ---- this partition's normalised output and log-sum-exp
-            row = (b * HKV * G + h * G + offs_g) * num_parts + p                 # (G_PAD,)
-            tl.store(part_out_ptr + row[:, None] * D + offs_d[None, :], acc / l[:, None],
-                     mask=g_mask[:, None])
-            tl.store(part_lse_ptr + row, m + tl.log(l), mask=g_mask)
+            if MERGE and n_parts == 1:           # the whole context in one partition: done
+                tl.store(out_ptr + head[:, None] * D + offs_d[None, :],
+                         (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+            else:
+                # ---- this partition's normalised output and log-sum-exp, then count it
+                row = head * num_parts + p                                       # (G_PAD,)
+                tl.store(part_out_ptr + row[:, None] * D + offs_d[None, :], acc / l[:, None],
+                         mask=g_mask[:, None])
+                tl.store(part_lse_ptr + row, m + tl.log(l), mask=g_mask)
+            if MERGE and n_parts > 1:
+                # every thread's stores, then one release-acquire increment (CUTLASS's semaphore
+                # pattern): the program that sees n_parts - 1 finished last and sees all partials
+                tl.debug_barrier()
+                done = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+                if done == n_parts - 1:
+                    tl.store(count_ptr + b * HKV + h, 0)                        # 0 for the next call
+                    _merge_partitions(part_out_ptr, part_lse_ptr, out_ptr, b * HKV * G + h * G,
+                                      num_parts, n_parts, G, G_M, D, P_CHUNK)
+        elif MERGE and p == 0:                   # an empty context (CUDA-graph padding): zeros
+            tl.store(out_ptr + head[:, None] * D + offs_d[None, :],
+                     tl.zeros([G_PAD, D], out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
 
     @triton.jit
     def _paged_decode_merge_kernel(
@@ -262,11 +318,18 @@ def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots):
     return q
 
 
-def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts,
-                           partition_size=256, tile=128):
+MERGE_MAX_PARTS = 8   # up to this many partitions the attention kernel merges them itself
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, counts,
+                           partition_size=256, tile=128, merge_in_kernel=None, warps=4):
     """Same contract as paged_attention_ref. num_parts * partition_size >= every context length;
-    it is fixed per engine (not per step) so that a captured CUDA graph stays valid. Each program
-    reads `tile` positions (a power of 2, several cache blocks) per step: bigger loads, fewer steps."""
+    it is fixed per engine (not per step) so that a captured CUDA graph stays valid. counts: (>= B,
+    Hkv) int32 zeros, reused by every call (the kernel leaves it zero again). Each program reads
+    `tile` positions (a power of 2, several cache blocks) per step: bigger loads, fewer steps.
+    merge_in_kernel (default: num_parts <= MERGE_MAX_PARTS): the last program of each (row, kv head)
+    merges the partitions (one launch); else a second kernel merges them, one program per q head
+    (faster when there are many partitions: H100, bench/NOTES.md v9)."""
     B, Hq, D = q.shape
     _, BS, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -275,16 +338,22 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     if D & (D - 1) or BS < 16 or BS & (BS - 1) or partition_size % BS:
         raise ValueError(f"Triton paged attention needs a power-of-2 head_dim (got {D}), a power-of-2 "
                          f"block_size >= 16 (got {BS}) dividing partition_size (got {partition_size})")
+    if counts.dtype != torch.int32 or counts.shape[0] < B or counts.shape[1] != Hkv or not counts.is_contiguous():
+        raise ValueError(f"counts must be contiguous int32 zeros of shape (>= {B}, {Hkv}), got "
+                         f"{counts.dtype} {tuple(counts.shape)}")
+    merge = num_parts <= MERGE_MAX_PARTS if merge_in_kernel is None else merge_in_kernel
     part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
-    _paged_decode_partial_kernel[(B, Hkv, num_parts)](
-        q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
-        context_lens, part_out, part_lse, scale, num_parts,
-        HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D, BS=BS,
-        PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
-        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32, **pdl_launch(q.device))
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
-    _paged_decode_merge_kernel[(B, Hq)](
-        part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,
-        NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts), **pdl_launch(q.device))
+    _paged_decode_kernel[(B, Hkv, num_parts)](
+        q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
+        context_lens, part_out, part_lse, counts, out, scale, num_parts,
+        HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), G_M=triton.next_power_of_2(G), D=D, BS=BS,
+        PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
+        P_CHUNK=min(MERGE_MAX_PARTS, triton.next_power_of_2(num_parts)), MERGE=merge,
+        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32, num_warps=warps, **pdl_launch(q.device))
+    if not merge:
+        _paged_decode_merge_kernel[(B, Hq)](
+            part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,
+            NUM_PARTS=num_parts, P_PAD=triton.next_power_of_2(num_parts), **pdl_launch(q.device))
     return out

@@ -168,15 +168,20 @@ class Runner:
         # graphs need the sync-free Triton path (the torch reference reads lengths on the host)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and attn_backend == "triton"
         self.k_cache = self.v_cache = None
+        self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
         self.graphs, self.graph_pool, self._static = {}, None, None
 
     def _paged_attention_triton(self, q, *args):
         # split the context finer for small batches so that batch 1 still fills the GPU, into at most
-        # 64 partitions (the merge kernel holds them all); a partition count fixed per batch size
+        # 64 partitions (each merge step reads all of them); a partition count fixed per batch size
         # keeps captured CUDA graphs valid for every context length
         part = self.partition_size or max(self.block_size, min(512, triton.next_power_of_2(32 * q.shape[0])),
                                           triton.next_power_of_2(-(-self.max_model_len // 64)))
-        return paged_attention_triton(q, *args, num_parts=-(-self.max_model_len // part), partition_size=part)
+        if self.attn_counts is None or self.attn_counts.shape[0] < q.shape[0]:   # never during a capture:
+            self.attn_counts = torch.zeros(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,  # the warm-up
+                                           dtype=torch.int32, device=self.device)  # call of the bucket comes first
+        return paged_attention_triton(q, *args, num_parts=-(-self.max_model_len // part), counts=self.attn_counts,
+                                      partition_size=part)
 
     # ---- cache
     def bytes_per_block(self):
@@ -212,7 +217,7 @@ class Runner:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _logits(self, hidden):
-        return self.model.lm_head(hidden).float()
+        return self.model.lm_head(hidden)          # in the model's dtype: sample() reads it as is
 
     # ---- prefill: one packed row of all new tokens
     @torch.inference_mode()

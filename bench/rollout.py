@@ -141,8 +141,9 @@ def attention(path):
         lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
         q = torch.randn(B, 28, 128, device="cuda", dtype=torch.bfloat16)
         for tile in (16, 32, 64, 128):
+            counts = torch.zeros(B, 4, device="cuda", dtype=torch.int32)
             fn = functools.partial(paged_attention.paged_attention_triton, q, kc, vc, tables, lens, 0.088,
-                                   num_parts=2048 // part, partition_size=part, tile=tile)
+                                   num_parts=2048 // part, counts=counts, partition_size=part, tile=tile)
             fn()
             us = triton.testing.do_bench_cudagraph(fn) * 1e3
             rows.append(dict(batch=B, ctx=ctx, partition=part, tile=tile, us=us,

@@ -26,19 +26,32 @@ def _random_paged(B, Hq, Hkv, D, bs, num_blocks, ctx_lens, dtype, device="cpu", 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("partition, tile", [(32, 16), (32, 64), (64, 64), (48, 64)])
-def test_paged_attention_triton_matches_reference(dtype, partition, tile):
-    # GQA 6/2 (G=3, padded to 16), contexts spanning 1..4 partitions, one empty row; tiles of one
-    # block, of several blocks, and (48, 64 -> 32) not dividing the partition
-    ctx = [1, 17, 40, 0, 97]
+@pytest.mark.parametrize("partition, tile, merge", [(32, 16, True), (32, 64, False), (64, 64, None),
+                                                   (48, 64, True), (16, 16, True), (16, 16, False)])
+def test_paged_attention_triton_matches_reference(dtype, partition, tile, merge):
+    # GQA 6/2 (G=3, padded to 16), contexts spanning 1..9 partitions, one empty row; tiles of one
+    # block, of several blocks, and (48, 64 -> 32) not dividing the partition; partitions merged by
+    # the last program of each (row, kv head) (8 at a time: 16 partitions take two passes), which
+    # leaves the counts at zero, or by the merge kernel
+    ctx = [1, 17, 40, 0, 140]
     q, kc, vc, tables, lens = _random_paged(5, 6, 2, 16, 16, 48, ctx, dtype)
     ref = paged_attention_ref(q, kc, vc, tables, lens, 0.25)
-    out = paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=-(-128 // partition),
-                                 partition_size=partition, tile=tile)
+    counts = torch.zeros(5, 2, dtype=torch.int32)
+    out = paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=-(-160 // partition), counts=counts,
+                                 partition_size=partition, tile=tile, merge_in_kernel=merge)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = (out.float() - ref.float()).abs()
     assert err.max() < tol, f"max err {err.max():.2e} mean {err.mean():.2e}"
-    assert torch.all(out[3] == 0)
+    assert torch.all(out[3] == 0) and torch.all(counts == 0)
+
+
+@pytest.mark.interpreter
+def test_paged_attention_triton_rejects_bad_counts():
+    q, kc, vc, tables, lens = _random_paged(2, 4, 2, 16, 16, 8, [5, 9], torch.float32)
+    for counts in (torch.zeros(1, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int64),
+                   torch.zeros(2, 3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="counts"):
+            paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=4, counts=counts, partition_size=16)
 
 
 @pytest.mark.interpreter
@@ -97,9 +110,16 @@ def test_gpu_kernels_match_reference_bf16():
     ctx = [1, 255, 256, 257, 1000, 0, 37]
     q, kc, vc, tables, lens = _random_paged(7, 28, 4, 128, 16, 600, ctx, torch.bfloat16, "cuda")
     ref = paged_attention_ref(q, kc, vc, tables, lens, 128 ** -0.5)
-    out = paged_attention_triton(q, kc, vc, tables, lens, 128 ** -0.5, num_parts=8, partition_size=128)
-    err = (out.float() - ref.float()).abs()
-    assert err.max() < 2e-2, f"max err {err.max():.2e} mean {err.mean():.2e}"
+    counts = torch.zeros(7, 4, dtype=torch.int32, device="cuda")
+    # 8 partitions of 128 and 63 of 16, merged by the merge kernel or 8 at a time by whichever
+    # program ends last (atomic counts, on real concurrent programs), three calls in a row on the
+    # same counts
+    for part, num_parts, merge in ((128, 8, None), (16, 64, None), (16, 64, True), (16, 64, True), (16, 64, True)):
+        out = paged_attention_triton(q, kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts,
+                                     partition_size=part, merge_in_kernel=merge)
+        err = (out.float() - ref.float()).abs()
+        assert err.max() < 2e-2, f"partition {part}: max err {err.max():.2e} mean {err.mean():.2e}"
+        assert torch.all(out[5] == 0) and torch.all(counts == 0)
     k, v = torch.randn(2, 9, 4, 128, device="cuda", dtype=torch.bfloat16).unbind(0)
     slots = torch.tensor([0, 5, -1, 17, 31, 8, 900, 2000, 40], device="cuda")
     a, b = kc.clone(), vc.clone()

@@ -1,10 +1,12 @@
 """Tests for sampling.py: greedy and its logprobs, top-k / top-p collapsing to greedy, and the
-exponential race's empirical frequencies against the filtered softmax. The engine's recorded
+exponential race's empirical frequencies against the filtered softmax; the Triton path (Gumbel-max
+over chunks) against argmax, float64 log-softmax and softmax frequencies. The engine's recorded
 logprobs against a dense forward are checked in tests/test_rollout.py."""
+import pytest
 import torch
 
 from rollout import SamplingParams
-from sampling import sample
+from sampling import sample, sample_triton
 
 # ----------------------------------------------------------------------------------------------
 # Sampler
@@ -36,3 +38,73 @@ def test_sample_draws_from_the_filtered_distribution():
     freq = torch.bincount(tok, minlength=6).double() / tok.numel()
     assert (freq - p.double()).abs().max() < 5e-3, f"freq {freq} vs p {p}"
     torch.testing.assert_close(lp, p.log()[tok], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Triton path (sample_triton: no top-k / top-p): interpreter on CPU, real sizes on the GPU
+
+def _logp64(logits, temperature=1.0):
+    return torch.log_softmax(logits.double() / temperature, -1)
+
+
+def _draws_match(tokens, p, sigmas=4.5):
+    """Every token's empirical frequency within `sigmas` binomial standard deviations of p."""
+    freq = torch.bincount(tokens.cpu(), minlength=p.numel()).double() / tokens.numel()
+    sd = (p * (1 - p) / tokens.numel()).sqrt()
+    assert ((freq - p).abs() <= sigmas * sd + 1e-12).all(), f"freq {freq} vs p {p}"
+
+
+@pytest.mark.interpreter
+def test_sample_triton_greedy_across_chunks_with_ties_and_logprobs():
+    """Greedy over 5 chunks of 1024: the argmax, the lowest index on a tie across chunks (torch's
+    rule), and logprobs = float64 log-softmax of the row, for fp32 and bf16 logits."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=g) * 3
+    logits[1, 4000] = logits[1, 100] = 50.0          # a tie in chunks 0 and 3
+    logits[2, 4999] = 40.0                           # the last logit of a partial chunk
+    for x in (logits, logits.bfloat16()):
+        tok, lp = sample_triton(x, 0.0, chunk=1024)
+        assert tok.tolist() == [int(x[0].float().argmax()), 100, 4999]
+        want = _logp64(x).gather(1, tok[:, None])[:, 0]
+        torch.testing.assert_close(lp.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.interpreter
+def test_sample_triton_draws_from_the_softmax_across_chunks():
+    """Gumbel-max over 3 chunks of 8 logits: frequencies of 600 draws against softmax(z / 0.7),
+    the recorded logprobs against float64, and a seeded generator repeats its draws."""
+    z = torch.tensor([2.0, -1.0, 0.5, -3.0, 1.0, 0.0, -2.0, 1.5] * 3) + torch.arange(24) % 5 * 0.1
+    params = SamplingParams(temperature=0.7, seed=0)
+    x = z.expand(600, -1)
+    tok, lp = sample_triton(x, params.temperature, torch.Generator().manual_seed(1), chunk=8)
+    p = torch.softmax(z.double() / 0.7, -1)
+    _draws_match(tok, p)
+    torch.testing.assert_close(lp.double(), p.log()[tok], rtol=0, atol=1e-5)
+    again, _ = sample_triton(x[:50], 0.7, torch.Generator().manual_seed(1), chunk=8)
+    assert torch.equal(again, tok[:50])
+
+
+@pytest.mark.gpu
+def test_gpu_sample_dispatches_to_triton_and_matches_the_softmax(monkeypatch):
+    """On CUDA, sample() without top-k/top-p runs the kernels: 200,000 draws over 6 logits and 4,096
+    over a Qwen2.5-size vocabulary (bf16, 38 chunks) follow softmax(z / T); logprobs vs float64."""
+    import sampling
+    calls = []
+    monkeypatch.setattr(sampling, "sample_triton", lambda *a: calls.append(1) or sample_triton(*a))
+    z = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0], device="cuda")
+    tok, lp = sample(z.expand(200_000, -1), SamplingParams(temperature=0.7, seed=0),
+                     torch.Generator(device="cuda").manual_seed(0))
+    p = torch.softmax(z.double() / 0.7, -1)
+    _draws_match(tok, p.cpu())
+    torch.testing.assert_close(lp.double(), p.log()[tok], rtol=0, atol=1e-5)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    big = torch.randn(152064, device="cuda", generator=g)
+    big[[7, 60_000, 152_063]] = torch.tensor([12.0, 11.5, 11.0], device="cuda")
+    big = big.bfloat16()
+    tok, lp = sample(big.expand(4096, -1), SamplingParams(temperature=1.0), g)
+    p = torch.softmax(big.double(), -1)
+    top = torch.tensor([7, 60_000, 152_063], device="cuda")
+    bucket = torch.where(tok[:, None] == top, torch.arange(3, device="cuda"), 3).min(1).values
+    _draws_match(bucket, torch.cat([p[top], 1 - p[top].sum()[None]]).cpu())
+    torch.testing.assert_close(lp.double(), p.log()[tok], rtol=0, atol=1e-4)
+    assert len(calls) == 2
