@@ -25,7 +25,10 @@ counter cannot tell when to refresh (fused AdamW did not bump it when tried here
 makes this safe is that rollout.py's prefill, which starts every generate() call, runs eagerly.
 The output add is fused too: y + s·(h Bᵀ) is one addmm (beta 1, alpha s), so an adapted linear is
 the base kernel plus two small GEMMs; at batch-1 decode each small kernel costs as much as a few
-megabytes of weight traffic, and a 7B model has 196 adapted linears.
+megabytes of weight traffic, and a 7B model has 196 adapted linears. So when sampling on CUDA with
+at most 16 rows (decode steps of up to 16 sequences), two Triton kernels launched with programmatic
+dependent launch (where it pays: lora_kernels.pdl_for) do the update in place instead
+(lora_kernels.py: shrink x Aᵀ, expand into y).
 
 Names follow PEFT, so adapters move between this code and the Hugging Face stack:
 
@@ -52,6 +55,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import lora_kernels
 
 # ---------------------------------------------------------------------------------------------
 # constants
@@ -105,6 +110,12 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _decode_kernels(x2: torch.Tensor) -> bool:
+    """Sampling on CUDA with at most lora_kernels.MAX_M rows x2 (rows, in): the Triton path."""
+    return (x2.is_cuda and lora_kernels.triton is not None and not torch.is_grad_enabled()
+            and x2.shape[0] <= lora_kernels.MAX_M)
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """Is a CUDA graph being captured on t's device? Then the kept casts are read, not refreshed."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -143,6 +154,10 @@ class LoRALinear(nn.Module):
         if not self.enabled:
             return y
         A, B = self._cast(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
+        if _decode_kernels(x2) and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
+            return lora_kernels.lora_delta_(x2, A, B, y.reshape(-1, y.shape[-1]), self.scaling,
+                                            lora_kernels.pdl_for(self.base_layer, x2.shape[0])).view(y.shape)
         h = F.linear(self.lora_dropout(x), A)                                      # (..., r)
         out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, self.r), B.t(), alpha=self.scaling)
         return out.view(y.shape)                                                   # y + s·h Bᵀ
@@ -173,6 +188,10 @@ class LoRALinear(nn.Module):
                 A[r0:r0 + m.r].copy_(m.lora_A)
                 B[n0:n0 + m.out_features, r0:r0 + m.r].copy_(m.lora_B)
                 r0, n0 = r0 + m.r, n0 + m.out_features
+        x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
+        if _decode_kernels(x2):
+            return lora_kernels.lora_delta_(x2, A, B, y.reshape(-1, y.shape[-1]), first.scaling,
+                                            lora_kernels.pdl_for(first.base_layer, x2.shape[0])).view(y.shape)
         h = F.linear(x, A)                                                         # (..., Σr)
         out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=first.scaling)
         return out.view(y.shape)

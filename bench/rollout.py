@@ -6,6 +6,8 @@ Engines, on the same random weights (model.build_model, real Qwen2.5 config valu
     hf-bf16      transformers' generate on a Qwen2ForCausalLM that shares the bf16 weights (7B only)
     *-nopdl      (e.g. ours-nvfp4-nopdl) Triton kernels launched without programmatic dependent launch
                  (marlin_kernel.PDL): what PDL buys
+    *-lora       (e.g. ours-nvfp4-lora) with train.py's default adapters (rank 32 on q/k/v/o/gate/up/down,
+                 B = 0 as initialised): the rollout a GRPO step actually runs, live adapters included
     *-unfused    (e.g. ours-nvfp4-unfused) norms, RoPE and SiLU·mul as plain torch ops instead of the
                  fused Triton kernels of fused_ops.py, and q/k/v, gate/up one linear at a time instead of
                  one stacked matmul each (stacked_linear.StackedLinear): what the fusion buys
@@ -41,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 import fused_ops
+import lora
 import marlin_kernel
 import paged_attention
 import rollout
@@ -163,6 +166,8 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = build_model(cfg, quant=quant, device="cuda", dtype=torch.bfloat16, seed=0)
+    if engine_name.endswith("-lora"):
+        lora.apply_lora(model, lora.LoRAConfig())                    # train.py's defaults
     print(f"[{model_name} {engine_name}] built in {time.perf_counter() - t0:.0f}s, "
           f"weights {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
     rows = []
@@ -214,7 +219,8 @@ def main():
     ap.add_argument("--engines", default="ours-nvfp4,ours-bf16,hf-bf16",
                     help="comma-separated: ours-nvfp4, ours-bf16, hf-bf16 (hf is skipped for 32b); "
                          "an -unfused suffix (ours-nvfp4-unfused) runs norms/RoPE/SiLU as plain torch ops, "
-                         "a -nopdl suffix launches every Triton kernel without programmatic dependent launch")
+                         "a -nopdl suffix launches every Triton kernel without programmatic dependent launch, "
+                         "a -lora suffix adds train.py's default LoRA adapters")
     ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, batch2, batch4, batch8, batch16, grpo")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))

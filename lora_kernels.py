@@ -1,0 +1,129 @@
+"""The LoRA update of a decode step in two Triton kernels: shrink, then expand in place.
+
+Why. A GRPO rollout samples with the adapters live (rollout.py runs the training model itself), so
+every projection of every decode step adds s · (x Aᵀ) Bᵀ to its base output. In torch that is a
+GEMM and an addmm per adapter group (lora.LoRALinear.add_delta / add_group_delta): 8 cuBLAS
+launches per layer, none of which takes part in programmatic dependent launch, and at batch 1 they
+cost more than their few megabytes of A and B: on the H100, rank 32 on all seven projections took
+7B NVFP4 batch-1 decode from 365 to 234 tok/s (bench/NOTES.md v9). For M <= 16 rows these two
+kernels replace them, launched with PDL like the rest of the decode step:
+
+    shrink, program (r-tile i, k-split j):   hp[j, :, i] = x[:, K_j] · A[i, K_j]ᵀ          fp32
+    expand, program (n-tile):                h = bf16(Σ_j hp[j])        (M, R)
+                                             y[:, n] = y[:, n] + s · h · B[n, :]ᵀ       in place
+
+h is rounded to the activation dtype before the expand, as F.linear's output is on the torch path
+(training computes the same update that way), so the two paths differ only in summation order.
+The K-split (at most 8 chunks of >= 1024) gives the shrink enough programs to stream A at batch 1
+without atomics: the expand sums the partials (deterministic). Ranks and output widths of a
+stacked group (q/k/v, gate/up) arrive as one A (Σr, K) and one block-diagonal B (Σ out, Σr).
+
+Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) contiguous rows,
+all in one dtype; M <= 16 (one MMA tile of rows). Launched with programmatic dependent launch except
+beside the small-M NVFP4 kernels, where it measured slower (pdl_for). Under TRITON_INTERPRET=1 the
+dots run in fp32 (the interpreter's bf16 tl.dot is wrong), as in the other kernels.
+Tests: tests/test_lora_kernels.py (interpreter: against float64, odd sizes, splits, a group's
+block-diagonal B; GPU: bf16 against the torch path of lora.py, and inside a graphed decode).
+"""
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from marlin_kernel import pdl_launch, pdl_start
+except ImportError:  # lora.py's torch path needs no triton
+    triton = None
+
+MAX_M = 16          # rows of x the kernels take (one MMA tile); more rows: lora.py's torch path
+BR, BK, BN = 16, 128, 64
+NVFP4_NO_PDL_MAX_M = 8   # next to the NVFP4 GEMV / fragment kernels (M <= 8) PDL costs: see pdl_for
+
+
+def pdl_for(base, rows: int) -> bool:
+    """Launch the two kernels with programmatic dependent launch? Yes (H100, 7B decode with rank-32
+    adapters: bf16 base +7-8% with PDL against +3-5% without; NVFP4 at 16 rows +8.8% against +4.6%),
+    except on an NVFP4 base (it has weight_packed) at <= 8 rows, where the neighbours are the
+    CUDA-core GEMV or the fragment kernel: there PDL made batch 1 9% slower than cuBLAS, and without
+    it the kernels gain 7.5% (batch 1) and 6.8% (batch 4) (bench/NOTES.md v9; the cause is not known)."""
+    return not (hasattr(base, "weight_packed") and rows <= NVFP4_NO_PDL_MAX_M)
+
+
+if triton is not None:
+    @triton.jit
+    def _lora_shrink_kernel(x_ptr, a_ptr, hp_ptr, M, R, K, KC, stride_xm,
+                            BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                            FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+        """hp[j, m, r] = sum over k in chunk j (KC wide) of x[m, k] · A[r, k], for BR rows r."""
+        pdl_start(USE_PDL)
+        i, j = tl.program_id(0), tl.program_id(1)
+        offs_m = tl.arange(0, BM)
+        offs_r = i * BR + tl.arange(0, BR)
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros((BM, BR), tl.float32)
+        for k0 in range(j * KC, tl.minimum(j * KC + KC, K), BK):
+            k = k0 + offs_k
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                        mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)      # (BM, BK)
+            a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :],
+                        mask=(offs_r[:, None] < R) & (k[None, :] < K), other=0.0)      # (BR, BK)
+            if FP32_DOT:
+                acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(a))
+        tl.store(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], acc,
+                 mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
+
+    @triton.jit
+    def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, M, N, R, stride_ym, scale,
+                            SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
+                            FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+        """y[m, n] += scale · bf16(Σ_j hp[j, m, :]) · B[n, :] for BN columns n, in place."""
+        pdl_start(USE_PDL)
+        offs_m = tl.arange(0, BM)
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_r = tl.arange(0, R_PAD)
+        h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
+        h = tl.zeros((BM, R_PAD), tl.float32)
+        for j in tl.static_range(SPLIT):                  # unrolled: the loads go out together
+            h += tl.load(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], mask=h_mask, other=0.0)
+        h = h.to(y_ptr.dtype.element_ty)                  # rounded as F.linear's h is
+        b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :],
+                    mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0.0)    # (BN, R_PAD)
+        if FP32_DOT:
+            d = tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        else:
+            d = tl.dot(h, tl.trans(b))                                                 # (BM, BN)
+        y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        y = tl.load(ys, mask=y_mask, other=0.0).to(tl.float32)
+        tl.store(ys, (y + scale * d).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def lora_delta_(x, A, B, y, scale, pdl=True):
+    """y += scale · (x Aᵀ) Bᵀ in place and return y: x (M, K), A (R, K), B (N, R), y (M, N), one
+    dtype, M <= MAX_M. Two launches: shrink over min(8, K / 1024) chunks of K, then expand; with
+    programmatic dependent launch where the device has it, unless pdl=False (see pdl_for)."""
+    M, K = x.shape
+    R, N = A.shape[0], B.shape[0]
+    if not (M <= MAX_M and A.shape[1] == K and B.shape[1] == R and tuple(y.shape) == (M, N)):
+        raise ValueError(f"lora_delta_: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, "
+                         f"y {tuple(y.shape)} do not fit y (M, N) += (x Aᵀ) Bᵀ with M <= {MAX_M}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    A, B = A.contiguous(), B.contiguous()
+    if y.stride(-1) != 1:
+        raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
+    split = max(1, min(8, K // 1024))
+    kc = triton.cdiv(triton.cdiv(K, split), BK) * BK
+    split = triton.cdiv(K, kc)
+    hp = torch.empty(split, M, R, device=x.device, dtype=torch.float32)
+    fp32 = os.environ.get("TRITON_INTERPRET") == "1" or x.dtype == torch.float32
+    launch = pdl_launch(x.device) if pdl else dict(USE_PDL=False, launch_pdl=False)
+    _lora_shrink_kernel[(triton.cdiv(R, BR), split)](x, A, hp, M, R, K, kc, x.stride(0), BM=MAX_M, BR=BR,
+                                                     BK=BK, FP32_DOT=fp32, **launch)
+    _lora_expand_kernel[(triton.cdiv(N, BN),)](hp, B, y, M, N, R, y.stride(0), scale, SPLIT=split, BM=MAX_M,
+                                               BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
+                                               FP32_DOT=fp32, **launch)
+    return y

@@ -1,0 +1,88 @@
+"""Tests for lora_kernels.py: the decode-time LoRA update y += s·(x Aᵀ) Bᵀ (shrink + expand kernels)
+against float64 and against lora.py's torch path; in place, on row-strided outputs, with bad shapes."""
+import pytest
+import torch
+
+import lora
+from lora_kernels import MAX_M, lora_delta_, pdl_for
+
+
+def _inputs(M, K, R, N, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, A, B = torch.randn(M, K, generator=g), torch.randn(R, K, generator=g) / K ** 0.5, torch.randn(N, R, generator=g)
+    y = torch.randn(M, N, generator=g)
+    return (t.to(device, dtype) for t in (x, A, B, y))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M, K, R, N", [(1, 200, 8, 70), (5, 3000, 40, 129), (16, 1024, 96, 64), (3, 9000, 32, 40)])
+def test_lora_delta_matches_float64(M, K, R, N):
+    """fp32: K not a multiple of the 128-wide step, 1..8 K-chunks, R and N not multiples of the tiles;
+    y is a column slice of a wider output (the stacked q/k/v case): its columns change in place, the
+    neighbours' do not."""
+    x, A, B, y = _inputs(M, K, R, N, torch.float32)
+    wide = torch.randn(M, N + 7)
+    wide[:, 3:3 + N] = y
+    before = wide.clone()
+    want = y.double() + 0.5 * (x.double() @ A.double().t()) @ B.double().t()
+    out = lora_delta_(x, A, B, wide[:, 3:3 + N], 0.5)
+    assert out.data_ptr() == wide[:, 3:].data_ptr()
+    torch.testing.assert_close(wide[:, 3:3 + N].double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + N:], before[:, 3 + N:])
+
+
+@pytest.mark.interpreter
+def test_lora_delta_bf16_rounds_h_like_the_torch_path():
+    """bf16: h rounded to bf16 before the expand, as F.linear's h is; then y + s·h Bᵀ rounded once."""
+    x, A, B, y = _inputs(4, 2048, 32, 96, torch.bfloat16, seed=1)
+    h = (x.float() @ A.float().t()).bfloat16()
+    want = (y.float() + 2.0 * (h.float() @ B.float().t())).bfloat16()
+    got = lora_delta_(x, A, B, y.clone(), 2.0)
+    assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
+
+
+@pytest.mark.interpreter
+def test_lora_delta_rejects_what_it_cannot_do():
+    x, A, B, y = _inputs(MAX_M + 1, 64, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="M <= 16"):
+        lora_delta_(x, A, B, y, 1.0)
+    x, A, B, y = _inputs(2, 64, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        lora_delta_(x, A[:, :32], B, y, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_delta_(x, A, B, torch.zeros(16, 2).t(), 1.0)
+
+
+def test_pdl_for_skips_pdl_only_beside_the_small_m_nvfp4_kernels():
+    import nvfp4
+    q = nvfp4.NVFP4Linear(64, 32)
+    dense = torch.nn.Linear(64, 32)
+    assert [pdl_for(q, m) for m in (1, 8, 9, 16)] == [False, False, True, True]
+    assert all(pdl_for(dense, m) for m in (1, 8, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
+    """bf16 on CUDA: a single adapter (add_delta) and a q/k/v-like group (add_group_delta, one stacked
+    A and a block-diagonal B) give the torch path's output within bf16 rounding, and use the kernels."""
+    torch.manual_seed(0)
+    mods = [lora.LoRALinear(torch.nn.Linear(512, n, bias=False).cuda().bfloat16(), r=16, alpha=32).cuda()
+            for n in (512, 128, 128)]
+    for m in mods:
+        torch.nn.init.normal_(m.lora_B, std=0.02)
+        m.eval()
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(rows, 768, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = lora.lora_kernels.lora_delta_
+    monkeypatch.setattr(lora.lora_kernels, "lora_delta_", lambda *a: calls.append(a[-1]) or real(*a))
+    with torch.no_grad():
+        got_one = mods[0].add_delta(x, y[:, :512].clone())
+        got_group = lora.LoRALinear.add_group_delta(mods, x, y.clone())
+        monkeypatch.setattr(lora, "_decode_kernels", lambda x2: False)
+        want_one = mods[0].add_delta(x, y[:, :512].clone())
+        want_group = lora.LoRALinear.add_group_delta(mods, x, y.clone())
+    assert calls == [True, True]                         # bf16 bases: with PDL (pdl_for)
+    for got, want in ((got_one, want_one), (got_group, want_group)):
+        assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
