@@ -27,8 +27,10 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
   * M <= 8 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
     into its A registers, 64 weight rows per program.
   * M <= 64 (decode, memory-bound): the tile kernel swapped (W·xᵀ, W from registers), BM = 16..64
-    rows of x, 64 weight rows per program, split-K until there are >= 4 programs per SM; the fp32
-    partial sums are reduced (with scale, bias, cast) by a second small kernel: deterministic.
+    rows of x, 64 weight rows per program, split-K until there are >= 4 programs per SM; the last
+    split of each tile to finish (an atomic count per tile) sums the fp32 partials in order and
+    applies scale, bias and cast: deterministic, and no second kernel (the other split launches
+    still end with _splitk_reduce_kernel).
   * 64 < M < 512: the same kernel not swapped, x·Wᵀ with 128 x 128 tiles (MEDIUM_CONFIG): 0.8-0.9x
     cuBLAS at M = 128 on the big weights (the MMA still waits on each decode: bench/NOTES.md v5).
   * M >= 512 (compute-bound; M >= 128 for weights under 20M elements): the fused kernel reaches only
@@ -308,6 +310,21 @@ def _dequantize_bf16(packed, scale, global_scale):
     return out
 
 
+REDUCE_IN_KERNEL = True   # the tile kernel sums its own split-K partials (bench A/Bs switch it off)
+_SPLIT_COUNTS = {}        # (device, stream) -> int32 zeros, see _split_counts
+
+
+def _split_counts(device, tiles):
+    """int32 zeros, >= tiles of them, for the tile kernel's in-kernel split-K reduce (each launch
+    leaves them zero). One buffer per CUDA stream, as torch keeps cuBLAS workspaces: the launches
+    of one stream run one after another, and two streams never share counts."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    counts = _SPLIT_COUNTS.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = _SPLIT_COUNTS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counts
+
+
 def _reduce(part, global_scale, bias, out):
     """out = sum of the partials (scaled, + bias); nothing to do if the launch wrote out itself."""
     if part is out:
@@ -336,14 +353,18 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
     sms = _num_sms(x.device)
     split, k_split = _split(cfg.split, tiles, K, cfg.bk, 4 * sms if cfg.swap else 3 * sms // 2)
     part = _partials(split, out)
+    # the swapped tiles sum their own split-K partials (H100: 7B batch-16 decode +3.7%); the 128 x 128
+    # medium tiles do not (their last split would read SPLIT x 64 KB alone: GRPO batch -7.4%)
+    reduce = split > 1 and cfg.swap and REDUCE_IN_KERNEL
     _nvfp4_mm_kernel[(tiles, split)](
         x, packed, scale, global_scale, bias if bias is not None else out, part,
+        out, _split_counts(x.device, tiles) if reduce else out,
         M, N, K, k_split,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, SPLIT=split if reduce else 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap,
         INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
-    return _reduce(part, global_scale, bias, out)
+    return out if reduce else _reduce(part, global_scale, bias, out)
 
 
 def _gemv(x, packed, scale, global_scale, bias, cfg):

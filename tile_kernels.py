@@ -22,9 +22,11 @@ dx = dy·W is the same loop with the reduction over N: acc[BK, BM] += wᵀ @ dy[
     MMA's B operand, stored once to shared memory (no round trip back to registers), and x is
     re-read from L2 N/128 times instead of N/64.
 
-A split launch writes fp32 partial sums (split, M, N); _splitk_reduce_kernel adds them up with
-the epilogue (scale, bias, cast): deterministic, no atomics. It also serves the split launches of
-small_m_kernels.py. From M = 512 on (M = 128 for weights under 20M elements) the fused kernel
+A split launch writes fp32 partial sums (split, M, N). Swapped, the split of a tile that finishes
+last (counted by an atomic per tile in a zeroed int32 buffer, which it sets back to zero) adds them
+up in order with the epilogue (scale, bias, cast): one launch, and the same bits as the reduce
+kernel. Otherwise _splitk_reduce_kernel does it: deterministic, no atomics; it also serves the split
+launches of small_m_kernels.py. From M = 512 on (M = 128 for weights under 20M elements) the fused kernel
 reaches only ~45% of cuBLAS, so _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS
 multiplies (marlin_kernel.use_dequant).
 
@@ -90,12 +92,14 @@ def _grouped_order(pid, num_pid_w, num_pid_m, GROUP: tl.constexpr):
 def _nvfp4_mm_kernel(
     # pointers
     x_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
     # sizes: x (M, K), W (N, K); each program of split pid_k reduces k in [pid_k·K_SPLIT, +K_SPLIT)
     M, N, K, K_SPLIT,
     # strides (the innermost stride of every tensor is 1)
     stride_xm, stride_pn, stride_sn, stride_om, stride_os,
     # meta
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    REDUCE: tl.constexpr, SPLIT: tl.constexpr,         # REDUCE: the tile's last split sums them
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     SWAP_AB: tl.constexpr,     # True: acc = W·xᵀ (BN, BM), W from registers; False: x·Wᵀ (BM, BN)
     INTERPRET: tl.constexpr,
@@ -141,6 +145,20 @@ def _nvfp4_mm_kernel(
     if PARTIAL:
         ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(ptrs, acc, mask=mask)
+        if REDUCE:
+            # every thread's partial is stored, then one release-acquire count per tile: the split
+            # that counts last sums the SPLIT partials in order (as _splitk_reduce_kernel does, so
+            # the same bits) and leaves the count at zero for the next launch
+            tl.debug_barrier()
+            tile = pid_m * tl.cdiv(N, BN) + pid_n
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                tl.store(count_ptr + tile, 0)
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    acc += tl.load(out_ptr + s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
+                                   mask=mask, other=0.0, cache_modifier=".cg")
+                y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
+                tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
     else:
         y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
