@@ -171,3 +171,31 @@ def _finish(acc, gs_ptr, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, INTERPRET: t
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     return _to_bf16(y, INTERPRET)
+
+
+# ----------------------------------------------------------------------------------------------
+# Split-K summed by the split that finishes last (one launch instead of a kernel + a reduce)
+
+@triton.jit
+def _last_split(count_ptr, tile, NSPLIT: tl.constexpr):
+    """Called by every split of an output tile after storing its fp32 partial: True for the one
+    that counts last, which then sees every partial. Every thread's stores come first (barrier),
+    then one release-acquire increment of the tile's count (CUTLASS's semaphore pattern); the last
+    split sets the count back to 0 for the next launch."""
+    tl.debug_barrier()
+    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1
+    if last:
+        tl.store(count_ptr + tile, 0)
+    return last
+
+
+@triton.jit
+def _sum_splits(part_ptr, y_ptr, offs, mask, cols, N, stride_os, gs_ptr, bias_ptr,
+                NSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    """y[offs] = _finish(sum over s in order of part[s, offs]): the bits of _splitk_reduce_kernel.
+    offs, mask and cols (the output columns, for the bias) share one shape; .cg reads through L2,
+    where the other programs' partials are."""
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, NSPLIT):
+        acc += tl.load(part_ptr + s * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(y_ptr + offs, _finish(acc, gs_ptr, bias_ptr, cols, N, HAS_BIAS, INTERPRET), mask=mask)

@@ -27,15 +27,16 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
   * M <= 8 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
     into its A registers, 64 weight rows per program.
   * M <= 64 (decode, memory-bound): the tile kernel swapped (W·xᵀ, W from registers), BM = 16..64
-    rows of x, 64 weight rows per program, split-K until there are >= 4 programs per SM; the last
-    split of each tile to finish (an atomic count per tile) sums the fp32 partials in order and
-    applies scale, bias and cast: deterministic, and no second kernel (the other split launches
-    still end with _splitk_reduce_kernel).
+    rows of x, 64 weight rows per program, split-K until there are >= 4 programs per SM.
   * 64 < M < 512: the same kernel not swapped, x·Wᵀ with 128 x 128 tiles (MEDIUM_CONFIG): 0.8-0.9x
     cuBLAS at M = 128 on the big weights (the MMA still waits on each decode: bench/NOTES.md v5).
   * M >= 512 (compute-bound; M >= 128 for weights under 20M elements): the fused kernel reaches only
     ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
     copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
+Split-K: each split writes fp32 partial sums; the last split of each output tile to finish (an
+atomic count per tile, fp4_decode._last_split) sums them in order with scale, bias and cast
+(deterministic, one launch) on the CUDA-core kernel, the fragment kernel at M <= 4 and the swapped
+tiles; elsewhere (fragment at M > 4, medium tiles) _splitk_reduce_kernel does, measured faster there.
 dx = dy·W takes the tile kernel, or the dequantized weight where use_dequant says so.
 Measured on an H100 (fwd, bench/NOTES.md): M = 1 1.6-3.2x over cuBLAS bf16 (1.0-2.6 TB/s of NVFP4
 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.7x, M = 16 1.2-1.9x, M = 128 0.5-0.95x.
@@ -310,12 +311,12 @@ def _dequantize_bf16(packed, scale, global_scale):
     return out
 
 
-REDUCE_IN_KERNEL = True   # the tile kernel sums its own split-K partials (bench A/Bs switch it off)
+REDUCE_IN_KERNEL = True   # split launches sum their own partials where it pays (bench A/Bs switch it off)
 _SPLIT_COUNTS = {}        # (device, stream) -> int32 zeros, see _split_counts
 
 
 def _split_counts(device, tiles):
-    """int32 zeros, >= tiles of them, for the tile kernel's in-kernel split-K reduce (each launch
+    """int32 zeros, >= tiles of them, for a kernel's in-kernel split-K reduce (each launch
     leaves them zero). One buffer per CUDA stream, as torch keeps cuBLAS workspaces: the launches
     of one stream run one after another, and two streams never share counts."""
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
@@ -353,15 +354,15 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
     sms = _num_sms(x.device)
     split, k_split = _split(cfg.split, tiles, K, cfg.bk, 4 * sms if cfg.swap else 3 * sms // 2)
     part = _partials(split, out)
-    # the swapped tiles sum their own split-K partials (H100: 7B batch-16 decode +3.7%); the 128 x 128
-    # medium tiles do not (their last split would read SPLIT x 64 KB alone: GRPO batch -7.4%)
+    # the swapped tiles sum their own split-K partials (H100: 7B batch-16 decode +3.7-4.7%); the
+    # 128 x 128 medium tiles do not (their last split would read SPLIT x 64 KB alone: GRPO batch -7.4%)
     reduce = split > 1 and cfg.swap and REDUCE_IN_KERNEL
     _nvfp4_mm_kernel[(tiles, split)](
         x, packed, scale, global_scale, bias if bias is not None else out, part,
         out, _split_counts(x.device, tiles) if reduce else out,
         M, N, K, k_split,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, SPLIT=split if reduce else 1,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap,
         INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -383,16 +384,18 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
     tiles = triton.cdiv(N, cfg.bn)
     split, k_split = _split(cfg.split, tiles, K, bk, 2 * _num_sms(x.device))
     part = _partials(split, out)
+    reduce = split > 1 and REDUCE_IN_KERNEL
     x2 = x.view(torch.int32)                 # (M, K/2): one bf16 pair per word
     sb = scale.view(torch.uint8)             # E4M3 bits; decoded in-kernel
     _nvfp4_gemv_kernel[(tiles, split)](
         x2, packed, sb, global_scale, bias if bias is not None else out, part,
+        out, _split_counts(x.device, tiles) if reduce else out,
         M, N, K // 2, k_split // 2,
         x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=_interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
-    return _reduce(part, global_scale, bias, out)
+    return out if reduce else _reduce(part, global_scale, bias, out)
 
 
 def _mma(x, packed, scale, global_scale, bias, cfg):
@@ -408,14 +411,19 @@ def _mma(x, packed, scale, global_scale, bias, cfg):
     tiles = triton.cdiv(N, rows)
     split, k_split = _split(cfg.split, tiles, K, 128, 4 * _num_sms(x.device))
     part = _partials(split, out)
+    # the last split sums the partials at M <= 4 only (H100, 7B decode, same run: batch 4 +4.3%,
+    # batch 8 -2.5% against the reduce kernel; bench/NOTES.md v9)
+    reduce = split > 1 and REDUCE_IN_KERNEL and M <= 4
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
     _nvfp4_mma_kernel[(tiles, split)](
         x2, p4, sb, global_scale, bias if bias is not None else out, part,
+        out, _split_counts(x.device, tiles) if reduce else out,
         M, N, K // 128, k_split // 128,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1,
+        W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2,
         INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=1, **pdl_launch(x.device))
-    return _reduce(part, global_scale, bias, out)
+    return out if reduce else _reduce(part, global_scale, bias, out)
 
 
 def _matmul_dx(dy, packed, scale, global_scale, cfg):

@@ -29,8 +29,9 @@ M <= 8. The comment above _decode_mma_ptx gives the register maps.
     x2       int32 (M, K/2)      x viewed as bf16 pairs
     packed   uint8 (N, K/2)      (the fragment kernel reads it as int32 words, (N, K/8))
     scale    uint8 (N, K/16)     E4M3 bits
-    out      bf16 (M, N), or fp32 partial sums (split, M, N) that marlin_kernel._reduce adds up
-             (tile_kernels._splitk_reduce_kernel): deterministic, no atomics.
+    out      bf16 (M, N), or fp32 partial sums (split, M, N) that the split finishing last for its
+             rows adds up into y (REDUCE: fp4_decode._last_split / _sum_splits), or else
+             tile_kernels._splitk_reduce_kernel does: deterministic either way.
 
 M is not specialized (do_not_specialize, as in tile_kernels.py). Under the interpreter
 (INTERPRET) the PTX is replaced by plain-tl emulations of the same sums (_mma_emulate).
@@ -45,7 +46,7 @@ import triton
 import triton.language as tl
 
 from fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
-                        _e4m3_to_f32, _finish, pdl_start)
+                        _e4m3_to_f32, _finish, _last_split, _sum_splits, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -119,6 +120,7 @@ def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om,
 def _nvfp4_gemv_kernel(
     # pointers (x2: x viewed as int32 words, one bf16 pair each)
     x2_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
     # sizes: x (M, K), W (N, K), K2 = K/2 (bytes per row of W, words per row of x2);
     # each program of split pid_k reduces the bytes [pid_k·SPLIT2, +SPLIT2) of its rows
     M, N, K2, SPLIT2,
@@ -126,6 +128,7 @@ def _nvfp4_gemv_kernel(
     stride_x2m, stride_pn, stride_sn, stride_om, stride_os,
     # meta
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    REDUCE: tl.constexpr, NSPLIT: tl.constexpr,        # REDUCE: the tile's last split sums them
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
     INTERPRET: tl.constexpr,
@@ -172,6 +175,11 @@ def _nvfp4_gemv_kernel(
     if BM > 2:
         _gemv_store(acc2, 2, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
         _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+    if REDUCE:
+        if _last_split(count_ptr, pid_n, NSPLIT):
+            m = tl.arange(0, BM)[:, None, None]                                   # (BM, 1, 1)
+            _sum_splits(out_ptr - pid_k * stride_os, y_ptr, m * stride_om + offs_n[None], (m < M) & (offs_n < N)[None],
+                        offs_n[None], N, stride_os, gs_ptr, bias_ptr, NSPLIT, HAS_BIAS, INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,12 +296,14 @@ def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_
 def _nvfp4_mma_kernel(
     # pointers (x2: x as int32 words, a bf16 pair each; p4: packed as int32 words, 8 codes each)
     x2_ptr, p4_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
     # sizes: x (M, K), W (N, K); NWIN = K / 128 windows, program pid_k takes [pid_k·SPLIT, +SPLIT)
     M, N, NWIN, SPLIT,
     # strides (the innermost stride of every tensor is 1)
     stride_x2m, stride_p4n, stride_sn, stride_om, stride_os,
     # meta
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    REDUCE: tl.constexpr, NSPLIT: tl.constexpr,        # REDUCE: the tile's last split sums them
     W: tl.constexpr,        # = num_warps
     R: tl.constexpr,        # 16-row tiles per warp: a program owns 16·W·R rows of W
     NT: tl.constexpr,       # token tiles of 8: 1 for M <= 8, 2 for M <= 16
@@ -364,3 +374,8 @@ def _nvfp4_mma_kernel(
     if NT == 2:
         _mma_store(acc1, tok + 8, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
                    HAS_BIAS, PARTIAL, INTERPRET)
+    if REDUCE:                                 # the wrapper asks for it at M <= 4 only (NT = 1)
+        tl.static_assert(NT == 1)
+        if _last_split(count_ptr, pid_n, NSPLIT):
+            _sum_splits(out_ptr, y_ptr, tok * stride_om + rows, (tok < M) & (rows < N), rows, N, stride_os,
+                        gs_ptr, bias_ptr, NSPLIT, HAS_BIAS, INTERPRET)

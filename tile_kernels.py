@@ -25,10 +25,12 @@ dx = dy·W is the same loop with the reduction over N: acc[BK, BM] += wᵀ @ dy[
 A split launch writes fp32 partial sums (split, M, N). Swapped, the split of a tile that finishes
 last (counted by an atomic per tile in a zeroed int32 buffer, which it sets back to zero) adds them
 up in order with the epilogue (scale, bias, cast): one launch, and the same bits as the reduce
-kernel. Otherwise _splitk_reduce_kernel does it: deterministic, no atomics; it also serves the split
-launches of small_m_kernels.py. From M = 512 on (M = 128 for weights under 20M elements) the fused kernel
-reaches only ~45% of cuBLAS, so _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS
-multiplies (marlin_kernel.use_dequant).
+kernel (fp4_decode._last_split / _sum_splits, shared with small_m_kernels.py). Otherwise
+_splitk_reduce_kernel does it: deterministic, no atomics.
+
+From M = 512 on (M = 128 for weights under 20M elements) the fused kernel reaches only ~45% of
+cuBLAS, so _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS multiplies
+(marlin_kernel.use_dequant).
 
     x, dy    bf16  (M, K), (M, N)   innermost stride 1
     packed   uint8 (N, K/2), scale uint8 (N, K/16) E4M3 bits, global_scale fp32 (1,)
@@ -46,7 +48,7 @@ import triton
 import triton.language as tl
 
 from fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _e2m1x2_to_f32, _e4m3_to_f32,
-                        _finish, _to_bf16, pdl_start)
+                        _finish, _last_split, _sum_splits, _to_bf16, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # the weight tile
@@ -99,7 +101,7 @@ def _nvfp4_mm_kernel(
     stride_xm, stride_pn, stride_sn, stride_om, stride_os,
     # meta
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
-    REDUCE: tl.constexpr, SPLIT: tl.constexpr,         # REDUCE: the tile's last split sums them
+    REDUCE: tl.constexpr, NSPLIT: tl.constexpr,        # REDUCE: the tile's last split sums them
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     SWAP_AB: tl.constexpr,     # True: acc = W·xᵀ (BN, BM), W from registers; False: x·Wᵀ (BM, BN)
     INTERPRET: tl.constexpr,
@@ -146,19 +148,9 @@ def _nvfp4_mm_kernel(
         ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(ptrs, acc, mask=mask)
         if REDUCE:
-            # every thread's partial is stored, then one release-acquire count per tile: the split
-            # that counts last sums the SPLIT partials in order (as _splitk_reduce_kernel does, so
-            # the same bits) and leaves the count at zero for the next launch
-            tl.debug_barrier()
-            tile = pid_m * tl.cdiv(N, BN) + pid_n
-            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-                tl.store(count_ptr + tile, 0)
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    acc += tl.load(out_ptr + s * stride_os + offs_m[:, None] * stride_om + offs_n[None, :],
-                                   mask=mask, other=0.0, cache_modifier=".cg")
-                y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
-                tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
+            if _last_split(count_ptr, pid_m * tl.cdiv(N, BN) + pid_n, NSPLIT):
+                _sum_splits(out_ptr, y_ptr, offs_m[:, None] * stride_om + offs_n[None, :], mask, offs_n[None, :],
+                            N, stride_os, gs_ptr, bias_ptr, NSPLIT, HAS_BIAS, INTERPRET)
     else:
         y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
