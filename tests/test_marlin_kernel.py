@@ -112,18 +112,15 @@ def test_split_and_tile_variants_agree(cfg, poisoned):
 
 
 @pytest.mark.parametrize("path,M,N,K,cfg", [
-    ("tile", 5, 144, 512, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3)),
-    ("tile", 16, 200, 1024, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=8)),
-    ("tile", 33, 64, 256, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=2)),
     ("gemv", 1, 48, 1056, mk.GemvConfig(bn=16, bk=64, split=3)),
     ("gemv", 2, 64, 512, mk.GemvConfig(bn=32, bk=64, split=4)),
     ("fragment", 3, 80, 512, mk.MmaConfig(warps=1, split=2)),
     ("fragment", 4, 64, 384, mk.MmaConfig(warps=2, tiles=2, split=3))])
 def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, monkeypatch):
     """Split-K summed by each tile's last split (atomic counts) gives the bits of the separate reduce
-    kernel (same order of the partials), on the tile, CUDA-core and fragment (M <= 4) kernels, for
-    several tiles and splits, and leaves the counts at zero."""
-    run = {"tile": mk._matmul, "gemv": mk._gemv, "fragment": mk._mma}[path]
+    kernel (same order of the partials), on the CUDA-core and fragment (M <= 4) kernels, for several
+    tiles and splits, and leaves the counts at zero."""
+    run = {"gemv": mk._gemv, "fragment": mk._mma}[path]
     gen = torch.Generator().manual_seed(M + N + K)
     packed, scale, gs = random_weight(N, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
