@@ -40,10 +40,18 @@ pdl_start, the first statement of every kernel, is the device side of programmat
 launch; the host side (the PDL switch, pdl_launch) is in marlin_kernel.py, where the benchmarks
 turn it off.
 
+Split-K in one launch (_last_split, _sum_splits; the CUDA-core kernel and the fragment kernel at
+M <= 4): every split stores its fp32 partial tile, then counts itself in an int32 per output tile
+(marlin_kernel._split_counts: zeros, one buffer per CUDA stream). The contract: barrier, then one
+release-acquire atomic add at GPU scope, so the split that counts last sees every partial; it reads
+them through L2 (.cg), sums them in split order (the bits of _splitk_reduce_kernel), finishes the
+tile, and sets its count back to 0 for the next launch on that stream.
+
 Test: every byte value and E4M3 scales from subnormal to 448 decode exactly through each kernel,
 tests/test_marlin_kernel.py (test_every_code_and_scale_decodes_exactly,
 test_cuda_core_gemv_decodes_every_code_exactly, test_fragment_kernel_decodes_every_code_exactly):
-on the CPU they check the plain-tl branches, on the GPU the PTX.
+on the CPU they check the plain-tl branches, on the GPU the PTX; the in-kernel split sum against
+the reduce kernel, bit for bit (test_in_kernel_split_reduce_equals_the_reduce_kernel).
 """
 import triton
 import triton.language as tl

@@ -111,7 +111,8 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 def _decode_kernels(x2: torch.Tensor) -> bool:
-    """Sampling on CUDA with at most lora_kernels.MAX_M rows x2 (rows, in): the Triton path."""
+    """A no-grad CUDA forward (sampling, scoring) of at most lora_kernels.MAX_M rows x2 (rows, in):
+    the Triton path, which adds the update into the base output y in place."""
     return (x2.is_cuda and lora_kernels.triton is not None and not torch.is_grad_enabled()
             and x2.shape[0] <= lora_kernels.MAX_M)
 
@@ -150,7 +151,8 @@ class LoRALinear(nn.Module):
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + scaling · dropout(x) Aᵀ Bᵀ for a base output y (..., out) computed here or elsewhere
-        (stacked_linear.StackedLinear computes q, k and v in one matmul, then each adapter adds its part)."""
+        (stacked_linear.StackedLinear computes q, k and v in one matmul, then each adapter adds its part).
+        On the Triton path (_decode_kernels) y itself is updated and returned: pass a fresh output."""
         if not self.enabled:
             return y
         A, B = self._cast(x.dtype)

@@ -110,6 +110,8 @@ def lora_delta_(x, A, B, y, scale, pdl=True):
     if not (M <= MAX_M and A.shape[1] == K and B.shape[1] == R and tuple(y.shape) == (M, N)):
         raise ValueError(f"lora_delta_: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, "
                          f"y {tuple(y.shape)} do not fit y (M, N) += (x Aᵀ) Bᵀ with M <= {MAX_M}")
+    if not x.dtype == A.dtype == B.dtype == y.dtype:
+        raise ValueError(f"lora_delta_ needs one dtype, got x {x.dtype}, A {A.dtype}, B {B.dtype}, y {y.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     A, B = A.contiguous(), B.contiguous()

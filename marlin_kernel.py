@@ -39,12 +39,12 @@ fp4_decode._last_split) sums them in order with scale, bias and cast (determinis
 elsewhere _splitk_reduce_kernel does, which measured faster there (the tile kernel: with LoRA
 adapters, bench/NOTES.md v9).
 dx = dy·W takes the tile kernel, or the dequantized weight where use_dequant says so.
-Measured on an H100 (fwd, bench/NOTES.md): M = 1 1.6-3.2x over cuBLAS bf16 (1.0-2.6 TB/s of NVFP4
-weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.7x, M = 16 1.2-1.9x, M = 128 0.5-0.95x.
+Measured on an H100 (fwd, bench/NOTES.md v9): M = 1 1.6-3.4x over cuBLAS bf16 (1.1-2.6 TB/s of
+NVFP4 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.2x, M = 16 1.0-1.9x, M = 128 0.5-0.95x.
 
 Every kernel starts with pdl_start and is launched with pdl_launch's keywords: programmatic
 dependent launch on Hopper, switched off by setting marlin_kernel.PDL = False (the benchmarks do).
-model.py and rollout.py use the same pair for their own kernels.
+fused_ops.py, paged_attention.py and lora_kernels.py use the same pair for their own kernels.
 
 What it leaves out: activation quantization (this is W4A16), a Marlin-style re-layout of the
 weights (the fragment kernel gets the same register-only decode from a k-permutation instead),
@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from fp4_decode import pdl_start  # noqa: F401 (public here: fused_ops.py and paged_attention.py import it)
+from fp4_decode import pdl_start  # noqa: F401 (public here: fused_ops, paged_attention, lora_kernels)
 from small_m_kernels import _nvfp4_gemv_kernel, _nvfp4_mma_kernel
 from tile_kernels import _nvfp4_dequant_kernel, _nvfp4_mm_dx_kernel, _nvfp4_mm_kernel, _splitk_reduce_kernel
 
@@ -312,19 +312,23 @@ def _dequantize_bf16(packed, scale, global_scale):
     return out
 
 
-REDUCE_IN_KERNEL = True   # split launches sum their own partials where it pays (bench A/Bs switch it off)
+REDUCE_IN_KERNEL = True   # split launches sum their own partials where it pays (tests and A/Bs turn it off)
+SPLIT_COUNTS = 1 << 16    # tiles one split launch may have (GEMV: N <= 2^20 rows; fragment: 2^22)
 _SPLIT_COUNTS = {}        # (device, stream) -> int32 zeros, see _split_counts
 
 
 def _split_counts(device, tiles):
-    """int32 zeros, >= tiles of them, for a kernel's in-kernel split-K reduce (each launch
-    leaves them zero). One buffer per CUDA stream, as torch keeps cuBLAS workspaces: the launches
-    of one stream run one after another, and two streams never share counts."""
+    """SPLIT_COUNTS int32 zeros for a kernel's in-kernel split-K reduce (each launch leaves them
+    zero). One buffer per CUDA stream, as torch keeps cuBLAS workspaces: the launches of one stream
+    run one after another, and two streams never share counts. Never replaced or freed, since
+    captured CUDA graphs hold its address (the first use on a capture stream allocates it inside
+    the capture: a memset node of that graph)."""
+    if tiles > SPLIT_COUNTS:
+        raise ValueError(f"a split launch of {tiles} tiles; the in-kernel reduce counts {SPLIT_COUNTS}")
     key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    counts = _SPLIT_COUNTS.get(key)
-    if counts is None or counts.numel() < tiles:
-        counts = _SPLIT_COUNTS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return counts
+    if key not in _SPLIT_COUNTS:
+        _SPLIT_COUNTS[key] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
+    return _SPLIT_COUNTS[key]
 
 
 def _reduce(part, global_scale, bias, out):

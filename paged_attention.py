@@ -22,13 +22,17 @@ scheduler.py's BlockManager). Slot -1 means "write nothing": the padding rows of
 
 Split decode. One program per (sequence b, kv head h, partition p) runs the G = Hq / Hkv query
 heads that share h as one (G, D) tile (padded to 16 rows for the MMA) through an online softmax
-over the partition's positions. A context that fits one partition is done there. Otherwise each
-program writes its partition's normalised output out_p and log-sum-exp lse_p (fp32) and bumps a
-counter of (b, h) with one atomic (release-acquire, after a barrier: every thread's stores come
-first); the program that finishes last merges, out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M)
-(M the max lse, partitions read a few at a time), and sets the counter back to 0 for the next call.
-This saves the separate merge kernel of flash-decoding (one launch per layer and step; the Runner
-owns the counters). An empty context (a padding row) gives zeros. The kernels start with
+over the partition's positions, and writes the partition's normalised output out_p and log-sum-exp
+lse_p (fp32). The merge, out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M) (M the max lse),
+takes one of two ways, chosen per launch:
+  * up to MERGE_MAX_PARTS (8) partitions (the Runner's choice from batch 8 on, at max_model_len
+    2048): in the same kernel. A context of one partition is written directly; otherwise each
+    program bumps a counter of (b, h) with one atomic (release-acquire, after a barrier: every
+    thread's stores come first), and the program that finishes last merges them, 8 at a time, and
+    sets the counter back to 0 for the next call (the Runner owns the counters). No second launch.
+  * more partitions (batch 1..4): _paged_decode_merge_kernel, one program per (b, q head) reading all
+    of them at once, which measured faster there than one program merging G heads.
+An empty context (a padding row) gives zeros. The kernels start with
 marlin_kernel.pdl_start (programmatic dependent launch on Hopper). Under TRITON_INTERPRET=1 the dot
 operands are upcast to fp32 (the interpreter's bf16 tl.dot is wrong); fp32 caches use fp32 dots too.
 
@@ -203,7 +207,9 @@ if triton is not None:
         h = tl.program_id(1)
         p = tl.program_id(2)
         ctx = tl.load(ctx_len_ptr + b)
-        n_parts = (ctx + PARTITION - 1) // PARTITION
+        # a context past num_parts * PARTITION breaks the contract (its tail is left out), but must
+        # not leave a count that never reaches n_parts, shared by every later call
+        n_parts = tl.minimum((ctx + PARTITION - 1) // PARTITION, num_parts)
         start = p * PARTITION
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D)
@@ -278,7 +284,7 @@ if triton is not None:
         b = tl.program_id(0)
         hq = tl.program_id(1)
         ctx = tl.load(ctx_len_ptr + b)
-        n_parts = (ctx + PARTITION - 1) // PARTITION
+        n_parts = tl.minimum((ctx + PARTITION - 1) // PARTITION, NUM_PARTS)
         offs_p = tl.arange(0, P_PAD)
         offs_d = tl.arange(0, D)
         p_mask = offs_p < n_parts

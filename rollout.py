@@ -173,13 +173,17 @@ class Runner:
 
     def _paged_attention_triton(self, q, *args):
         # split the context finer for small batches so that batch 1 still fills the GPU, into at most
-        # 64 partitions (each merge step reads all of them); a partition count fixed per batch size
-        # keeps captured CUDA graphs valid for every context length
+        # 64 partitions (more than 8: a merge kernel, see paged_attention.py); a partition count
+        # fixed per batch size keeps captured CUDA graphs valid for every context length
         part = self.partition_size or max(self.block_size, min(512, triton.next_power_of_2(32 * q.shape[0])),
                                           triton.next_power_of_2(-(-self.max_model_len // 64)))
-        if self.attn_counts is None or self.attn_counts.shape[0] < q.shape[0]:   # never during a capture:
-            self.attn_counts = torch.zeros(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,  # the warm-up
-                                           dtype=torch.int32, device=self.device)  # call of the bucket comes first
+        if self.attn_counts is None or self.attn_counts.shape[0] < q.shape[0]:
+            # never during a capture (the bucket's warm-up call comes first); graphs read the counts
+            # by address, so a larger eager batch (> the biggest bucket) drops them before the old
+            # buffer is freed
+            self.graphs, self.graph_pool = {}, None
+            self.attn_counts = torch.zeros(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,
+                                           dtype=torch.int32, device=self.device)
         return paged_attention_triton(q, *args, num_parts=-(-self.max_model_len // part), counts=self.attn_counts,
                                       partition_size=part)
 

@@ -85,8 +85,12 @@ def sample(logits, params, generator=None):
 
 if triton is not None:
     @triton.jit
-    def _sample_chunk_kernel(logits_ptr, stride_b, V, inv_t, seed_ptr, stat_ptr, idx_ptr, NUM_CHUNKS,
-                             CHUNK: tl.constexpr, GREEDY: tl.constexpr):
+    def _sample_chunk_kernel(
+        logits_ptr, stride_b, V, inv_t,          # logits (B, V), rows stride_b apart; 1 / temperature
+        seed_ptr,                                # (1,) int64: this step's Philox key
+        stat_ptr, idx_ptr, NUM_CHUNKS,           # out: (B, NUM_CHUNKS, 3) fp32, (B, NUM_CHUNKS) int32
+        CHUNK: tl.constexpr, GREEDY: tl.constexpr,
+    ):
         """stat[b, c] = (max z, sum e^(z - max z), max z + g), idx[b, c] = argmax of z + g."""
         b, c = tl.program_id(0), tl.program_id(1)
         offs = c * CHUNK + tl.arange(0, CHUNK)                                   # (CHUNK,)
@@ -108,8 +112,12 @@ if triton is not None:
         tl.store(idx_ptr + row, c * CHUNK + i)
 
     @triton.jit
-    def _sample_pick_kernel(logits_ptr, stride_b, inv_t, stat_ptr, idx_ptr, NUM_CHUNKS, token_ptr, logp_ptr,
-                            C_PAD: tl.constexpr):
+    def _sample_pick_kernel(
+        logits_ptr, stride_b, inv_t,             # as above
+        stat_ptr, idx_ptr, NUM_CHUNKS,           # the chunk kernel's output
+        token_ptr, logp_ptr,                     # out: (B,) int64, (B,) fp32
+        C_PAD: tl.constexpr,
+    ):
         """token[b] = idx of the chunk with the best score; logp[b] = z[token] - log-sum-exp of z."""
         b = tl.program_id(0)
         offs = tl.arange(0, C_PAD)
@@ -131,13 +139,15 @@ def sample_triton(logits, temperature, generator=None, chunk=CHUNK):
     """sample() without top-k / top-p, in two kernels: logits (B, V) with B·V < 2^31 -> tokens (B,)
     long, logprobs (B,) fp32. temperature 0 is greedy (logprobs of the plain log-softmax)."""
     B, V = logits.shape
+    if B * V >= 2 ** 31:
+        raise ValueError(f"sample_triton: {B} x {V} logits; the Philox counters b·V + v are int32")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     dev = logits.device
     num_chunks = triton.cdiv(V, chunk)
     stat = torch.empty(B, num_chunks, 3, device=dev, dtype=torch.float32)
     idx = torch.empty(B, num_chunks, device=dev, dtype=torch.int32)
-    seed = torch.randint(2 ** 31 - 1, (1,), device=dev, generator=generator)
+    seed = torch.randint(2 ** 62, (1,), device=dev, generator=generator)      # a 64-bit Philox key
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     _sample_chunk_kernel[(B, num_chunks)](logits, logits.stride(0), V, inv_t, seed, stat, idx, num_chunks,
                                           CHUNK=chunk, GREEDY=temperature == 0)

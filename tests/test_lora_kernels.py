@@ -32,6 +32,18 @@ def test_lora_delta_matches_float64(M, K, R, N):
 
 
 @pytest.mark.interpreter
+def test_lora_delta_reads_row_strided_x_and_rejects_mixed_dtypes():
+    """x a column slice of a wider activation (rows stride_xm != K apart), against float64; mixed
+    dtypes get a clear error."""
+    x, A, B, y = _inputs(3, 300, 8, 50, torch.float32, seed=2)
+    wide = torch.cat([torch.randn(3, 5), x, torch.randn(3, 9)], 1)
+    want = y.double() + 1.5 * (x.double() @ A.double().t()) @ B.double().t()
+    torch.testing.assert_close(lora_delta_(wide[:, 5:305], A, B, y, 1.5).double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        lora_delta_(x, A, B, y.bfloat16(), 1.0)
+
+
+@pytest.mark.interpreter
 def test_lora_delta_bf16_rounds_h_like_the_torch_path():
     """bf16: h rounded to bf16 before the expand, as F.linear's h is; then y + s·h Bᵀ rounded once."""
     x, A, B, y = _inputs(4, 2048, 32, 96, torch.bfloat16, seed=1)

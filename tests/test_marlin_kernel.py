@@ -116,17 +116,22 @@ def test_split_and_tile_variants_agree(cfg, poisoned):
     ("gemv", 2, 64, 512, mk.GemvConfig(bn=32, bk=64, split=4)),
     ("fragment", 3, 80, 512, mk.MmaConfig(warps=1, split=2)),
     ("fragment", 4, 64, 384, mk.MmaConfig(warps=2, tiles=2, split=3))])
-def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, monkeypatch):
+def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, monkeypatch, poisoned):
     """Split-K summed by each tile's last split (atomic counts) gives the bits of the separate reduce
     kernel (same order of the partials), on the CUDA-core and fragment (M <= 4) kernels, for several
     tiles and splits, and leaves the counts at zero."""
     run = {"gemv": mk._gemv, "fragment": mk._mma}[path]
+    name = {"gemv": "_nvfp4_gemv_kernel", "fragment": "_nvfp4_mma_kernel"}[path]
+    launched = []
+    monkeypatch.setattr(mk, name, LaunchSpy(getattr(mk, name), launched))
+    monkeypatch.setattr(mk, "_SPLIT_COUNTS", {})
     gen = torch.Generator().manual_seed(M + N + K)
     packed, scale, gs = random_weight(N, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
     bias = torch.randn(N, generator=gen).bfloat16().to(DEV)
     got = run(x, packed, scale, gs, bias, cfg)
-    assert mk._SPLIT_COUNTS and all(not c.any() for c in mk._SPLIT_COUNTS.values())
+    assert [(kw["REDUCE"], kw["NSPLIT"] > 1) for _, kw in launched] == [(True, True)]
+    assert len(mk._SPLIT_COUNTS) == 1 and not next(iter(mk._SPLIT_COUNTS.values())).any()
     monkeypatch.setattr(mk, "REDUCE_IN_KERNEL", False)
     assert torch.equal(got, run(x, packed, scale, gs, bias, cfg))
     assert_close(got, mk.reference_matmul(x, packed, scale, gs, bias), f"in-kernel reduce {path} M={M} {cfg}")
@@ -377,7 +382,7 @@ def test_real_shapes_gpu(N, K, M, poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120)])
-@pytest.mark.parametrize("M", [1, 5, 8, 13, 16])
+@pytest.mark.parametrize("M", [1, 4, 5, 8, 13, 16])          # M <= 4: the in-kernel split-K sum
 @pytest.mark.parametrize("cfg", [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 2, split=1)])
 def test_fragment_kernel_real_shapes_gpu(N, K, M, cfg, poisoned):
     gen = torch.Generator().manual_seed(N + K + M)

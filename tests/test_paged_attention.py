@@ -31,7 +31,7 @@ def _random_paged(B, Hq, Hkv, D, bs, num_blocks, ctx_lens, dtype, device="cpu", 
 def test_paged_attention_triton_matches_reference(dtype, partition, tile, merge):
     # GQA 6/2 (G=3, padded to 16), contexts spanning 1..9 partitions, one empty row; tiles of one
     # block, of several blocks, and (48, 64 -> 32) not dividing the partition; partitions merged by
-    # the last program of each (row, kv head) (8 at a time: 16 partitions take two passes), which
+    # the last program of each (row, kv head) (8 at a time: 9 partitions of 16 take two passes), which
     # leaves the counts at zero, or by the merge kernel
     ctx = [1, 17, 40, 0, 140]
     q, kc, vc, tables, lens = _random_paged(5, 6, 2, 16, 16, 48, ctx, dtype)
@@ -43,6 +43,21 @@ def test_paged_attention_triton_matches_reference(dtype, partition, tile, merge)
     err = (out.float() - ref.float()).abs()
     assert err.max() < tol, f"max err {err.max():.2e} mean {err.mean():.2e}"
     assert torch.all(out[3] == 0) and torch.all(counts == 0)
+
+
+@pytest.mark.interpreter
+def test_a_context_past_the_partitions_does_not_break_later_calls():
+    """A context longer than num_parts * partition_size breaks the contract, but the counts must
+    still come back to zero so that the next (valid) call merges correctly."""
+    q, kc, vc, tables, lens = _random_paged(2, 4, 2, 16, 16, 16, [100, 20], torch.float32)
+    counts = torch.zeros(2, 2, dtype=torch.int32)
+    paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=2, counts=counts, partition_size=16,
+                           merge_in_kernel=True)                     # 100 > 2 x 16
+    assert torch.all(counts == 0)
+    ok = torch.tensor([30, 20], dtype=torch.int32)
+    out = paged_attention_triton(q, kc, vc, tables, ok, 0.25, num_parts=2, counts=counts, partition_size=16,
+                                 merge_in_kernel=True)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, tables, ok, 0.25), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.interpreter

@@ -48,9 +48,15 @@ def _logp64(logits, temperature=1.0):
 
 
 def _draws_match(tokens, p, sigmas=4.5):
-    """Every token's empirical frequency within `sigmas` binomial standard deviations of p."""
-    freq = torch.bincount(tokens.cpu(), minlength=p.numel()).double() / tokens.numel()
-    sd = (p * (1 - p) / tokens.numel()).sqrt()
+    """Every token's empirical frequency within `sigmas` binomial standard deviations of p; tokens
+    expected fewer than 10 times are pooled into one bucket first (the normal approximation of a
+    count does not hold for them: 2 draws of a p = 2e-4 token among 600 are a 0.6% event)."""
+    n = tokens.numel()
+    freq = torch.bincount(tokens.cpu(), minlength=p.numel()).double() / n
+    rare = p * n < 10
+    freq = torch.cat([freq[~rare], freq[rare].sum()[None]])
+    p = torch.cat([p[~rare], p[rare].sum()[None]])
+    sd = (p * (1 - p) / n).sqrt()
     assert ((freq - p).abs() <= sigmas * sd + 1e-12).all(), f"freq {freq} vs p {p}"
 
 

@@ -1,0 +1,137 @@
+"""Same-run A/B of the sampler's switches: one engine, the variants in turn, the whole sequence twice.
+
+Why. Kernel timings taken alone mispredicted the decode graph (bench/NOTES.md v8: a routing that won
+every isolated shape lost 3.6% of 32B batch-16 decode), and a shared machine drifts by a few percent
+between runs. So a change to the decode step is judged here: one model, one LLMEngine, each
+variant's switches applied in turn (the CUDA graphs freed and recaptured for each), every workload
+of bench/rollout.py timed per variant, and the sequence repeated (--reps) so a difference that does
+not repeat is seen as noise.
+
+Switches (name=value, comma-separated; one argument per variant; unnamed switches keep their
+defaults, which are what ships):
+    pdl=0|1               marlin_kernel.PDL: programmatic dependent launch of every Triton kernel
+    reduce=0|1            marlin_kernel.REDUCE_IN_KERNEL: split-K summed by the last split in-kernel
+    merge=N               paged_attention.MERGE_MAX_PARTS: up to N partitions merged in the attention
+                          kernel (0: always the merge kernel)
+    lora_kernels=0|1      lora_kernels.py's decode update (0: lora.py's cuBLAS GEMM + addmm)
+    sampler=triton|torch  sampling.py's GPU path (torch: the ~10-op reference path)
+
+    python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
+    python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants lora_kernels=1 lora_kernels=0
+Prints a line per run and writes OUT/ab.json: rows (model, rep, variant, workload, tok/s: decode
+tok/s for batchB, total tok/s for grpo). --lora adds train.py's default adapters (rank 32 on all
+seven projections) to every variant: the rollout a GRPO step runs.
+"""
+import argparse
+import contextlib
+import gc
+import importlib.util
+import json
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+import torch
+
+import lora
+import marlin_kernel
+import paged_attention
+import rollout
+import sampling
+
+# ----------------------------------------------------------------------------------------------
+# the switches: (module, attribute, value of the argument string)
+
+SWITCHES = {
+    "pdl": (marlin_kernel, "PDL", lambda v: bool(int(v))),
+    "reduce": (marlin_kernel, "REDUCE_IN_KERNEL", lambda v: bool(int(v))),
+    "merge": (paged_attention, "MERGE_MAX_PARTS", int),
+    "lora_kernels": (lora, "_decode_kernels", lambda v: lora._decode_kernels if int(v) else (lambda x2: False)),
+    "sampler": (sampling, "triton", lambda v: sampling.triton if v == "triton" else None),
+}
+
+
+def parse_variant(text: str) -> dict:
+    """'pdl=0,merge=8' -> {'pdl': '0', 'merge': '8'}; an unknown name is an error that lists them."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in SWITCHES:
+            raise ValueError(f"bad switch {item!r} in variant {text!r}: use name=value with names {sorted(SWITCHES)}")
+        out[name] = value
+    return out
+
+
+@contextlib.contextmanager
+def switched(variant: dict):
+    """Apply a parsed variant's switches, restore every one on exit."""
+    saved = {name: getattr(SWITCHES[name][0], SWITCHES[name][1]) for name in variant}
+    try:
+        for name, value in variant.items():
+            module, attr, convert = SWITCHES[name]
+            setattr(module, attr, convert(value))
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(SWITCHES[name][0], SWITCHES[name][1], value)
+
+
+def _bench_rollout():
+    """bench/rollout.py as a module (its name clashes with the top-level rollout.py)."""
+    spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(ROOT, "bench", "rollout.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="7b", help="comma-separated: 7b, 14b, 32b, tiny")
+    ap.add_argument("--quant", default="nvfp4", choices=("nvfp4", "bf16"))
+    ap.add_argument("--lora", action="store_true", help="add train.py's default LoRA adapters")
+    ap.add_argument("--workloads", default="batch1,batch16", help="bench/rollout.py workloads")
+    ap.add_argument("--variants", nargs="+", required=True, help='e.g. reduce=1 reduce=0 "pdl=0,merge=0"')
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    args = ap.parse_args()
+    variants = {v: parse_variant(v) for v in args.variants}
+    if not torch.cuda.is_available():
+        sys.exit("bench/ab.py needs a CUDA GPU")
+    br = _bench_rollout()
+    rows = []
+    for model_name in args.models.split(","):
+        cfg = br.CONFIGS[model_name]
+        model = br.build_model(cfg, quant=args.quant, device="cuda", dtype=torch.bfloat16, seed=0)
+        if args.lora:
+            lora.apply_lora(model, lora.LoRAConfig())
+        engine = rollout.LLMEngine(model, max_model_len=args.max_model_len, max_num_seqs=256)
+        for rep in range(args.reps):
+            for name, variant in variants.items():
+                with switched(variant):
+                    for wl in args.workloads.split(","):
+                        w = br.WORKLOADS[wl]
+                        prompts = br.random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0)
+                        engine.free_cache()                          # graphs of this variant's kernels
+                        br.run_ours(engine, prompts, w["n"], 2)      # warm-up (compiles)
+                        engine.free_cache()
+                        r = br.run_ours(engine, prompts, w["n"], w["new"])
+                        tok_s = (r["new_tokens"] / r["total_s"] if wl == "grpo"
+                                 else w["prompts"] * (w["new"] - 1) / (r["total_s"] - r["ttft_s"]))
+                        rows.append(dict(model=model_name, rep=rep, variant=name, workload=wl, tok_s=tok_s))
+                        print(f"{model_name} rep {rep} {name:24s} {wl:8s} {tok_s:9.1f} tok/s", flush=True)
+        engine.free_cache()
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "ab.json")
+    with open(path, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), args=vars(args), rows=rows), f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""bench/ab.py on CPU: variants parse into switches, which are applied and then restored exactly."""
+import importlib.util
+import os
+
+import pytest
+
+import lora
+import marlin_kernel
+import paged_attention
+import sampling
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_ab():
+    spec = importlib.util.spec_from_file_location("bench_ab", os.path.join(ROOT, "bench", "ab.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_variants_switch_the_flags_and_restore_them():
+    ab = load_ab()
+    before = (marlin_kernel.PDL, marlin_kernel.REDUCE_IN_KERNEL, paged_attention.MERGE_MAX_PARTS,
+              lora._decode_kernels, sampling.triton)
+    variant = ab.parse_variant("pdl=0,reduce=0,merge=0,lora_kernels=0,sampler=torch")
+    assert variant == dict(pdl="0", reduce="0", merge="0", lora_kernels="0", sampler="torch")
+    with ab.switched(variant):
+        assert marlin_kernel.PDL is False and marlin_kernel.REDUCE_IN_KERNEL is False
+        assert paged_attention.MERGE_MAX_PARTS == 0 and sampling.triton is None
+        assert lora._decode_kernels is not before[3] and lora._decode_kernels(None) is False
+    assert (marlin_kernel.PDL, marlin_kernel.REDUCE_IN_KERNEL, paged_attention.MERGE_MAX_PARTS,
+            lora._decode_kernels, sampling.triton) == before
+    with ab.switched(ab.parse_variant("merge=64")):
+        assert paged_attention.MERGE_MAX_PARTS == 64 and marlin_kernel.PDL == before[0]
+    assert paged_attention.MERGE_MAX_PARTS == before[2]
+
+
+def test_a_bad_switch_names_the_known_ones():
+    ab = load_ab()
+    for text in ("pld=0", "pdl", "reduce=1,bogus=2"):
+        with pytest.raises(ValueError, match="merge"):
+            ab.parse_variant(text)
