@@ -47,11 +47,10 @@ release-acquire atomic add at GPU scope, so the split that counts last sees ever
 them through L2 (.cg), sums them in split order (the bits of _splitk_reduce_kernel), finishes the
 tile, and sets its count back to 0 for the next launch on that stream.
 
-Test: every byte value and E4M3 scales from subnormal to 448 decode exactly through each kernel,
-tests/test_marlin_kernel.py (test_every_code_and_scale_decodes_exactly,
-test_cuda_core_gemv_decodes_every_code_exactly, test_fragment_kernel_decodes_every_code_exactly):
-on the CPU they check the plain-tl branches, on the GPU the PTX; the in-kernel split sum against
-the reduce kernel, bit for bit (test_in_kernel_split_reduce_equals_the_reduce_kernel).
+Test: tests/test_fp4_decode.py: every byte value and E4M3 scales from subnormal to 448 decode
+exactly through each kernel (on the CPU the plain-tl branches, on the GPU the PTX); the in-kernel
+split sum against the reduce kernel, bit for bit: tests/test_small_m_kernels.py
+(test_in_kernel_split_reduce_equals_the_reduce_kernel).
 """
 import triton
 import triton.language as tl

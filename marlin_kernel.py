@@ -13,8 +13,8 @@ The weight format is the standard compressed-tensors NVFP4 layout, untouched (nv
 
 This file is the entry point the rest of the project imports: the float64 reference, the launch
 shapes and the routing between kernels, the input checks and the wrappers that allocate and
-launch. The kernels live in three files that nothing but this one and tests/test_marlin_kernel.py
-imports (hence their underscore names):
+launch. The kernels live in three files that nothing but this one and their tests import (hence
+their underscore names):
 
     fp4_decode.py       the in-kernel number format: E2M1 / E4M3 bit decoding (PTX and its plain-tl
                         emulation for the interpreter), the epilogue, pdl_start
@@ -50,8 +50,9 @@ What it leaves out: activation quantization (this is W4A16), a Marlin-style re-l
 weights (the fragment kernel gets the same register-only decode from a k-permutation instead),
 a warp-specialized schedule. q/k/v and gate/up arrive as one weight each
 (stacked_linear.StackedLinear).
-Test: pytest tests/test_marlin_kernel.py (CPU: interpreter, tiny shapes; GPU: real shapes);
-benchmark: python bench/kernel.py.
+Test: pytest tests/test_marlin_kernel.py (routing, input checks, end to end on every route) and the
+kernels' own tests/test_fp4_decode.py, test_small_m_kernels.py, test_tile_kernels.py (CPU:
+interpreter, tiny shapes; GPU: real shapes); benchmark: python bench/kernel.py.
 """
 import functools
 import os

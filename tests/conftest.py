@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny random Hugging Face checkpoints, the real SmolLM2 model, the GPU marker.
+"""Shared test fixtures: tiny random Hugging Face checkpoints, the real SmolLM2 model, the GPU marker,
+NaN-poisoned allocations for the kernel tests.
 
 Every reference here is independent of the code under test: tiny checkpoints are written by
 transformers itself, SmolLM2 by ../shared/tools/get_smollm2.py.
@@ -96,3 +97,18 @@ def shared_data():
     if not os.path.isdir(path):
         pytest.skip(f"{path} not found")
     return path
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every torch.empty (so every buffer marlin_kernel's wrappers allocate) returns a NaN-filled
+    float tensor: an element a kernel forgets to write fails the test."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)

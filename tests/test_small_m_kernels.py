@@ -1,0 +1,82 @@
+"""Tests for small_m_kernels.py: the CUDA-core GEMV (M <= 4) and the mma.sync fragment kernel
+(M <= 16, K a multiple of 128), run through marlin_kernel's _gemv / _mma with a given GemvConfig /
+MmaConfig, against the float64 reference marlin_kernel.reference_matmul (plain torch), on buffers
+poisoned with NaN (conftest's `poisoned`).
+
+On the CPU the interpreter runs tiny shapes, the fragment kernel's PTX replaced by its plain-fp32
+emulation (so the index maps are checked); the `gpu` test runs the PTX on the real Qwen2.5 projection
+shapes. Split-K summed inside the kernel (fp4_decode._last_split / _sum_splits) must give the bits
+of the separate reduce kernel. Exact decoding of every code: test_fp4_decode.py; the wrappers'
+routing to these kernels: test_marlin_kernel.py.
+"""
+import pytest
+import torch
+
+import marlin_kernel as mk
+from test_marlin_kernel import DEV, LaunchSpy, assert_close, check_forward, random_weight
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: small shapes
+
+@pytest.mark.parametrize("path,M,N,K,cfg", [
+    ("gemv", 1, 48, 1056, mk.GemvConfig(bn=16, bk=64, split=3)),
+    ("gemv", 2, 64, 512, mk.GemvConfig(bn=32, bk=64, split=4)),
+    ("fragment", 3, 80, 512, mk.MmaConfig(warps=1, split=2)),
+    ("fragment", 4, 64, 384, mk.MmaConfig(warps=2, tiles=2, split=3))])
+def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, monkeypatch, poisoned):
+    """Split-K summed by each tile's last split (atomic counts) gives the bits of the separate reduce
+    kernel (same order of the partials), on the CUDA-core and fragment (M <= 4) kernels, for several
+    tiles and splits, and leaves the counts at zero."""
+    run = {"gemv": mk._gemv, "fragment": mk._mma}[path]
+    name = {"gemv": "_nvfp4_gemv_kernel", "fragment": "_nvfp4_mma_kernel"}[path]
+    launched = []
+    monkeypatch.setattr(mk, name, LaunchSpy(getattr(mk, name), launched))
+    monkeypatch.setattr(mk, "_SPLIT_COUNTS", {})
+    gen = torch.Generator().manual_seed(M + N + K)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV)
+    got = run(x, packed, scale, gs, bias, cfg)
+    assert [(kw["REDUCE"], kw["NSPLIT"] > 1) for _, kw in launched] == [(True, True)]
+    assert len(mk._SPLIT_COUNTS) == 1 and not next(iter(mk._SPLIT_COUNTS.values())).any()
+    monkeypatch.setattr(mk, "REDUCE_IN_KERNEL", False)
+    assert torch.equal(got, run(x, packed, scale, gs, bias, cfg))
+    assert_close(got, mk.reference_matmul(x, packed, scale, gs, bias), f"in-kernel reduce {path} M={M} {cfg}")
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 16, 16), (3, 16, 32), (4, 48, 80), (2, 32, 272), (1, 64, 1056)])
+@pytest.mark.parametrize("cfg", [mk.GemvConfig(), mk.GemvConfig(bn=16, bk=64, split=3), mk.GemvConfig(bn=32, bk=32)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
+    """The CUDA-core kernel (M <= 4): odd M, minimum N and K, a K tail, split-K and single pass."""
+    check_forward(lambda *a: mk._gemv(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + cfg.bk + has_bias,
+                  f"gemv M={M} N={N} K={K} {cfg}")
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256), (6, 16, 640)])
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2), mk.MmaConfig(warps=1, tiles=4, split=1)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
+    """The fragment kernel (mma.sync on registers decoded in place; M <= 16, K a multiple of 128):
+    one and two token tiles, odd M, N not a multiple of the program's rows (wrapped rows must not
+    be stored), several windows, a single pass and split-K. On the CPU the PTX is replaced by its
+    plain-fp32 emulation, so this checks the index maps; the GPU run checks the PTX itself."""
+    check_forward(lambda *a: mk._mma(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + cfg.tiles + has_bias,
+                  f"mma M={M} N={N} K={K} {cfg}")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real shapes (Qwen2.5-7B / 32B projections)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120)])
+@pytest.mark.parametrize("M", [1, 4, 5, 8, 13, 16])          # M <= 4: the in-kernel split-K sum
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 2, split=1)])
+def test_fragment_kernel_real_shapes_gpu(N, K, M, cfg, poisoned):
+    gen = torch.Generator().manual_seed(N + K + M)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda()
+    assert_close(mk._mma(x, packed, scale, gs, bias, cfg), mk.reference_matmul(x, packed, scale, gs, bias),
+                 f"mma {N}x{K} M={M} {cfg}")

@@ -1,0 +1,78 @@
+"""Tests for tile_kernels.py: the wgmma tile kernels, run through marlin_kernel's wrappers, against
+the float64 references marlin_kernel.reference_matmul / reference_dequantize (plain torch), on
+buffers poisoned with NaN (conftest's `poisoned`): the backward-input product dx (nvfp4_matmul_dx),
+tile shapes and split-K with the separate reduce kernel (_matmul / _matmul_dx with a TileConfig,
+swapped and not), the medium-M unswapped launch (MEDIUM_CONFIG) and the large-M path (W
+dequantized to bf16 within one rounding, then cuBLAS).
+
+On the CPU the interpreter runs tiny shapes (the dots on fp32 copies); the real projection shapes
+run through nvfp4_matmul / nvfp4_matmul_dx in test_marlin_kernel.py (test_real_shapes_gpu).
+"""
+import dataclasses
+
+import pytest
+import torch
+
+import marlin_kernel as mk
+from test_marlin_kernel import DEV, SMALL, assert_close, check_forward, random_weight
+
+
+@pytest.mark.parametrize("M,N,K", SMALL)
+def test_backward_input_matches_float64(M, N, K, poisoned):
+    gen = torch.Generator().manual_seed(M * 7 + N * 3 + K)
+    packed, scale, gs = random_weight(N, K, gen)
+    dy = torch.randn(M, N, generator=gen).bfloat16().to(DEV)
+    dx = mk.nvfp4_matmul_dx(dy, packed, scale, gs)
+    assert dx.shape == (M, K) and dx.dtype == torch.bfloat16
+    ref = dy.double() @ mk.reference_dequantize(packed, scale, gs)
+    e = assert_close(dx, ref, f"dx M={M} N={N} K={K}")
+    assert e < 4e-3, f"typical error too large: {e:.2e}"
+
+
+@pytest.mark.parametrize("cfg", [mk.TileConfig(16, 16, 64, split=4), mk.TileConfig(16, 32, 128, split=2),
+                                 mk.TileConfig(32, 64, 64, split=1), mk.TileConfig(16, 16, 16, split=2),
+                                 mk.TileConfig(16, 16, 64, split=4, swap=False),
+                                 mk.TileConfig(32, 64, 64, split=1, swap=False)])
+def test_split_and_tile_variants_agree(cfg, poisoned):
+    """Split-K (fp32 partials + reduce kernel) and different tiles compute the same function."""
+    gen = torch.Generator().manual_seed(11)
+    M, N, K = 5, 144, 256
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    dy = torch.randn(M, N, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV)
+    assert_close(mk._matmul(x, packed, scale, gs, bias, cfg),
+                 mk.reference_matmul(x, packed, scale, gs, bias), f"fwd {cfg}")
+    assert_close(mk._matmul_dx(dy, packed, scale, gs, cfg),
+                 dy.double() @ mk.reference_dequantize(packed, scale, gs), f"dx {cfg}")
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 16, 16), (67, 48, 80), (130, 144, 256)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_medium_m_unswapped_kernel_matches_float64(M, N, K, has_bias, poisoned):
+    """The medium-M launch (x·Wᵀ, decoded W as the MMA's shared-memory operand, MEDIUM_CONFIG's
+    128 x 128 tiles): odd M, minimum N and K (K padded to 64), N and M not multiples of the tile,
+    two m-tiles, a single pass and split-K."""
+    for cfg in (mk.MEDIUM_CONFIG, dataclasses.replace(mk.MEDIUM_CONFIG, split=2)):
+        check_forward(lambda *a: mk._matmul(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + has_bias,
+                      f"medium M={M} N={N} K={K} {cfg}")
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_large_m_dequantize_then_matmul_path(has_bias, monkeypatch, poisoned):
+    """From DEQUANT_MIN_M rows on, W is dequantized to bf16 once and cuBLAS does the product."""
+    monkeypatch.setattr(mk, "DEQUANT_MIN_M", 4)
+    assert mk.use_dequant(4, 48, 192) and not mk.use_dequant(3, 48, 192) and not mk.use_dequant(9, 48, 200)
+    gen = torch.Generator().manual_seed(21)
+    M, N, K = 9, 48, 192
+    packed, scale, gs = random_weight(N, K, gen)
+    W = mk.reference_dequantize(packed, scale, gs)
+    wb = mk._dequantize_bf16(packed, scale, gs)
+    assert wb.dtype == torch.bfloat16 and wb.shape == (N, K)
+    assert ((wb.double() - W).abs() <= 2.0 ** -8 * W.abs()).all(), "dequantize is off by more than bf16 rounding"
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    assert_close(mk.nvfp4_matmul(x, packed, scale, gs, bias),
+                 x.double() @ W.t() + (bias.double() if has_bias else 0), "fwd large-M path")
+    dy = torch.randn(M, N, generator=gen).bfloat16().to(DEV)
+    assert_close(mk.nvfp4_matmul_dx(dy, packed, scale, gs), dy.double() @ W, "dx large-M path")
