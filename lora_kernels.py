@@ -22,17 +22,17 @@ Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) 
 all in one dtype; M <= 16 (one MMA tile of rows). Launched with programmatic dependent launch except
 beside the small-M NVFP4 kernels, where it measured slower (pdl_for). Under TRITON_INTERPRET=1 the
 dots run in fp32 (the interpreter's bf16 tl.dot is wrong), as in the other kernels.
-Tests: tests/test_lora_kernels.py (interpreter: against float64, odd sizes, splits, a group's
-block-diagonal B; GPU: bf16 against the torch path of lora.py, and inside a graphed decode).
+Tests: tests/test_lora_kernels.py (interpreter: against float64 with odd sizes, K-splits and
+row-strided x and y, bf16 rounding of h, bad input; GPU: one adapter and a q/k/v group's
+block-diagonal B against lora.py's torch path); the graphed decode with adapters: tests/test_rollout.py.
 """
-import os
 
 import torch
 
 try:
     import triton
     import triton.language as tl
-    from marlin_kernel import pdl_launch, pdl_start
+    from marlin_kernel import interpreting, pdl_launch, pdl_start
 except ImportError:  # lora.py's torch path needs no triton
     triton = None
 
@@ -121,7 +121,7 @@ def lora_delta_(x, A, B, y, scale, pdl=True):
     kc = triton.cdiv(triton.cdiv(K, split), BK) * BK
     split = triton.cdiv(K, kc)
     hp = torch.empty(split, M, R, device=x.device, dtype=torch.float32)
-    fp32 = os.environ.get("TRITON_INTERPRET") == "1" or x.dtype == torch.float32
+    fp32 = interpreting() or x.dtype == torch.float32
     launch = pdl_launch(x.device) if pdl else dict(USE_PDL=False, launch_pdl=False)
     _lora_shrink_kernel[(triton.cdiv(R, BR), split)](x, A, hp, M, R, K, kc, x.stride(0), BM=MAX_M, BR=BR,
                                                      BK=BK, FP32_DOT=fp32, **launch)

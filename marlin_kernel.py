@@ -76,7 +76,9 @@ GEMV_MAX_M = 2           # up to this M: the CUDA-core kernel (no tensor cores; 
 FRAGMENT_MAX_M = 8       # up to this M: the fragment kernel (one mma.sync token tile; K % 128 == 0)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Do Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)? Then inline PTX cannot run
+    and bf16 tl.dot is wrong, so every kernel of the project takes its plain-tl / fp32-dot branch."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -99,7 +101,7 @@ def _capability(index: int):
 def pdl_launch(device) -> dict:
     """Launch keywords for a kernel that starts with pdl_start(USE_PDL): programmatic dependent
     launch where the device has it (Hopper and later, not under the interpreter)."""
-    on = PDL and device.type == "cuda" and not _interpreting() and _capability(device.index or 0)[0] >= 9
+    on = PDL and device.type == "cuda" and not interpreting() and _capability(device.index or 0)[0] >= 9
     return dict(USE_PDL=on, launch_pdl=on)
 
 
@@ -309,7 +311,7 @@ def _dequantize_bf16(packed, scale, global_scale):
     sb = scale.view(torch.uint8)
     _nvfp4_dequant_kernel[(triton.cdiv(N, BN), K // BK)](
         packed, sb, global_scale, out, N, K, packed.stride(0), sb.stride(0),
-        BN=BN, BK=BK, INTERPRET=_interpreting(), num_warps=4, **pdl_launch(packed.device))
+        BN=BN, BK=BK, INTERPRET=interpreting(), num_warps=4, **pdl_launch(packed.device))
     return out
 
 
@@ -340,7 +342,7 @@ def _reduce(part, global_scale, bias, out):
     BLOCK = 1024
     _splitk_reduce_kernel[(triton.cdiv(numel, BLOCK),)](
         part, global_scale, bias if bias is not None else out, out, numel, out.shape[1],
-        part.shape[0], HAS_BIAS=bias is not None, BLOCK=BLOCK, INTERPRET=_interpreting(), **pdl_launch(out.device))
+        part.shape[0], HAS_BIAS=bias is not None, BLOCK=BLOCK, INTERPRET=interpreting(), **pdl_launch(out.device))
     return out
 
 
@@ -366,7 +368,7 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap,
-        INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
+        INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return _reduce(part, global_scale, bias, out)
 
 
@@ -395,7 +397,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
         M, N, K // 2, k_split // 2,
         x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1,
-        BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=_interpreting(),
+        BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 
@@ -424,7 +426,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg):
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1,
         W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2,
-        INTERPRET=_interpreting(), num_warps=cfg.warps, num_stages=1, **pdl_launch(x.device))
+        INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=1, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
@@ -449,7 +451,7 @@ def _matmul_dx(dy, packed, scale, global_scale, cfg):
         M, N, K, n_split,
         dy.stride(0), packed.stride(0), scale.stride(0), K, M * K,
         PARTIAL=split > 1,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=cfg.group, INTERPRET=_interpreting(),
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=cfg.group, INTERPRET=interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(dy.device))
     return _reduce(part, global_scale, None, out)
 

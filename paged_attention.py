@@ -44,7 +44,6 @@ bf16 at 7B head shapes, and rope_store_kv_triton bit for bit against fused_ops.r
 The engine tests in tests/test_rollout.py run them inside the sampler. Benchmark: bench/rollout.py
 --attention.
 """
-import os
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +52,9 @@ try:
     import triton
     import triton.language as tl
     from fused_ops import rope_head
-    from marlin_kernel import pdl_launch, pdl_start
+    from marlin_kernel import interpreting, pdl_launch, pdl_start
 except ImportError:  # the torch reference path works without triton
     triton = None
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,7 +354,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), G_M=triton.next_power_of_2(G), D=D, BS=BS,
         PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
         P_CHUNK=min(MERGE_MAX_PARTS, triton.next_power_of_2(num_parts)), MERGE=merge,
-        FP32_DOT=_INTERPRET or k_cache.dtype == torch.float32, num_warps=warps, **pdl_launch(q.device))
+        FP32_DOT=interpreting() or k_cache.dtype == torch.float32, num_warps=warps, **pdl_launch(q.device))
     if not merge:
         _paged_decode_merge_kernel[(B, Hq)](
             part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,
