@@ -41,7 +41,7 @@ launch; the host side (the PDL switch, pdl_launch) is in marlin_kernel.py, where
 turn it off.
 
 Split-K in one launch (_last_split, _sum_splits; the CUDA-core kernel and the fragment kernel at
-M <= 4): every split stores its fp32 partial tile, then counts itself in an int32 per output tile
+M <= 4; paged_attention.py counts its partitions with _last_split too): every split stores its fp32 partial tile, then counts itself in an int32 per output tile
 (marlin_kernel._split_counts: zeros, one buffer per CUDA stream). The contract: barrier, then one
 release-acquire atomic add at GPU scope, so the split that counts last sees every partial; it reads
 them through L2 (.cg), sums them in split order (the bits of _splitk_reduce_kernel), finishes the
@@ -184,13 +184,14 @@ def _finish(acc, gs_ptr, bias_ptr, cols, N, HAS_BIAS: tl.constexpr, INTERPRET: t
 # Split-K summed by the split that finishes last (one launch instead of a kernel + a reduce)
 
 @triton.jit
-def _last_split(count_ptr, tile, NSPLIT: tl.constexpr):
+def _last_split(count_ptr, tile, nsplit):
     """Called by every split of an output tile after storing its fp32 partial: True for the one
     that counts last, which then sees every partial. Every thread's stores come first (barrier),
     then one release-acquire increment of the tile's count (CUTLASS's semaphore pattern); the last
-    split sets the count back to 0 for the next launch."""
+    split sets the count back to 0 for the next launch. nsplit may be a run-time value (the paged
+    attention kernel's partitions of one row and kv head)."""
     tl.debug_barrier()
-    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1
+    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == nsplit - 1
     if last:
         tl.store(count_ptr + tile, 0)
     return last

@@ -28,8 +28,9 @@ takes one of two ways, chosen per launch:
   * up to MERGE_MAX_PARTS (8) partitions (the Runner's choice from batch 8 on, at max_model_len
     2048): in the same kernel. A context of one partition is written directly; otherwise each
     program bumps a counter of (b, h) with one atomic (release-acquire, after a barrier: every
-    thread's stores come first), and the program that finishes last merges them, 8 at a time, and
-    sets the counter back to 0 for the next call (the Runner owns the counters). No second launch.
+    thread's stores come first; fp4_decode._last_split, as the split-K kernels count their splits),
+    and the program that finishes last merges them, 8 at a time, and sets the counter back to 0 for
+    the next call (the Runner owns the counters). No second launch.
   * more partitions (batch 1..4): _paged_decode_merge_kernel, one program per (b, q head) reading all
     of them at once, which measured faster there than one program merging G heads.
 An empty context (a padding row) gives zeros. The kernels start with
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    from fp4_decode import _last_split
     from fused_ops import rope_head
     from marlin_kernel import interpreting, pdl_launch, pdl_start
 except ImportError:  # the torch reference path works without triton
@@ -256,12 +258,8 @@ if triton is not None:
                          mask=g_mask[:, None])
                 tl.store(part_lse_ptr + row, m + tl.log(l), mask=g_mask)
             if MERGE and n_parts > 1:
-                # every thread's stores, then one release-acquire increment (CUTLASS's semaphore
-                # pattern): the program that sees n_parts - 1 finished last and sees all partials
-                tl.debug_barrier()
-                done = tl.atomic_add(count_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
-                if done == n_parts - 1:
-                    tl.store(count_ptr + b * HKV + h, 0)                        # 0 for the next call
+                # the partition that counts last for (b, h) sees all partials (and resets the count)
+                if _last_split(count_ptr, b * HKV + h, n_parts):
                     _merge_partitions(part_out_ptr, part_lse_ptr, out_ptr, b * HKV * G + h * G,
                                       num_parts, n_parts, G, G_M, D, P_CHUNK)
         elif MERGE and p == 0:                   # an empty context (CUDA-graph padding): zeros
