@@ -334,6 +334,13 @@ def _split_counts(device, tiles):
     return _SPLIT_COUNTS[key]
 
 
+def _split_targets(out, tiles, split, reduce):
+    """What a kernel that can sum its own split-K partials takes after them: (y, counts) (out itself
+    where unused) and its PARTIAL / REDUCE / NSPLIT constexprs."""
+    counts = _split_counts(out.device, tiles) if reduce else out
+    return (out, counts), dict(PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1)
+
+
 def _reduce(part, global_scale, bias, out):
     """out = sum of the partials (scaled, + bias); nothing to do if the launch wrote out itself."""
     if part is out:
@@ -389,14 +396,15 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
     split, k_split = _split(cfg.split, tiles, K, bk, 2 * _num_sms(x.device))
     part = _partials(split, out)
     reduce = split > 1 and REDUCE_IN_KERNEL
+    targets, flags = _split_targets(out, tiles, split, reduce)
     x2 = x.view(torch.int32)                 # (M, K/2): one bf16 pair per word
     sb = scale.view(torch.uint8)             # E4M3 bits; decoded in-kernel
     _nvfp4_gemv_kernel[(tiles, split)](
         x2, packed, sb, global_scale, bias if bias is not None else out, part,
-        out, _split_counts(x.device, tiles) if reduce else out,
+        *targets,
         M, N, K // 2, k_split // 2,
         x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1,
+        HAS_BIAS=bias is not None, **flags,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -418,13 +426,14 @@ def _mma(x, packed, scale, global_scale, bias, cfg):
     # the last split sums the partials at M <= 4 only (H100, 7B decode, same run: batch 4 +4.3%,
     # batch 8 -2.5% against the reduce kernel; bench/NOTES.md v9)
     reduce = split > 1 and REDUCE_IN_KERNEL and M <= 4
+    targets, flags = _split_targets(out, tiles, split, reduce)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
     _nvfp4_mma_kernel[(tiles, split)](
         x2, p4, sb, global_scale, bias if bias is not None else out, part,
-        out, _split_counts(x.device, tiles) if reduce else out,
+        *targets,
         M, N, K // 128, k_split // 128,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1,
+        HAS_BIAS=bias is not None, **flags,
         W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2,
         INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=1, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)

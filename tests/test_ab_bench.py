@@ -1,26 +1,15 @@
 """bench/ab.py on CPU: variants parse into switches, which are applied and then restored exactly."""
-import importlib.util
-import os
-
 import pytest
 
 import lora
 import marlin_kernel
 import paged_attention
 import sampling
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_ab():
-    spec = importlib.util.spec_from_file_location("bench_ab", os.path.join(ROOT, "bench", "ab.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from test_step_bench import load_bench
 
 
 def test_variants_switch_the_flags_and_restore_them():
-    ab = load_ab()
+    ab = load_bench("ab")
     before = (marlin_kernel.PDL, marlin_kernel.REDUCE_IN_KERNEL, paged_attention.MERGE_MAX_PARTS,
               lora._decode_kernels, sampling.triton)
     variant = ab.parse_variant("pdl=0,reduce=0,merge=0,lora_kernels=0,sampler=torch")
@@ -37,7 +26,7 @@ def test_variants_switch_the_flags_and_restore_them():
 
 
 def test_a_bad_switch_names_the_known_ones():
-    ab = load_ab()
+    ab = load_bench("ab")
     for text in ("pld=0", "pdl", "reduce=1,bogus=2"):
         with pytest.raises(ValueError, match="merge"):
             ab.parse_variant(text)

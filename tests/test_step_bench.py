@@ -19,8 +19,9 @@ SMALL = ["--device", "cpu", "--dtype", "float32", "--prompts", "2", "--group", "
          "--micro-batch", "4", "--available-gib", "1"]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(ROOT, "bench", "step.py"))
+def load_bench(name="step"):
+    """bench/<name>.py as a module (bench/rollout.py's name would clash with the top-level rollout.py)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
