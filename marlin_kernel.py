@@ -33,11 +33,11 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
   * M >= 512 (compute-bound; M >= 128 for weights under 20M elements): the fused kernel reaches only
     ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
     copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
-Split-K: each split writes fp32 partial sums; on the CUDA-core kernel and the fragment kernel at
-M <= 4 the last split of each output tile to finish (an atomic count per tile,
-fp4_decode._last_split) sums them in order with scale, bias and cast (deterministic, one launch);
-elsewhere _splitk_reduce_kernel does, which measured faster there (the tile kernel: with LoRA
-adapters, bench/NOTES.md v9).
+Split-K: each split writes fp32 partial sums; on the CUDA-core kernel, the fragment kernel at
+M <= 4 and the swapped tiles the last split of each output tile to finish (an atomic count per
+tile, fp4_decode._last_split) sums them in order with scale, bias and cast (deterministic, one
+launch); elsewhere (fragment at M > 4, medium tiles) _splitk_reduce_kernel does, which measured
+faster there (bench/NOTES.md v9, v10).
 dx = dy·W takes the tile kernel, or the dequantized weight where use_dequant says so.
 Measured on an H100 (fwd, bench/NOTES.md v9): M = 1 1.6-3.4x over cuBLAS bf16 (1.1-2.6 TB/s of
 NVFP4 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.2x, M = 16 1.0-1.9x, M = 128 0.5-0.95x.
@@ -369,14 +369,20 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
     sms = _num_sms(x.device)
     split, k_split = _split(cfg.split, tiles, K, cfg.bk, 4 * sms if cfg.swap else 3 * sms // 2)
     part = _partials(split, out)
+    # the swapped tiles sum their own split-K partials (H100, 7B batch-16 decode +4.1%, bench/NOTES.md
+    # v10); the 128 x 128 medium tiles do not (their last split would read SPLIT x 64 KB alone: GRPO
+    # batch -7.4%, v9)
+    reduce = split > 1 and cfg.swap and REDUCE_IN_KERNEL
+    targets, flags = _split_targets(out, tiles, split, reduce)
     _nvfp4_mm_kernel[(tiles, split)](
         x, packed, scale, global_scale, bias if bias is not None else out, part,
+        *targets,
         M, N, K, k_split,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1,
+        HAS_BIAS=bias is not None, **flags,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap,
         INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
-    return _reduce(part, global_scale, bias, out)
+    return out if reduce else _reduce(part, global_scale, bias, out)
 
 
 def _gemv(x, packed, scale, global_scale, bias, cfg):

@@ -22,11 +22,12 @@ dx = dy·W is the same loop with the reduction over N: acc[BK, BM] += wᵀ @ dy[
     MMA's B operand, stored once to shared memory (no round trip back to registers), and x is
     re-read from L2 N/128 times instead of N/64.
 
-A split launch writes fp32 partial sums (split, M, N); _splitk_reduce_kernel adds them up with
-the epilogue (scale, bias, cast): deterministic, no atomics. It also serves the fragment kernel's
-split launches at M > 4 (small_m_kernels.py; the others sum their partials in the kernel). Summing
-in the kernel here too (v9) sped the batch-16 decode up without adapters and slowed it down with
-them (bench/NOTES.md v9).
+A split launch writes fp32 partial sums (split, M, N). Swapped, the split of a tile that finishes
+last (counted by an atomic per tile in a zeroed int32 buffer, which it sets back to zero) adds them
+up in order with the epilogue (scale, bias, cast): one launch, and the same bits as the reduce
+kernel (fp4_decode._last_split / _sum_splits, shared with small_m_kernels.py). Otherwise
+_splitk_reduce_kernel does it: deterministic, no atomics. It also serves the fragment kernel's
+split launches at M > 4 (small_m_kernels.py).
 
 From M = 512 on (M = 128 for weights under 20M elements) the fused kernel reaches only ~45% of
 cuBLAS, so _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS multiplies
@@ -48,7 +49,7 @@ import triton
 import triton.language as tl
 
 from fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _e2m1x2_to_f32, _e4m3_to_f32,
-                        _finish, _to_bf16, pdl_start)
+                        _finish, _last_split, _sum_splits, _to_bf16, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # the weight tile
@@ -94,12 +95,14 @@ def _grouped_order(pid, num_pid_w, num_pid_m, GROUP: tl.constexpr):
 def _nvfp4_mm_kernel(
     # pointers
     x_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
+    y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
     # sizes: x (M, K), W (N, K); each program of split pid_k reduces k in [pid_k·K_SPLIT, +K_SPLIT)
     M, N, K, K_SPLIT,
     # strides (the innermost stride of every tensor is 1)
     stride_xm, stride_pn, stride_sn, stride_om, stride_os,
     # meta
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
+    REDUCE: tl.constexpr, NSPLIT: tl.constexpr,        # REDUCE: the tile's last split sums them
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     SWAP_AB: tl.constexpr,     # True: acc = W·xᵀ (BN, BM), W from registers; False: x·Wᵀ (BM, BN)
     INTERPRET: tl.constexpr,
@@ -145,6 +148,10 @@ def _nvfp4_mm_kernel(
     if PARTIAL:
         ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(ptrs, acc, mask=mask)
+        if REDUCE:
+            if _last_split(count_ptr, pid_m * tl.cdiv(N, BN) + pid_n, NSPLIT):
+                _sum_splits(out_ptr, y_ptr, offs_m[:, None] * stride_om + offs_n[None, :], mask, offs_n[None, :],
+                            N, stride_os, gs_ptr, bias_ptr, NSPLIT, HAS_BIAS, INTERPRET)
     else:
         y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)

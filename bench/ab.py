@@ -14,6 +14,7 @@ defaults, which are what ships):
     merge=N               paged_attention.MERGE_MAX_PARTS: up to N partitions merged in the attention
                           kernel (0: always the merge kernel)
     lora_kernels=0|1      lora_kernels.py's decode update (0: lora.py's cuBLAS GEMM + addmm)
+    lora_nopdl=N          lora_kernels.NVFP4_NO_PDL_MAX_M: no PDL for them beside NVFP4 up to N rows
     sampler=triton|torch  sampling.py's GPU path (torch: the ~10-op reference path)
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
@@ -36,6 +37,7 @@ sys.path.insert(0, ROOT)
 import torch
 
 import lora
+import lora_kernels
 import marlin_kernel
 import paged_attention
 import rollout
@@ -49,6 +51,7 @@ SWITCHES = {
     "reduce": (marlin_kernel, "REDUCE_IN_KERNEL", lambda v: bool(int(v))),
     "merge": (paged_attention, "MERGE_MAX_PARTS", int),
     "lora_kernels": (lora, "_decode_kernels", lambda v: lora._decode_kernels if int(v) else (lambda x2: False)),
+    "lora_nopdl": (lora_kernels, "NVFP4_NO_PDL_MAX_M", int),
     "sampler": (sampling, "triton", lambda v: sampling.triton if v == "triton" else None),
 }
 

@@ -408,6 +408,7 @@ def main():
                     help="M = 64..512 forward: pre-v5 path vs the v5 candidates (< 2 min)")
     ap.add_argument("--small-variants", action="store_true",
                     help="M = 1..16 forward: the shipped route vs the fragment kernel's launch shapes")
+    ap.add_argument("--small-ms", default=",".join(map(str, SMALL_MS)), help="M values of --small-variants")
     ap.add_argument("--no-check", action="store_true", help="skip the GPU correctness check")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
@@ -433,7 +434,8 @@ def main():
     if args.check:
         return
     for flag, key, Ms, candidates in ((args.medium_variants, "medium", MEDIUM_MS, medium_candidates),
-                                      (args.small_variants, "small", SMALL_MS, small_candidates)):
+                                      (args.small_variants, "small", tuple(map(int, args.small_ms.split(","))),
+                                       small_candidates)):
         if flag:
             t1 = time.time()
             cands = candidates()

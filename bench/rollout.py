@@ -117,17 +117,53 @@ def run_hf(hf, prompts, n, new):
 # ----------------------------------------------------------------------------------------------
 # the table
 
+def _critical_path(prof):
+    """Kernels in stream order, each charged end - max(start, previous end): the charges add up to
+    the GPU's busy time, and a kernel launched early by PDL (whose own duration includes its wait
+    for the previous one) costs only what it adds. -> ({name: (us, calls)}, idle us)"""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace
+                     if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    cost, idle, last_end = {}, 0.0, kernels[0][0]
+    for start, end, name in kernels:
+        idle += max(0.0, start - last_end)
+        us, calls = cost.get(name, (0.0, 0))
+        cost[name] = (us + max(0.0, end - max(start, last_end)), calls + 1)
+        last_end = max(last_end, end)
+    return cost, idle
+
+
 def profile(run, vocab, batch, new, path):
-    """Kernel time per decode step (torch.profiler sees the kernels inside graph replays)."""
+    """GPU time per decode step, two ways. The profiler's sum of kernel durations (torch.profiler
+    sees the kernels inside graph replays) counts a kernel launched early by PDL while it waits.
+    The critical path (_critical_path) does not; it is taken for `new` and for 8 new tokens, and the
+    difference divided by the new - 8 extra steps, so prefill and capture drop out."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     prompts = random_prompts(batch, 256, vocab, 1)
-    run(prompts, 1, new)                                              # capture this bucket first
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run(prompts, 1, new)
+    paths = []
+    for n in (8, new):
+        run(prompts, 1, n)                                          # capture this bucket first
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(prompts, 1, n)
+        paths.append(_critical_path(prof))
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    (short, idle0), (long, idle1) = paths
+    steps = new - 8
+    per_step = {k: ((us - short.get(k, (0.0, 0))[0]) / steps, (calls - short.get(k, (0.0, 0))[1]) / steps)
+                for k, (us, calls) in long.items()}
+    busy = sum(us for us, _ in per_step.values())
+    lines = [f"critical path per decode step ({steps} steps: {new} new tokens minus 8): "
+             f"busy {busy:.1f} us, idle {(idle1 - idle0) / steps:.1f} us"]
+    for name, (us, calls) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:25]:
+        lines.append(f"  {us:9.1f} us  {calls:6.1f} calls  {name[:90]}")
+    critical = "\n".join(lines)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a") as f:
-        f.write(f"\n## batch {batch}, {new} new tokens ({new - 1} decode steps)\n{table}\n")
-    print(table, flush=True)
+        f.write(f"\n## batch {batch}, {new} new tokens ({new - 1} decode steps)\n{table}\n{critical}\n")
+    print(table + "\n" + critical, flush=True)
 
 
 def attention(path):
@@ -157,7 +193,7 @@ def attention(path):
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
-def measure(model_name, engine_name, workloads, max_model_len, profile_path=None):
+def measure(model_name, engine_name, workloads, max_model_len, profile_path=None, profile_batches=(1, 16, 128)):
     cfg = CONFIGS[model_name]
     quant = "nvfp4" if engine_name.startswith("ours-nvfp4") else "bf16"
     fused_ops.FUSED = not engine_name.endswith("-unfused")   # Triton norm/RoPE/SiLU kernels or torch ops
@@ -194,8 +230,8 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
         print(f"  {wl}: {r['tok_s']:.1f} tok/s total, ttft {r['ttft_s'] * 1e3:.0f} ms, "
               f"peak {r['peak_mem_gib']:.1f} GiB", flush=True)
     if profile_path and engine_name != "hf-bf16":
-        for batch in (1, 16, 128):
-            profile(run, cfg["vocab_size"], batch, 33, profile_path)
+        for batch in profile_batches:
+            profile(run, cfg["vocab_size"], batch, 40, profile_path)
     if engine_name != "hf-bf16":
         engine.free_cache()
     del engine, run, model
@@ -225,6 +261,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--profile", action="store_true", help="also write per-kernel GPU time to OUT/profile.txt")
+    ap.add_argument("--profile-batches", default="1,16,128", help="batch sizes --profile runs")
     ap.add_argument("--attention", action="store_true", help="only time paged attention per tile size (OUT/attention.json)")
     args = ap.parse_args()
     print(vars(args))
@@ -240,7 +277,8 @@ def main():
             if e == "hf-bf16" and m == "32b":
                 continue
             rows += measure(m, e, args.workloads.split(","), args.max_model_len,
-                            os.path.join(args.out, "profile.txt") if args.profile else None)
+                            os.path.join(args.out, "profile.txt") if args.profile else None,
+                            tuple(int(b) for b in args.profile_batches.split(",")))
     keys = {(r["model"], r["engine"], r["workload"]) for r in rows}
     rows += [r for r in old if (r["model"], r["engine"], r["workload"]) not in keys]
     print_table(rows)

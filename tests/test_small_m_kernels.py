@@ -20,16 +20,19 @@ from test_marlin_kernel import DEV, LaunchSpy, assert_close, check_forward, rand
 # CPU (interpreter) and GPU: small shapes
 
 @pytest.mark.parametrize("path,M,N,K,cfg", [
+    ("tile", 5, 144, 512, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3)),
+    ("tile", 16, 200, 1024, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=8)),
+    ("tile", 33, 64, 256, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=2)),
     ("gemv", 1, 48, 1056, mk.GemvConfig(bn=16, bk=64, split=3)),
     ("gemv", 2, 64, 512, mk.GemvConfig(bn=32, bk=64, split=4)),
     ("fragment", 3, 80, 512, mk.MmaConfig(warps=1, split=2)),
     ("fragment", 4, 64, 384, mk.MmaConfig(warps=2, tiles=2, split=3))])
 def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, monkeypatch, poisoned):
     """Split-K summed by each tile's last split (atomic counts) gives the bits of the separate reduce
-    kernel (same order of the partials), on the CUDA-core and fragment (M <= 4) kernels, for several
-    tiles and splits, and leaves the counts at zero."""
-    run = {"gemv": mk._gemv, "fragment": mk._mma}[path]
-    name = {"gemv": "_nvfp4_gemv_kernel", "fragment": "_nvfp4_mma_kernel"}[path]
+    kernel (same order of the partials), on the CUDA-core, fragment (M <= 4) and swapped tile
+    kernels, for several tiles and splits, and leaves the counts at zero."""
+    run = {"gemv": mk._gemv, "fragment": mk._mma, "tile": mk._matmul}[path]
+    name = {"gemv": "_nvfp4_gemv_kernel", "fragment": "_nvfp4_mma_kernel", "tile": "_nvfp4_mm_kernel"}[path]
     launched = []
     monkeypatch.setattr(mk, name, LaunchSpy(getattr(mk, name), launched))
     monkeypatch.setattr(mk, "_SPLIT_COUNTS", {})
