@@ -136,7 +136,7 @@ def _critical_path(prof):
     return cost, idle
 
 
-def profile(run, vocab, batch, new, path):
+def profile(run, vocab, batch, new, path, label=""):
     """GPU time per decode step, two ways. The profiler's sum of kernel durations (torch.profiler
     sees the kernels inside graph replays) counts a kernel launched early by PDL while it waits.
     The critical path (_critical_path) does not; it is taken for `new` and for 8 new tokens, and the
@@ -162,7 +162,7 @@ def profile(run, vocab, batch, new, path):
     critical = "\n".join(lines)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a") as f:
-        f.write(f"\n## batch {batch}, {new} new tokens ({new - 1} decode steps)\n{table}\n{critical}\n")
+        f.write(f"\n## {label} batch {batch}, {new} new tokens ({new - 1} decode steps)\n{table}\n{critical}\n")
     print(table + "\n" + critical, flush=True)
 
 
@@ -231,7 +231,7 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
               f"peak {r['peak_mem_gib']:.1f} GiB", flush=True)
     if profile_path and engine_name != "hf-bf16":
         for batch in profile_batches:
-            profile(run, cfg["vocab_size"], batch, 40, profile_path)
+            profile(run, cfg["vocab_size"], batch, 40, profile_path, f"{model_name} {engine_name}")
     if engine_name != "hf-bf16":
         engine.free_cache()
     del engine, run, model
