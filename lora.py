@@ -159,7 +159,7 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
         if _decode_kernels(x2) and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
             return lora_kernels.lora_delta_(x2, A, B, y.reshape(-1, y.shape[-1]), self.scaling,
-                                            lora_kernels.pdl_for(self.base_layer, x2.shape[0])).view(y.shape)
+                                            lora_kernels.pdl_for(self.base_layer)).view(y.shape)
         h = F.linear(self.lora_dropout(x), A)                                      # (..., r)
         out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, self.r), B.t(), alpha=self.scaling)
         return out.view(y.shape)                                                   # y + s·h Bᵀ
@@ -193,7 +193,7 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
         if _decode_kernels(x2):
             return lora_kernels.lora_delta_(x2, A, B, y.reshape(-1, y.shape[-1]), first.scaling,
-                                            lora_kernels.pdl_for(first.base_layer, x2.shape[0])).view(y.shape)
+                                            lora_kernels.pdl_for(first.base_layer)).view(y.shape)
         h = F.linear(x, A)                                                         # (..., Σr)
         out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=first.scaling)
         return out.view(y.shape)

@@ -38,18 +38,18 @@ except ImportError:  # lora.py's torch path needs no triton
 
 MAX_M = 16          # rows of x the kernels take (one MMA tile); more rows: lora.py's torch path
 BR, BK, BN = 16, 128, 64
-NVFP4_NO_PDL_MAX_M = MAX_M  # beside the NVFP4 small-M kernels PDL costs (see pdl_for): so never there
+PDL_BESIDE_NVFP4 = False  # see pdl_for (bench/ab.py's lora_pdl_nvfp4 switch turns it on)
 
 
-def pdl_for(base, rows: int) -> bool:
+def pdl_for(base) -> bool:
     """Launch the two kernels with programmatic dependent launch? Yes on a bf16 base (H100, 7B
     decode with rank-32 adapters: +7-8% with PDL against +3-5% without). Not on an NVFP4 base (it
-    has weight_packed) at <= 16 rows, where the matmul before them sums its own split-K partials
-    (the GEMV, the fragment kernel at M <= 4, the swapped tiles): there PDL made batch 1 9% slower
-    than cuBLAS, and batch 16 8% slower than the same kernels without PDL (bench/NOTES.md v9, v10;
-    the cause is not known). The pattern so far: a PDL launch right after a kernel whose last
+    has weight_packed): at the <= MAX_M rows the kernels take, the matmul before them sums its own
+    split-K partials (the GEMV, the fragment kernel at M <= 4, the swapped tiles), and there PDL
+    made batch 1 9% slower than cuBLAS, and batch 16 8% slower than the same kernels without PDL
+    (bench/NOTES.md v9, v10; the cause is not known). The pattern so far: a PDL launch right after a kernel whose last
     programs sum its partials costs; after the separate reduce kernel it paid (+8.8% at 16 rows)."""
-    return not (hasattr(base, "weight_packed") and rows <= NVFP4_NO_PDL_MAX_M)
+    return PDL_BESIDE_NVFP4 or not hasattr(base, "weight_packed")
 
 
 if triton is not None:

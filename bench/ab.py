@@ -14,7 +14,7 @@ defaults, which are what ships):
     merge=N               paged_attention.MERGE_MAX_PARTS: up to N partitions merged in the attention
                           kernel (0: always the merge kernel)
     lora_kernels=0|1      lora_kernels.py's decode update (0: lora.py's cuBLAS GEMM + addmm)
-    lora_nopdl=N          lora_kernels.NVFP4_NO_PDL_MAX_M: no PDL for them beside NVFP4 up to N rows
+    lora_pdl_nvfp4=0|1    lora_kernels.PDL_BESIDE_NVFP4: PDL for them on an NVFP4 base too
     sampler=triton|torch  sampling.py's GPU path (torch: the ~10-op reference path)
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
@@ -51,7 +51,7 @@ SWITCHES = {
     "reduce": (marlin_kernel, "REDUCE_IN_KERNEL", lambda v: bool(int(v))),
     "merge": (paged_attention, "MERGE_MAX_PARTS", int),
     "lora_kernels": (lora, "_decode_kernels", lambda v: lora._decode_kernels if int(v) else (lambda x2: False)),
-    "lora_nopdl": (lora_kernels, "NVFP4_NO_PDL_MAX_M", int),
+    "lora_pdl_nvfp4": (lora_kernels, "PDL_BESIDE_NVFP4", lambda v: bool(int(v))),
     "sampler": (sampling, "triton", lambda v: sampling.triton if v == "triton" else None),
 }
 
@@ -121,8 +121,7 @@ def main():
                         br.run_ours(engine, prompts, w["n"], 2)      # warm-up (compiles)
                         engine.free_cache()
                         r = br.run_ours(engine, prompts, w["n"], w["new"])
-                        tok_s = (r["new_tokens"] / r["total_s"] if wl == "grpo"
-                                 else w["prompts"] * (w["new"] - 1) / (r["total_s"] - r["ttft_s"]))
+                        tok_s = r["new_tokens"] / r["total_s"] if wl == "grpo" else br.decode_tok_s(w, r)
                         rows.append(dict(model=model_name, rep=rep, variant=name, workload=wl, tok_s=tok_s))
                         print(f"{model_name} rep {rep} {name:24s} {wl:8s} {tok_s:9.1f} tok/s", flush=True)
         engine.free_cache()

@@ -80,6 +80,11 @@ def run_ours(engine, prompts, n, new):
                 preemptions=engine.stats["preemptions"], kv_blocks=engine.stats["num_blocks"])
 
 
+def decode_tok_s(w, r):
+    """Decode tok/s of a batchB run r of workload w: every token after each sequence's first."""
+    return w["prompts"] * (w["new"] - 1) / (r["total_s"] - r["ttft_s"])
+
+
 def hf_from_ours(model, cfg, device="cuda"):
     """A transformers Qwen2ForCausalLM whose linears/embeddings are our bf16 tensors (no copy)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -225,7 +230,7 @@ def measure(model_name, engine_name, workloads, max_model_len, profile_path=None
                  peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                  tok_s=r["new_tokens"] / r["total_s"])
         if wl.startswith("batch"):
-            r["decode_tok_s"] = w["prompts"] * (w["new"] - 1) / (r["total_s"] - r["ttft_s"])
+            r["decode_tok_s"] = decode_tok_s(w, r)
         rows.append(r)
         print(f"  {wl}: {r['tok_s']:.1f} tok/s total, ttft {r['ttft_s'] * 1e3:.0f} ms, "
               f"peak {r['peak_mem_gib']:.1f} GiB", flush=True)

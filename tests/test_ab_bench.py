@@ -21,9 +21,9 @@ def test_variants_switch_the_flags_and_restore_them():
         assert lora._decode_kernels is not before[3] and lora._decode_kernels(None) is False
     assert (marlin_kernel.PDL, marlin_kernel.REDUCE_IN_KERNEL, paged_attention.MERGE_MAX_PARTS,
             lora._decode_kernels, sampling.triton) == before
-    with ab.switched(ab.parse_variant("lora_nopdl=4")):
-        assert lora_kernels.NVFP4_NO_PDL_MAX_M == 4
-    assert lora_kernels.NVFP4_NO_PDL_MAX_M == 16
+    with ab.switched(ab.parse_variant("lora_pdl_nvfp4=1")):
+        assert lora_kernels.PDL_BESIDE_NVFP4 is True
+    assert lora_kernels.PDL_BESIDE_NVFP4 is False
     with ab.switched(ab.parse_variant("merge=64")):
         assert paged_attention.MERGE_MAX_PARTS == 64 and marlin_kernel.PDL == before[0]
     assert paged_attention.MERGE_MAX_PARTS == before[2]
