@@ -23,7 +23,8 @@ their underscore names):
                         _splitk_reduce_kernel, _nvfp4_dequant_kernel
 
 Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
-  * M <= 2 (batch-1/2 decode): the CUDA-core kernel, 16-32 weight rows x 1024-2048 k per step.
+  * M <= 2 (batch-1/2 decode): the CUDA-core kernel, 16-32 weight rows x 512-1024 k per step,
+    split along K until ~8 programs per SM exist.
   * M <= 8 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
     into its A registers, 64 weight rows per program.
   * M <= 64 (decode, memory-bound): the tile kernel swapped (W·xᵀ, W from registers), BM = 16..64
@@ -157,7 +158,7 @@ class TileConfig:
 class GemvConfig:
     """Launch shape of the CUDA-core kernel (M <= GEMV_MAX_M). bn: weight rows per program (bn /
     warps per warp); bk: k per loop step (bk/2 bytes of each row: 16 per thread, in steps of 512
-    per warp); split: programs along K (0 = choose: split until ~2 programs per SM exist)."""
+    per warp); split: programs along K (0 = choose: split until ~8 programs per SM exist)."""
     bn: int = 32
     bk: int = 1024
     warps: int = 4
@@ -199,12 +200,13 @@ def _fit(block: int, n: int) -> int:
     return block
 
 
-def _split(split: int, tiles: int, red: int, block: int, programs: int):
+def _split(split: int, tiles: int, red: int, block: int, programs: int, min_blocks: int = 4):
     """(split, chunk): programs along a reduction of length red, each reducing chunk (a multiple of
-    block). split = 0 chooses: double it until tiles·split >= programs or chunks get under 4 blocks."""
+    block). split = 0 chooses: double it until tiles·split >= programs or chunks would get under
+    min_blocks blocks."""
     if not split:
         split = 1
-        while tiles * split < programs and red >= block * split * 4:
+        while tiles * split < programs and red >= block * split * min_blocks:
             split *= 2
     chunk = triton.cdiv(triton.cdiv(red, split), block) * block
     return triton.cdiv(red, chunk), chunk
@@ -224,11 +226,11 @@ def fwd_config(M: int, N: int, K: int):
     """Launch shape for y = x·Wᵀ: the sweep winners on an H100 (bench/NOTES.md)."""
     if M <= GEMV_MAX_M:          # CUDA cores; the fragment kernel wins from M = 3 (NOTES.md v7)
         # 8 rows per thread at M = 1 (x's decode amortized, 96 registers); at M = 2 4 rows (124
-        # registers); a narrow weight (N <= 8192: qkv, o, down) has few programs, so it reads
-        # 1 KB of each row per step instead of 512 B to keep more bytes in flight (NOTES.md v6)
+        # registers). At M = 1 a step reads 512 B of each row where K is not a multiple of 1024
+        # (7B: 3584, 18944), so that no step runs half masked (NOTES.md v11)
         if M == 2:
             return GemvConfig(bn=16, bk=1024)
-        return GemvConfig(bn=16, bk=2048) if N <= 8192 else GemvConfig(bn=32, bk=1024)
+        return GemvConfig(bn=32, bk=1024 if K % 1024 == 0 else 512)
     if M <= FRAGMENT_MAX_M and K % 128 == 0:   # mma.sync on fragments decoded in registers
         return MmaConfig()
     if M <= 16:
@@ -399,7 +401,9 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
         K = x.shape[1]
     bk = min(cfg.bk, triton.next_power_of_2(K))
     tiles = triton.cdiv(N, cfg.bn)
-    split, k_split = _split(cfg.split, tiles, K, bk, 2 * _num_sms(x.device))
+    # ~8 programs per SM, each of >= 2 steps: the warps of a GEMV mostly wait on their loads
+    # (ncu: long-scoreboard stalls), so more of them in flight (NOTES.md v11)
+    split, k_split = _split(cfg.split, tiles, K, bk, 8 * _num_sms(x.device), min_blocks=2)
     part = _partials(split, out)
     reduce = split > 1 and REDUCE_IN_KERNEL
     targets, flags = _split_targets(out, tiles, split, reduce)

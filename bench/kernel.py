@@ -16,6 +16,7 @@ and speedup = cuBLAS time / our time.
     python bench/kernel.py --ms 1,2,4,8,16 --fwd-only   # a subset; "old" = pre-v4 tensor-core path
     python bench/kernel.py --medium-variants --no-check --no-bench   # M = 64..512: pre-v5 vs v5 tiles
     python bench/kernel.py --small-variants --no-check --no-bench    # M = 1..16: shipped vs fragment kernel
+    python bench/kernel.py --once "7B gate_up:1,7B down:16"   # one call each, for ncu (NOTES.md v11)
     python bench/kernel.py --out DIR          # where the JSON and log go
 
 The weights are random codes and random E4M3 scales (the kernel's speed does not depend on the
@@ -325,7 +326,7 @@ def medium_candidates():
 # M <= 16: the shipped route against each small-M kernel in several launch shapes: the CUDA-core
 # kernel (M <= 2) and the fragment kernel (mma.sync on weights decoded into its registers)
 SMALL_MS = (1, 2, 4, 8, 16)
-GEMV = [mk.GemvConfig(32, 1024), mk.GemvConfig(16, 2048), mk.GemvConfig(16, 1024)]
+GEMV = [mk.GemvConfig(32, 1024), mk.GemvConfig(32, 512), mk.GemvConfig(16, 2048), mk.GemvConfig(16, 1024)]
 FRAGMENT = [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 1)]
 
 
@@ -391,6 +392,23 @@ def variants_table(rows, labels, log):
         log(f"{r['shape']:>11} {r['M']:4d} {us['cublas']:7.1f} | " + " | ".join(cells))
 
 
+def once(device, cases):
+    """One forward call of each "shape:M" case inside an NVTX range named after it, for a profiler:
+    ncu --clock-control none --nvtx --nvtx-include "regex:7B.*/" --section WarpStateStats ...
+    python bench/kernel.py --once "7B gate_up:1,7B gate_up:16" (bench/NOTES.md v11)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    for case in cases.split(","):
+        name, _, M = case.rpartition(":")
+        N, K = SHAPES[name]
+        w, x = random_weight(N, K, device, gen), torch.randn(int(M), K, device=device, generator=gen).bfloat16()
+        mk.nvfp4_matmul(x, *w)                            # compile outside the range
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(f"{name} M={M}")
+        mk.nvfp4_matmul(x, *w)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+
+
 # ----------------------------------------------------------------------------------------------
 # main
 
@@ -410,11 +428,14 @@ def main():
                     help="M = 1..16 forward: the shipped route vs the fragment kernel's launch shapes")
     ap.add_argument("--small-ms", default=",".join(map(str, SMALL_MS)), help="M values of --small-variants")
     ap.add_argument("--no-check", action="store_true", help="skip the GPU correctness check")
+    ap.add_argument("--once", default="", help='only one call per "shape:M" case, e.g. "7B o:1,7B o:16" (for ncu)')
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernel.py needs a CUDA GPU")
     device = torch.device("cuda")
+    if args.once:
+        return once(device, args.once)
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "kernel_log.txt"), "a")
 
