@@ -157,8 +157,8 @@ class TileConfig:
 @dataclass(frozen=True)
 class GemvConfig:
     """Launch shape of the CUDA-core kernel (M <= GEMV_MAX_M). bn: weight rows per program (bn /
-    warps per warp); bk: k per loop step (bk/2 bytes of each row: 16 per thread, in steps of 512
-    per warp); split: programs along K (0 = choose: split until ~8 programs per SM exist)."""
+    warps per warp); bk: k per loop step (bk/2 bytes of each row, 16 per thread); split: programs
+    along K (0 = choose: split until ~8 programs per SM exist)."""
     bn: int = 32
     bk: int = 1024
     warps: int = 4
@@ -226,8 +226,8 @@ def fwd_config(M: int, N: int, K: int):
     """Launch shape for y = x·Wᵀ: the sweep winners on an H100 (bench/NOTES.md)."""
     if M <= GEMV_MAX_M:          # CUDA cores; the fragment kernel wins from M = 3 (NOTES.md v7)
         # 8 rows per thread at M = 1 (x's decode amortized, 96 registers); at M = 2 4 rows (124
-        # registers). At M = 1 a step reads 512 B of each row where K is not a multiple of 1024
-        # (7B: 3584, 18944), so that no step runs half masked (NOTES.md v11)
+        # registers). At M = 1 a step covers 512 k (256 B of each row) where K is not a multiple
+        # of 1024 (7B: 3584, 18944), so that no step runs half masked (NOTES.md v11)
         if M == 2:
             return GemvConfig(bn=16, bk=1024)
         return GemvConfig(bn=32, bk=1024 if K % 1024 == 0 else 512)
