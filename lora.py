@@ -28,7 +28,8 @@ the base kernel plus two small GEMMs; at batch-1 decode each small kernel costs 
 megabytes of weight traffic, and a 7B model has 196 adapted linears. So when sampling on CUDA with
 at most 16 rows (decode steps of up to 16 sequences), two Triton kernels launched with programmatic
 dependent launch (where it pays: lora_kernels.pdl_for) do the update in place instead
-(lora_kernels.py: shrink x Aᵀ, expand into y).
+(lora_kernels.py: shrink x Aᵀ, expand into y); on an NVFP4 base the shrink runs before the base
+matmul where that measured faster (lora_kernels.early_shrink).
 
 Names follow PEFT, so adapters move between this code and the Hugging Face stack:
 
@@ -117,6 +118,21 @@ def _decode_kernels(x2: torch.Tensor) -> bool:
             and x2.shape[0] <= lora_kernels.MAX_M)
 
 
+def _delta_kernels(x2, A, B, y, scale, base):
+    """The Triton path of add_delta / add_group_delta: y += scale · (x Aᵀ) Bᵀ in place. y may be a
+    function (the base matmul): where lora_kernels.early_shrink says so, x Aᵀ runs before it and both
+    kernels take PDL; otherwise both run after it, with PDL as lora_kernels.pdl_for(base) says."""
+    early = callable(y) and lora_kernels.early_shrink(base, x2.shape[0])
+    pdl = early or lora_kernels.pdl_for(base)
+    if early:
+        hp = lora_kernels.lora_shrink(x2, A, B, pdl)
+        y = y()
+    else:
+        y = y() if callable(y) else y
+        hp = lora_kernels.lora_shrink(x2, A, B, pdl)
+    return lora_kernels.lora_expand_(hp, B, y.reshape(-1, y.shape[-1]), scale, pdl).view(y.shape)
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """Is a CUDA graph being captured on t's device? Then the kept casts are read, not refreshed."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -147,27 +163,30 @@ class LoRALinear(nn.Module):
         self._casts = None   # (A, B) in the activation dtype, kept for sampling (see _cast)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_delta(x, self.base_layer(x))
+        return self.add_delta(x, lambda: self.base_layer(x))
 
-    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def add_delta(self, x: torch.Tensor, y) -> torch.Tensor:
         """y + scaling · dropout(x) Aᵀ Bᵀ for a base output y (..., out) computed here or elsewhere
         (stacked_linear.StackedLinear computes q, k and v in one matmul, then each adapter adds its part).
-        On the Triton path (_decode_kernels) y itself is updated and returned: pass a fresh output."""
+        y may be a function that computes it: the Triton path then runs its first kernel (x Aᵀ)
+        before the base matmul where that pays (_delta_kernels). On the Triton path
+        (_decode_kernels) y itself is updated and returned: pass a fresh output."""
         if not self.enabled:
-            return y
+            return y() if callable(y) else y
         A, B = self._cast(x.dtype)
         x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
         if _decode_kernels(x2) and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
-            return lora_kernels.lora_delta_(x2, A, B, y.reshape(-1, y.shape[-1]), self.scaling,
-                                            lora_kernels.pdl_for(self.base_layer)).view(y.shape)
+            return _delta_kernels(x2, A, B, y, self.scaling, self.base_layer)
+        y = y() if callable(y) else y
         h = F.linear(self.lora_dropout(x), A)                                      # (..., r)
         out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, self.r), B.t(), alpha=self.scaling)
         return out.view(y.shape)                                                   # y + s·h Bᵀ
 
     @staticmethod
-    def add_group_delta(mods, x: torch.Tensor, y: torch.Tensor):
+    def add_group_delta(mods, x: torch.Tensor, y):
         """y + every adapter's update for LoRALinears `mods` that share the input x and whose base
-        outputs are the column blocks of y (..., Σ out), as stacked_linear.StackedLinear computes q/k/v:
+        outputs are the column blocks of y (..., Σ out) (or of what the function y returns, called
+        only where the update goes ahead), as stacked_linear.StackedLinear computes q/k/v:
         one GEMM with the A's stacked (Σr, in) and one addmm with the B's as a block-diagonal
         (Σ out, Σr) matrix: two kernels for the group instead of two per adapter. Sampling only
         (no autograd, dropout off, one scaling for the group), else None. The stacked bf16 copies
@@ -192,8 +211,8 @@ class LoRALinear(nn.Module):
                 r0, n0 = r0 + m.r, n0 + m.out_features
         x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
         if _decode_kernels(x2):
-            return lora_kernels.lora_delta_(x2, A, B, y.reshape(-1, y.shape[-1]), first.scaling,
-                                            lora_kernels.pdl_for(first.base_layer)).view(y.shape)
+            return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer)
+        y = y() if callable(y) else y
         h = F.linear(x, A)                                                         # (..., Σr)
         out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=first.scaling)
         return out.view(y.shape)

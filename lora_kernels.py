@@ -20,8 +20,10 @@ stacked group (q/k/v, gate/up) arrive as one A (Σr, K) and one block-diagonal B
 
 Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) contiguous rows,
 all in one dtype; M <= 16 (one MMA tile of rows). Launched with programmatic dependent launch except
-beside the small-M NVFP4 kernels, where it measured slower (pdl_for). Under TRITON_INTERPRET=1 the
-dots run in fp32 (the interpreter's bf16 tl.dot is wrong), as in the other kernels.
+beside the small-M NVFP4 kernels, where it measured slower (pdl_for), unless the shrink runs before
+the base matmul (early_shrink: the GEMV and tile rows of an NVFP4 base, both kernels with PDL).
+Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 tl.dot is wrong), as in the
+other kernels.
 Tests: tests/test_lora_kernels.py (interpreter: against float64 with odd sizes, K-splits and
 row-strided x and y, bf16 rounding of h, bad input; GPU: one adapter and a q/k/v group's
 block-diagonal B against lora.py's torch path); the graphed decode with adapters: tests/test_rollout.py.
@@ -32,13 +34,14 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from marlin_kernel import interpreting, pdl_launch, pdl_start
+    from marlin_kernel import FRAGMENT_MAX_M, GEMV_MAX_M, interpreting, pdl_launch, pdl_start
 except ImportError:  # lora.py's torch path needs no triton
     triton = None
 
 MAX_M = 16          # rows of x the kernels take (one MMA tile); more rows: lora.py's torch path
 BR, BK, BN = 16, 128, 64
 PDL_BESIDE_NVFP4 = False  # see pdl_for (bench/ab.py's lora_pdl_nvfp4 switch turns it on)
+EARLY_SHRINK = True       # see early_shrink (bench/ab.py's lora_early switch turns it off)
 
 
 def pdl_for(base) -> bool:
@@ -50,6 +53,16 @@ def pdl_for(base) -> bool:
     (bench/NOTES.md v9, v10; the cause is not known). The pattern so far: a PDL launch right after a kernel whose last
     programs sum its partials costs; after the separate reduce kernel it paid (+8.8% at 16 rows)."""
     return PDL_BESIDE_NVFP4 or not hasattr(base, "weight_packed")
+
+
+def early_shrink(base, rows: int) -> bool:
+    """Run the shrink before the base matmul (it reads x only) and both kernels with PDL? On an NVFP4
+    base where the GEMV (rows <= GEMV_MAX_M) or the tile kernel (rows > FRAGMENT_MAX_M) computes
+    it: H100, 7B with rank-32 adapters, same run, against shrink and expand after the base without
+    PDL: batch 1 260.0/258.4 vs 252.6/253.9 tok/s, batch 16 2966/2956 vs 2858/2877. Beside the
+    fragment kernel (batch 4) it lost 16% (758 vs 897); that and bf16 bases keep pdl_for's order
+    (bench/NOTES.md v12)."""
+    return EARLY_SHRINK and hasattr(base, "weight_packed") and not GEMV_MAX_M < rows <= FRAGMENT_MAX_M
 
 
 if triton is not None:
@@ -107,27 +120,49 @@ def lora_delta_(x, A, B, y, scale, pdl=True):
     """y += scale · (x Aᵀ) Bᵀ in place and return y: x (M, K), A (R, K), B (N, R), y (M, N), one
     dtype, M <= MAX_M. Two launches: shrink over min(8, K / 1024) chunks of K, then expand; with
     programmatic dependent launch where the device has it, unless pdl=False (see pdl_for)."""
+    return lora_expand_(lora_shrink(x, A, B, pdl), B, y, scale, pdl)
+
+
+def lora_shrink(x, A, B, pdl=True):
+    """The first half of lora_delta_: -> hp (split, M, R) fp32, the K-chunk partials of x Aᵀ. It
+    reads x only, so it may run before the base matmul that y comes from (lora.LoRALinear does)."""
     M, K = x.shape
-    R, N = A.shape[0], B.shape[0]
-    if not (M <= MAX_M and A.shape[1] == K and B.shape[1] == R and tuple(y.shape) == (M, N)):
-        raise ValueError(f"lora_delta_: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)}, "
-                         f"y {tuple(y.shape)} do not fit y (M, N) += (x Aᵀ) Bᵀ with M <= {MAX_M}")
-    if not x.dtype == A.dtype == B.dtype == y.dtype:
-        raise ValueError(f"lora_delta_ needs one dtype, got x {x.dtype}, A {A.dtype}, B {B.dtype}, y {y.dtype}")
+    R = A.shape[0]
+    if not (M <= MAX_M and A.shape[1] == K and B.shape[1] == R):
+        raise ValueError(f"lora_delta_: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)} do not "
+                         f"fit y (M, N) += (x Aᵀ) Bᵀ with M <= {MAX_M}")
+    if not x.dtype == A.dtype == B.dtype:
+        raise ValueError(f"lora_delta_ needs one dtype, got x {x.dtype}, A {A.dtype}, B {B.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    A, B = A.contiguous(), B.contiguous()
-    if y.stride(-1) != 1:
-        raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
+    A = A.contiguous()
     split = max(1, min(8, K // 1024))
     kc = triton.cdiv(triton.cdiv(K, split), BK) * BK
     split = triton.cdiv(K, kc)
     hp = torch.empty(split, M, R, device=x.device, dtype=torch.float32)
-    fp32 = interpreting() or x.dtype == torch.float32
-    launch = pdl_launch(x.device) if pdl else dict(USE_PDL=False, launch_pdl=False)
-    _lora_shrink_kernel[(triton.cdiv(R, BR), split)](x, A, hp, M, R, K, kc, x.stride(0), BM=MAX_M, BR=BR,
-                                                     BK=BK, FP32_DOT=fp32, **launch)
-    _lora_expand_kernel[(triton.cdiv(N, BN),)](hp, B, y, M, N, R, y.stride(0), scale, SPLIT=split, BM=MAX_M,
-                                               BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
-                                               FP32_DOT=fp32, **launch)
+    _lora_shrink_kernel[(triton.cdiv(R, BR), split)](x, A, hp, M, R, K, kc, x.stride(0), BM=MAX_M, BR=BR, BK=BK,
+                                                     FP32_DOT=interpreting() or x.dtype == torch.float32,
+                                                     **_launch(x.device, pdl))
+    return hp
+
+
+def lora_expand_(hp, B, y, scale, pdl=True):
+    """The second half: y += scale · bf16(Σ hp) Bᵀ in place, y (M, N) with contiguous rows."""
+    split, M, R = hp.shape
+    N = B.shape[0]
+    if tuple(y.shape) != (M, N) or B.shape[1] != R:
+        raise ValueError(f"lora_delta_: B {tuple(B.shape)}, y {tuple(y.shape)} do not fit y (M, N) += h Bᵀ "
+                         f"with h ({M}, {R})")
+    if y.dtype != B.dtype:
+        raise ValueError(f"lora_delta_ needs one dtype, got B {B.dtype}, y {y.dtype}")
+    if y.stride(-1) != 1:
+        raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
+    _lora_expand_kernel[(triton.cdiv(N, BN),)](hp, B.contiguous(), y, M, N, R, y.stride(0), scale, SPLIT=split,
+                                               BM=MAX_M, BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
+                                               FP32_DOT=interpreting() or y.dtype == torch.float32,
+                                               **_launch(y.device, pdl))
     return y
+
+
+def _launch(device, pdl):
+    return pdl_launch(device) if pdl else dict(USE_PDL=False, launch_pdl=False)

@@ -106,11 +106,11 @@ def project(parent: nn.Module, names, x):
     stack = parent.stacked
     if stack is not None and fused(x):
         if stack.holds([getattr(m, "base_layer", m) for m in mods]):     # through a LoRA wrapper
-            y = stack(x)                                                  # (..., Σ N)
             group = getattr(type(mods[0]), "add_group_delta", None)
-            with_lora = group(mods, x, y) if group is not None else None
+            with_lora = group(mods, x, lambda: stack(x)) if group is not None else None   # (..., Σ N)
             if with_lora is not None:
                 return with_lora.split(stack.sizes, -1)
+            y = stack(x)                                                  # (..., Σ N)
             return [m.add_delta(x, o) if hasattr(m, "add_delta") else o for m, o in zip(mods, y.split(stack.sizes, -1))]
         parent.stacked = None                   # the members moved: use them one by one, free the stack
     return [m(x) for m in mods]

@@ -72,6 +72,18 @@ def test_pdl_for_skips_pdl_only_beside_the_nvfp4_kernels():
     assert not pdl_for(q) and pdl_for(dense)
 
 
+def test_early_shrink_only_beside_the_gemv_and_the_tiles(monkeypatch):
+    """The shrink goes before the base matmul on an NVFP4 base at the rows where the GEMV (1, 2) or
+    the tile kernel (9..16) computes it, never beside the fragment kernel (3..8) or on a dense base."""
+    import lora_kernels
+    import nvfp4
+    q, dense = nvfp4.NVFP4Linear(64, 32), torch.nn.Linear(64, 32)
+    assert [m for m in range(1, MAX_M + 1) if lora_kernels.early_shrink(q, m)] == [1, 2] + list(range(9, 17))
+    assert not any(lora_kernels.early_shrink(dense, m) for m in range(1, MAX_M + 1))
+    monkeypatch.setattr(lora_kernels, "EARLY_SHRINK", False)
+    assert not lora_kernels.early_shrink(q, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 16])
 def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
@@ -86,14 +98,16 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(rows, 768, device="cuda", dtype=torch.bfloat16)
     calls = []
-    real = lora.lora_kernels.lora_delta_
-    monkeypatch.setattr(lora.lora_kernels, "lora_delta_", lambda *a: calls.append(a[-1]) or real(*a))
+    real = lora.lora_kernels.lora_expand_
+    monkeypatch.setattr(lora.lora_kernels, "lora_expand_", lambda *a: calls.append(a[-1]) or real(*a))
     with torch.no_grad():
         got_one = mods[0].add_delta(x, y[:, :512].clone())
-        got_group = lora.LoRALinear.add_group_delta(mods, x, y.clone())
+        got_fwd = mods[0](x)                             # x Aᵀ first, then the base matmul, then expand
+        got_group = lora.LoRALinear.add_group_delta(mods, x, lambda: y.clone())
         monkeypatch.setattr(lora, "_decode_kernels", lambda x2: False)
         want_one = mods[0].add_delta(x, y[:, :512].clone())
+        want_fwd = mods[0](x)
         want_group = lora.LoRALinear.add_group_delta(mods, x, y.clone())
-    assert calls == [True, True]                         # bf16 bases: with PDL (pdl_for)
-    for got, want in ((got_one, want_one), (got_group, want_group)):
+    assert calls == [True, True, True]                   # bf16 bases: with PDL (pdl_for)
+    for got, want in ((got_one, want_one), (got_fwd, want_fwd), (got_group, want_group)):
         assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
