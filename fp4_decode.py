@@ -198,12 +198,45 @@ def _last_split(count_ptr, tile, nsplit):
 
 
 @triton.jit
-def _sum_splits(part_ptr, y_ptr, offs, mask, cols, N, stride_os, gs_ptr, bias_ptr,
+def _sum_splits(part_ptr, y_ptr, offs, mask, cols, N, stride_os, gs_ptr, bias_ptr, update,
                 NSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
-    """y[offs] = _finish(sum over s in order of part[s, offs]): the bits of _splitk_reduce_kernel.
-    offs, mask and cols (the output columns, for the bias) share one shape; .cg reads through L2,
-    where the other programs' partials are."""
+    """y[offs] = _finish(sum over s in order of part[s, offs]): the bits of _splitk_reduce_kernel,
+    then + update (fp32, or None: _add_update). offs, mask and cols (the output columns, for the
+    bias) share one shape; .cg reads through L2, where the other programs' partials are."""
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
     for s in tl.static_range(1, NSPLIT):
         acc += tl.load(part_ptr + s * stride_os + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    tl.store(y_ptr + offs, _finish(acc, gs_ptr, bias_ptr, cols, N, HAS_BIAS, INTERPRET), mask=mask)
+    y = _finish(acc, gs_ptr, bias_ptr, cols, N, HAS_BIAS, INTERPRET)
+    tl.store(y_ptr + offs, _add_update(y, update, INTERPRET), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# The LoRA expand folded into the epilogue (lora_kernels.py owns the update; the GEMV applies it)
+
+@triton.jit
+def _lora_update(hp_ptr, lb_ptr, lora_scale, m, cols, M, N, R, LSPLIT: tl.constexpr, LR: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """s · bf16(sum_j hp[j, m, :]) · B[cols, :]ᵀ in fp32, of the shape m and cols broadcast to:
+    lora_kernels._lora_expand_kernel's update (h rounded as there) for the rows m of x and the
+    output columns cols that a kernel finishing y holds. hp (LSPLIT, M, R) fp32 are the shrink's
+    K-chunk partials, B (N, R) bf16; LR >= R a power of two. A sum of R products in fp32 per
+    output (the expand kernel's MMA sums the same products in another order)."""
+    r = tl.arange(0, LR)
+    m1 = tl.expand_dims(m, -1)
+    h_mask = (m1 < M) & (r < R)
+    h = tl.load(hp_ptr + m1 * R + r, mask=h_mask, other=0.0)
+    for j in tl.static_range(1, LSPLIT):
+        h += tl.load(hp_ptr + (j * M + m1) * R + r, mask=h_mask, other=0.0)
+    h = _to_bf16(h, INTERPRET).to(tl.float32)
+    c1 = tl.expand_dims(cols, -1)
+    b = tl.load(lb_ptr + c1 * R + r, mask=(c1 < N) & (r < R), other=0.0).to(tl.float32)
+    return lora_scale * tl.sum(h * b, axis=-1)
+
+
+@triton.jit
+def _add_update(y, update, INTERPRET: tl.constexpr):
+    """bf16 y + fp32 update, rounded once more to bf16 (as the separate expand kernel adds it to
+    the stored y); y itself where update is None."""
+    if update is not None:
+        y = _to_bf16(y.to(tl.float32) + update, INTERPRET)
+    return y

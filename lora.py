@@ -29,7 +29,8 @@ megabytes of weight traffic, and a 7B model has 196 adapted linears. So when sam
 at most 16 rows (decode steps of up to 16 sequences), two Triton kernels launched with programmatic
 dependent launch (where it pays: lora_kernels.pdl_for) do the update in place instead
 (lora_kernels.py: shrink x Aᵀ, expand into y); on an NVFP4 base the shrink runs before the base
-matmul where that measured faster (lora_kernels.early_shrink).
+matmul where that measured faster (lora_kernels.early_shrink), and at 1-2 rows the NVFP4 GEMV adds
+the update itself as it stores y (lora_kernels.fold_expand: one launch per adapter group).
 
 Names follow PEFT, so adapters move between this code and the Hugging Face stack:
 
@@ -120,12 +121,16 @@ def _decode_kernels(x2: torch.Tensor) -> bool:
 
 def _delta_kernels(x2, A, B, y, scale, base):
     """The Triton path of add_delta / add_group_delta: y += scale · (x Aᵀ) Bᵀ in place. y may be a
-    function (the base matmul): where lora_kernels.early_shrink says so, x Aᵀ runs before it and both
-    kernels take PDL; otherwise both run after it, with PDL as lora_kernels.pdl_for(base) says."""
+    function (the base matmul, taking an optional lora= update to fold in): where
+    lora_kernels.early_shrink says so, x Aᵀ runs before it and both kernels take PDL, and where
+    lora_kernels.fold_expand says so the base matmul adds the update itself (no expand kernel);
+    otherwise both run after it, with PDL as lora_kernels.pdl_for(base) says."""
     early = callable(y) and lora_kernels.early_shrink(base, x2.shape[0])
     pdl = early or lora_kernels.pdl_for(base)
     if early:
         hp = lora_kernels.lora_shrink(x2, A, B, pdl)
+        if lora_kernels.fold_expand(base, x2):
+            return y(lora=(hp, B.contiguous(), float(scale)))
         y = y()
     else:
         y = y() if callable(y) else y
@@ -163,13 +168,14 @@ class LoRALinear(nn.Module):
         self._casts = None   # (A, B) in the activation dtype, kept for sampling (see _cast)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_delta(x, lambda: self.base_layer(x))
+        return self.add_delta(x, lambda **kw: self.base_layer(x, **kw))
 
     def add_delta(self, x: torch.Tensor, y) -> torch.Tensor:
         """y + scaling · dropout(x) Aᵀ Bᵀ for a base output y (..., out) computed here or elsewhere
         (stacked_linear.StackedLinear computes q, k and v in one matmul, then each adapter adds its part).
-        y may be a function that computes it: the Triton path then runs its first kernel (x Aᵀ)
-        before the base matmul where that pays (_delta_kernels). On the Triton path
+        y may be a function that computes it (given lora=(hp, B, s), with the update folded in:
+        NVFP4Linear.forward): the Triton path then runs its first kernel (x Aᵀ) before the base
+        matmul where that pays, and folds the second into it where it can (_delta_kernels). On the Triton path
         (_decode_kernels) y itself is updated and returned: pass a fresh output."""
         if not self.enabled:
             return y() if callable(y) else y

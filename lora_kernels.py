@@ -22,11 +22,15 @@ Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) 
 all in one dtype; M <= 16 (one MMA tile of rows). Launched with programmatic dependent launch except
 beside the small-M NVFP4 kernels, where it measured slower (pdl_for), unless the shrink runs before
 the base matmul (early_shrink: the GEMV and tile rows of an NVFP4 base, both kernels with PDL).
+Where the NVFP4 GEMV computes y (1-2 rows) it also does the expand's work as it stores y, from the
+shrink's partials (fold_expand; fp4_decode._lora_update): H100, 7B rank 32, batch 1 +11.6%, batch
+2 +9.4% against the expand kernel (bench/NOTES.md v13).
 Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 tl.dot is wrong), as in the
 other kernels.
 Tests: tests/test_lora_kernels.py (interpreter: against float64 with odd sizes, K-splits and
 row-strided x and y, bf16 rounding of h, bad input; GPU: one adapter and a q/k/v group's
-block-diagonal B against lora.py's torch path); the graphed decode with adapters: tests/test_rollout.py.
+block-diagonal B against lora.py's torch path, folded into the NVFP4 GEMV or not); the folded update
+itself: tests/test_small_m_kernels.py; the graphed decode with adapters: tests/test_rollout.py.
 """
 
 import torch
@@ -34,7 +38,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from marlin_kernel import FRAGMENT_MAX_M, GEMV_MAX_M, interpreting, pdl_launch, pdl_start
+    from marlin_kernel import FRAGMENT_MAX_M, GEMV_MAX_M, folds_lora, interpreting, pdl_launch, pdl_start
 except ImportError:  # lora.py's torch path needs no triton
     triton = None
 
@@ -42,6 +46,7 @@ MAX_M = 16          # rows of x the kernels take (one MMA tile); more rows: lora
 BR, BK, BN = 16, 128, 64
 PDL_BESIDE_NVFP4 = False  # see pdl_for (bench/ab.py's lora_pdl_nvfp4 switch turns it on)
 EARLY_SHRINK = True       # see early_shrink (bench/ab.py's lora_early switch turns it off)
+FOLD_EXPAND = True        # see fold_expand (bench/ab.py's lora_fold switch turns it off)
 
 
 def pdl_for(base) -> bool:
@@ -63,6 +68,15 @@ def early_shrink(base, rows: int) -> bool:
     fragment kernel (batch 4) it lost 16% (758 vs 897); that and bf16 bases keep pdl_for's order
     (bench/NOTES.md v12)."""
     return EARLY_SHRINK and hasattr(base, "weight_packed") and not GEMV_MAX_M < rows <= FRAGMENT_MAX_M
+
+
+def fold_expand(base, x2) -> bool:
+    """After an early shrink, let the base matmul add the update instead of the expand kernel? Where
+    the NVFP4 GEMV finishes the rows of y itself (marlin_kernel.folds_lora: rows <= GEMV_MAX_M) and
+    the activations are bf16: its last split adds s·h·Bᵀ before storing y (fp4_decode._lora_update),
+    one launch per adapter group fewer."""
+    return (FOLD_EXPAND and hasattr(base, "weight_packed") and x2.dtype == torch.bfloat16
+            and folds_lora(x2.shape[0]))
 
 
 if triton is not None:

@@ -387,8 +387,9 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
-def _gemv(x, packed, scale, global_scale, bias, cfg):
-    """y = x·Wᵀ (+bias) on CUDA cores for M <= 4 (K a multiple of 16; padded to 32 if odd)."""
+def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None):
+    """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s), see nvfp4_matmul) on CUDA cores for
+    M <= 4 (K a multiple of 16; padded to 32 if odd)."""
     M, K = x.shape
     N = packed.shape[0]
     if M > 4:
@@ -406,16 +407,23 @@ def _gemv(x, packed, scale, global_scale, bias, cfg):
     split, k_split = _split(cfg.split, tiles, K, bk, 8 * _num_sms(x.device), min_blocks=2)
     part = _partials(split, out)
     reduce = split > 1 and REDUCE_IN_KERNEL
+    if lora is not None and split > 1 and not reduce:
+        raise ValueError("the LoRA update folds into the GEMV only where it sums its own split-K partials "
+                         "(REDUCE_IN_KERNEL; see folds_lora)")
     targets, flags = _split_targets(out, tiles, split, reduce)
     x2 = x.view(torch.int32)                 # (M, K/2): one bf16 pair per word
     sb = scale.view(torch.uint8)             # E4M3 bits; decoded in-kernel
+    hp, lb, ls = lora if lora is not None else (out, out, 0.0)
+    R = lb.shape[1] if lora is not None else 1
     _nvfp4_gemv_kernel[(tiles, split)](
         x2, packed, sb, global_scale, bias if bias is not None else out, part,
-        *targets,
-        M, N, K // 2, k_split // 2,
+        *targets, hp, lb, ls,
+        M, N, K // 2, k_split // 2, R,
         x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, **flags,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=interpreting(),
+        LORA=lora is not None, LSPLIT=hp.shape[0] if lora is not None else 1,
+        LR=max(16, triton.next_power_of_2(R)),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 
@@ -475,14 +483,39 @@ def _matmul_dx(dy, packed, scale, global_scale, cfg):
     return _reduce(part, global_scale, None, out)
 
 
-def nvfp4_matmul(x, packed, scale, global_scale, bias=None):
-    """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16), fp32 accumulation."""
+def folds_lora(M: int) -> bool:
+    """Can nvfp4_matmul take a LoRA update at M rows? Where the CUDA-core GEMV runs and finishes its
+    own output rows (it sums its split-K partials itself): the update is added before they are
+    stored, and the expand kernel (lora_kernels.lora_expand_) with its launch is not needed."""
+    return M <= GEMV_MAX_M and REDUCE_IN_KERNEL
+
+
+def _check_lora(lora, M, N, device):
+    hp, B, s = lora
+    if hp.dtype != torch.float32 or hp.dim() != 3 or hp.shape[1] != M or not hp.is_contiguous():
+        raise ValueError(f"lora: hp must be contiguous fp32 K-chunk partials (split, {M}, R), got "
+                         f"{hp.dtype} {tuple(hp.shape)}")
+    if B.dtype != torch.bfloat16 or tuple(B.shape) != (N, hp.shape[2]) or not B.is_contiguous():
+        raise ValueError(f"lora: B must be a contiguous bf16 ({N}, {hp.shape[2]}), got {B.dtype} {tuple(B.shape)}")
+    if hp.device != device or B.device != device or not isinstance(s, float):
+        raise ValueError("lora: hp and B on the activations' device, and a float scale")
+    if not folds_lora(M):
+        raise ValueError(f"lora: the update folds into the matmul only where folds_lora(M) holds, not at M = {M}")
+
+
+def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None):
+    """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16), fp32 accumulation.
+    lora = (hp, B, s), where folds_lora(M): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the LoRA update of
+    lora_kernels.lora_expand_ (hp (split, M, R) fp32 from lora_kernels.lora_shrink, B (N, R) bf16)."""
     N, K = _check_weight(packed, scale, global_scale, x.device)
     _check_act("x", x, K)
     if bias is not None:
         if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
             raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
                              f"{bias.dtype} {tuple(bias.shape)}")
+    if lora is not None:
+        _check_lora(lora, x.shape[0], N, x.device)
+        return _gemv(x, packed, scale, global_scale, bias, fwd_config(x.shape[0], N, K), lora)
     if use_dequant(x.shape[0], N, K):
         return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale), bias)
     cfg = fwd_config(x.shape[0], N, K)

@@ -218,12 +218,15 @@ def _use_kernel(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype == torch.bfloat16 and _marlin() is not None
 
 
-def linear(x, packed, scale, global_scale, bias=None):
-    """y = x·W'ᵀ (+ bias) without autograd: x (..., K) -> (..., N) in x.dtype."""
+def linear(x, packed, scale, global_scale, bias=None, lora=None):
+    """y = x·W'ᵀ (+ bias) without autograd: x (..., K) -> (..., N) in x.dtype. lora: a LoRA update
+    for the kernel to fold in (marlin_kernel.nvfp4_matmul; bf16 on CUDA only)."""
     x2d = x.reshape(-1, x.shape[-1])                                      # (M, K)
     if _use_kernel(x2d):
         b = bias.to(torch.bfloat16) if bias is not None else None
-        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b)
+        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b, lora)
+    elif lora is not None:
+        raise ValueError("nvfp4.linear: a LoRA update folds in only on the CUDA kernel (bf16 activations)")
     else:
         b = bias.to(x.dtype) if bias is not None else None
         y = F.linear(x2d, dequantize(packed, scale, global_scale, x.dtype), b)
@@ -288,14 +291,17 @@ class NVFP4Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: a LoRA update folded into the no-grad kernel (linear; lora.LoRALinear passes it)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear: input has {x.shape[-1]} features, expected {self.in_features}")
         args = (x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
         needs_grad = x.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if torch.is_grad_enabled() and needs_grad:
+            if lora is not None:
+                raise ValueError("NVFP4Linear: a folded LoRA update is for no-grad forwards only")
             return _NVFP4Matmul.apply(*args)
-        return linear(*args)            # no autograd (rollout): skip the Function's overhead
+        return linear(*args, lora=lora)   # no autograd (rollout): skip the Function's overhead
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

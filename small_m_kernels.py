@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
-                        _e4m3_to_f32, _finish, _last_split, _sum_splits, pdl_start)
+                        _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -106,14 +106,22 @@ def _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl
 
 
 @triton.jit
-def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om,
+def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, lora,
                 HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
-    """Row m of y (or of the fp32 partial sums) from its (W, R, BKB/8) accumulator."""
+    """Row m of y (or of the fp32 partial sums) from its (W, R, BKB/8) accumulator; lora: the
+    (W, R) LoRA update of a finished row, or None."""
     y = tl.sum(acc, axis=2) * GEMV_POST                                           # (W, R)
     if not PARTIAL:
-        y = _finish(y, gs_ptr, bias_ptr, offs_n, N, HAS_BIAS, INTERPRET)
+        y = _add_update(_finish(y, gs_ptr, bias_ptr, offs_n, N, HAS_BIAS, INTERPRET), lora, INTERPRET)
     if m < M:
         tl.store(out_ptr + m * stride_om + offs_n, y, mask=offs_n < N)
+
+
+@triton.jit
+def _gemv_update(hp_ptr, lb_ptr, lora_scale, m: tl.constexpr, offs_n, M, N, R, LSPLIT: tl.constexpr,
+                 LR: tl.constexpr, INTERPRET: tl.constexpr):
+    """The (W, R) LoRA update of row m of y (fp4_decode._lora_update)."""
+    return _lora_update(hp_ptr, lb_ptr, lora_scale, tl.full((1,), m, tl.int32), offs_n, M, N, R, LSPLIT, LR, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -121,9 +129,10 @@ def _nvfp4_gemv_kernel(
     # pointers (x2: x viewed as int32 words, one bf16 pair each)
     x2_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
     y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
+    hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ, hp (LSPLIT, M, R_LORA) fp32, B (N, R_LORA)
     # sizes: x (M, K), W (N, K), K2 = K/2 (bytes per row of W, words per row of x2);
     # each program of split pid_k reduces the bytes [pid_k·SPLIT2, +SPLIT2) of its rows
-    M, N, K2, SPLIT2,
+    M, N, K2, SPLIT2, R_LORA,
     # strides (the innermost stride of every tensor is 1)
     stride_x2m, stride_pn, stride_sn, stride_om, stride_os,
     # meta
@@ -133,11 +142,13 @@ def _nvfp4_gemv_kernel(
     W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
+    LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program
     as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
     accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are wrapped,
-    computed and never stored)."""
+    computed and never stored). With LORA, whoever finishes a row of y adds the LoRA update
+    (fp4_decode._lora_update) before storing it: the expand kernel's work, without its launch."""
     pdl_start(USE_PDL)
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
@@ -169,17 +180,32 @@ def _nvfp4_gemv_kernel(
 
     # ---- epilogue: rows of y (or fp32 partial sums for the split-K reduce)
     out_ptr += pid_k * stride_os
-    _gemv_store(acc0, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+    u0 = None                                            # LoRA updates of the rows finished here
+    u1 = None
+    u2 = None
+    u3 = None
+    if LORA:
+        if not PARTIAL:
+            u0 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 0, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
+            if BM > 1:
+                u1 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 1, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
+            if BM > 2:
+                u2 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 2, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
+                u3 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 3, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
+    _gemv_store(acc0, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u0, HAS_BIAS, PARTIAL, INTERPRET)
     if BM > 1:
-        _gemv_store(acc1, 1, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+        _gemv_store(acc1, 1, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u1, HAS_BIAS, PARTIAL, INTERPRET)
     if BM > 2:
-        _gemv_store(acc2, 2, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
-        _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, HAS_BIAS, PARTIAL, INTERPRET)
+        _gemv_store(acc2, 2, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u2, HAS_BIAS, PARTIAL, INTERPRET)
+        _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u3, HAS_BIAS, PARTIAL, INTERPRET)
     if REDUCE:
         if _last_split(count_ptr, pid_n, NSPLIT):
             m = tl.arange(0, BM)[:, None, None]                                   # (BM, 1, 1)
+            upd_all = None
+            if LORA:
+                upd_all = _lora_update(hp_ptr, lb_ptr, lora_scale, m, offs_n[None], M, N, R_LORA, LSPLIT, LR, INTERPRET)
             _sum_splits(out_ptr - pid_k * stride_os, y_ptr, m * stride_om + offs_n[None], (m < M) & (offs_n < N)[None],
-                        offs_n[None], N, stride_os, gs_ptr, bias_ptr, NSPLIT, HAS_BIAS, INTERPRET)
+                        offs_n[None], N, stride_os, gs_ptr, bias_ptr, upd_all, NSPLIT, HAS_BIAS, INTERPRET)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,4 +404,4 @@ def _nvfp4_mma_kernel(
         tl.static_assert(NT == 1)
         if _last_split(count_ptr, pid_n, NSPLIT):
             _sum_splits(out_ptr, y_ptr, tok * stride_om + rows, (tok < M) & (rows < N), rows, N, stride_os,
-                        gs_ptr, bias_ptr, NSPLIT, HAS_BIAS, INTERPRET)
+                        gs_ptr, bias_ptr, None, NSPLIT, HAS_BIAS, INTERPRET)

@@ -87,12 +87,15 @@ class StackedLinear:
         """Are the members' tensors still slices of the stack? (.to() or a reload ends that.)"""
         return self._ptrs(mods) == self.ptrs
 
-    def __call__(self, x):
-        """x (..., K) -> (..., Σ N): the members' outputs side by side."""
+    def __call__(self, x, lora=None):
+        """x (..., K) -> (..., Σ N): the members' outputs side by side (with a LoRA update folded
+        in: NVFP4 stacks only, nvfp4.linear)."""
         t = self.tensors
         if self.global_scale is None:
+            if lora is not None:
+                raise ValueError("StackedLinear: a folded LoRA update needs an NVFP4 stack")
             return F.linear(x, t["weight"], t.get("bias"))
-        return nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"))
+        return nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"), lora)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,7 +110,7 @@ def project(parent: nn.Module, names, x):
     if stack is not None and fused(x):
         if stack.holds([getattr(m, "base_layer", m) for m in mods]):     # through a LoRA wrapper
             group = getattr(type(mods[0]), "add_group_delta", None)
-            with_lora = group(mods, x, lambda: stack(x)) if group is not None else None   # (..., Σ N)
+            with_lora = group(mods, x, lambda **kw: stack(x, **kw)) if group is not None else None  # (..., Σ N)
             if with_lora is not None:
                 return with_lora.split(stack.sizes, -1)
             y = stack(x)                                                  # (..., Σ N)

@@ -151,7 +151,7 @@ def _nvfp4_mm_kernel(
         if REDUCE:
             if _last_split(count_ptr, pid_m * tl.cdiv(N, BN) + pid_n, NSPLIT):
                 _sum_splits(out_ptr, y_ptr, offs_m[:, None] * stride_om + offs_n[None, :], mask, offs_n[None, :],
-                            N, stride_os, gs_ptr, bias_ptr, NSPLIT, HAS_BIAS, INTERPRET)
+                            N, stride_os, gs_ptr, bias_ptr, None, NSPLIT, HAS_BIAS, INTERPRET)
     else:
         y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)

@@ -16,6 +16,7 @@ defaults, which are what ships):
     lora_kernels=0|1      lora_kernels.py's decode update (0: lora.py's cuBLAS GEMM + addmm)
     lora_pdl_nvfp4=0|1    lora_kernels.PDL_BESIDE_NVFP4: PDL for them on an NVFP4 base too
     lora_early=0|1        lora_kernels.EARLY_SHRINK: x Aᵀ before the base matmul where early_shrink says
+    lora_fold=0|1         lora_kernels.FOLD_EXPAND: the update added by the NVFP4 GEMV where fold_expand says
     sampler=triton|torch  sampling.py's GPU path (torch: the ~10-op reference path)
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
@@ -54,6 +55,7 @@ SWITCHES = {
     "lora_kernels": (lora, "_decode_kernels", lambda v: lora._decode_kernels if int(v) else (lambda x2: False)),
     "lora_pdl_nvfp4": (lora_kernels, "PDL_BESIDE_NVFP4", lambda v: bool(int(v))),
     "lora_early": (lora_kernels, "EARLY_SHRINK", lambda v: bool(int(v))),
+    "lora_fold": (lora_kernels, "FOLD_EXPAND", lambda v: bool(int(v))),
     "sampler": (sampling, "triton", lambda v: sampling.triton if v == "triton" else None),
 }
 

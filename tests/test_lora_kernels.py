@@ -111,3 +111,37 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
     assert calls == [True, True, True]                   # bf16 bases: with PDL (pdl_for)
     for got, want in ((got_one, want_one), (got_fwd, want_fwd), (got_group, want_group)):
         assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+def test_gpu_nvfp4_base_folds_the_expand_into_the_gemv(rows, monkeypatch):
+    """On an NVFP4 base the GEMV's rows (1, 2) get the update from the base kernel itself
+    (lora_kernels.fold_expand: no expand launch), other rows from the expand kernel; a single adapter
+    (forward) and a q/k/v-like group over a StackedLinear give lora.py's torch path within bf16
+    rounding on every route."""
+    import nvfp4
+    import stacked_linear
+    torch.manual_seed(0)
+    g = torch.tensor([448.0 * 6 / 0.2], device="cuda")                 # one global scale for the group
+    bases = [nvfp4.NVFP4Linear.from_weight(torch.randn(n, 512, device="cuda", dtype=torch.bfloat16) * 0.05,
+                                           torch.randn(n, device="cuda", dtype=torch.bfloat16), global_scale=g)
+             for n in (512, 128, 128)]
+    mods = [lora.LoRALinear(b, r=16, alpha=32) for b in bases]
+    for m in mods:
+        torch.nn.init.normal_(m.lora_B, std=0.02)
+        m.eval()
+    stack = stacked_linear.StackedLinear(bases)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = lora.lora_kernels.lora_expand_
+    monkeypatch.setattr(lora.lora_kernels, "lora_expand_", lambda *a: calls.append(a[-1]) or real(*a))
+    with torch.no_grad():
+        got_fwd = mods[0](x)
+        got_group = lora.LoRALinear.add_group_delta(mods, x, lambda **kw: stack(x, **kw))
+        monkeypatch.setattr(lora, "_decode_kernels", lambda x2: False)
+        want_fwd = mods[0](x)
+        want_group = lora.LoRALinear.add_group_delta(mods, x, stack(x))
+    assert len(calls) == (0 if rows <= 2 else 2)
+    for got, want in ((got_fwd, want_fwd), (got_group, want_group)):
+        assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
