@@ -47,10 +47,16 @@ release-acquire atomic add at GPU scope, so the split that counts last sees ever
 them through L2 (.cg), sums them in split order (the bits of _splitk_reduce_kernel), finishes the
 tile, and sets its count back to 0 for the next launch on that stream.
 
+The LoRA update in the epilogue (_lora_update, _lora_update_tile, _add_update): at decode a kernel
+that stores a finished tile of y may add s · bf16(Σ_j hp[j]) · Bᵀ first, from the K-chunk partials
+hp of lora_kernels.lora_shrink that ran before it, so no expand kernel is launched
+(marlin_kernel.folds_lora says where).
+
 Test: tests/test_fp4_decode.py: every byte value and E4M3 scales from subnormal to 448 decode
 exactly through each kernel (on the CPU the plain-tl branches, on the GPU the PTX); the in-kernel
 split sum against the reduce kernel, bit for bit: tests/test_small_m_kernels.py
-(test_in_kernel_split_reduce_equals_the_reduce_kernel).
+(test_in_kernel_split_reduce_equals_the_reduce_kernel); the folded LoRA update against float64:
+test_kernels_fold_the_lora_update there.
 """
 import triton
 import triton.language as tl
@@ -222,15 +228,37 @@ def _lora_update(hp_ptr, lb_ptr, lora_scale, m, cols, M, N, R, LSPLIT: tl.conste
     K-chunk partials, B (N, R) bf16; LR >= R a power of two. A sum of R products in fp32 per
     output (the expand kernel's MMA sums the same products in another order)."""
     r = tl.arange(0, LR)
-    m1 = tl.expand_dims(m, -1)
+    h = _lora_h(hp_ptr, tl.expand_dims(m, -1), M, R, LSPLIT, LR, INTERPRET)
+    c1 = tl.expand_dims(cols, -1)
+    b = tl.load(lb_ptr + c1 * R + r, mask=(c1 < N) & (r < R), other=0.0).to(tl.float32)
+    return lora_scale * tl.sum(h * b, axis=-1)
+
+
+@triton.jit
+def _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R, LSPLIT: tl.constexpr,
+                      LR: tl.constexpr, INTERPRET: tl.constexpr):
+    """_lora_update for a (BM, BN) tile (BM >= 16 rows offs_m, BN columns offs_n) as one MMA,
+    h (BM, LR) · B (BN, LR)ᵀ: the expand kernel's own product (fp32 under the interpreter)."""
+    r = tl.arange(0, LR)
+    h = _lora_h(hp_ptr, offs_m[:, None], M, R, LSPLIT, LR, INTERPRET)                 # (BM, LR)
+    b = tl.load(lb_ptr + offs_n[:, None] * R + r[None, :], mask=(offs_n[:, None] < N) & (r[None, :] < R),
+                other=0.0)                                                            # (BN, LR)
+    if INTERPRET:
+        d = tl.dot(h, tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        d = tl.dot(h.to(tl.bfloat16), tl.trans(b))
+    return lora_scale * d
+
+
+@triton.jit
+def _lora_h(hp_ptr, m1, M, R, LSPLIT: tl.constexpr, LR: tl.constexpr, INTERPRET: tl.constexpr):
+    """h = bf16(sum_j hp[j, m, :]) as fp32, (..., LR) for rows m1 (..., 1); rows past M and r past R: 0."""
+    r = tl.arange(0, LR)
     h_mask = (m1 < M) & (r < R)
     h = tl.load(hp_ptr + m1 * R + r, mask=h_mask, other=0.0)
     for j in tl.static_range(1, LSPLIT):
         h += tl.load(hp_ptr + (j * M + m1) * R + r, mask=h_mask, other=0.0)
-    h = _to_bf16(h, INTERPRET).to(tl.float32)
-    c1 = tl.expand_dims(cols, -1)
-    b = tl.load(lb_ptr + c1 * R + r, mask=(c1 < N) & (r < R), other=0.0).to(tl.float32)
-    return lora_scale * tl.sum(h * b, axis=-1)
+    return _to_bf16(h, INTERPRET).to(tl.float32)
 
 
 @triton.jit

@@ -22,9 +22,10 @@ Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) 
 all in one dtype; M <= 16 (one MMA tile of rows). Launched with programmatic dependent launch except
 beside the small-M NVFP4 kernels, where it measured slower (pdl_for), unless the shrink runs before
 the base matmul (early_shrink: the GEMV and tile rows of an NVFP4 base, both kernels with PDL).
-Where the NVFP4 GEMV computes y (1-2 rows) it also does the expand's work as it stores y, from the
-shrink's partials (fold_expand; fp4_decode._lora_update): H100, 7B rank 32, batch 1 +11.6%, batch
-2 +9.4% against the expand kernel (bench/NOTES.md v13).
+Where the NVFP4 GEMV (1-2 rows) or the swapped tiles (9-16) compute y, they also do the expand's
+work as they store y, from the shrink's partials (fold_expand; fp4_decode._lora_update): H100, 7B
+rank 32, against the expand kernel: batch 1 +10.5-11.6%, batch 2 +9.4%, batch 16 +3.0%
+(bench/NOTES.md v13).
 Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 tl.dot is wrong), as in the
 other kernels.
 Tests: tests/test_lora_kernels.py (interpreter: against float64 with odd sizes, K-splits and
@@ -72,9 +73,9 @@ def early_shrink(base, rows: int) -> bool:
 
 def fold_expand(base, x2) -> bool:
     """After an early shrink, let the base matmul add the update instead of the expand kernel? Where
-    the NVFP4 GEMV finishes the rows of y itself (marlin_kernel.folds_lora: rows <= GEMV_MAX_M) and
-    the activations are bf16: its last split adds s·h·Bᵀ before storing y (fp4_decode._lora_update),
-    one launch per adapter group fewer."""
+    the NVFP4 kernel finishes the rows of y itself (marlin_kernel.folds_lora: the GEMV's rows <=
+    GEMV_MAX_M and the swapped tiles' > FRAGMENT_MAX_M) and the activations are bf16: whoever stores
+    a tile of y adds s·h·Bᵀ first (fp4_decode._lora_update), one launch per adapter group fewer."""
     return (FOLD_EXPAND and hasattr(base, "weight_packed") and x2.dtype == torch.bfloat16
             and folds_lora(x2.shape[0]))
 

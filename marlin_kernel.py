@@ -355,7 +355,15 @@ def _reduce(part, global_scale, bias, out):
     return out
 
 
-def _matmul(x, packed, scale, global_scale, bias, cfg):
+def _lora_args(lora, out):
+    """The kernels' LoRA arguments: (hp, B, s, R) and constexprs LORA, LSPLIT, LR (unused: dummies)."""
+    hp, lb, ls = lora if lora is not None else (out, out, 0.0)
+    R = lb.shape[1] if lora is not None else 1
+    return (hp, lb, ls), R, dict(LORA=lora is not None, LSPLIT=hp.shape[0] if lora is not None else 1,
+                                 LR=max(16, triton.next_power_of_2(R)))
+
+
+def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None):
     scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
     if x.shape[1] % MIN_RED:               # odd K: pad the reduction (a copy; model shapes never)
         x, packed, scale = _pad(x, 1, MIN_RED), _pad(packed, 1, MIN_RED // 2), _pad(scale, 1, MIN_RED // 16)
@@ -375,13 +383,17 @@ def _matmul(x, packed, scale, global_scale, bias, cfg):
     # v10); the 128 x 128 medium tiles do not (their last split would read SPLIT x 64 KB alone: GRPO
     # batch -7.4%, v9)
     reduce = split > 1 and cfg.swap and REDUCE_IN_KERNEL
+    if lora is not None and split > 1 and not reduce:
+        raise ValueError("the LoRA update folds into the tile kernel only where it sums its own split-K "
+                         "partials (swapped tiles, REDUCE_IN_KERNEL; see folds_lora)")
     targets, flags = _split_targets(out, tiles, split, reduce)
+    lora_ptrs, R, lora_flags = _lora_args(lora, out)
     _nvfp4_mm_kernel[(tiles, split)](
         x, packed, scale, global_scale, bias if bias is not None else out, part,
-        *targets,
-        M, N, K, k_split,
+        *targets, *lora_ptrs,
+        M, N, K, k_split, R,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags,
+        HAS_BIAS=bias is not None, **flags, **lora_flags,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap,
         INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -413,17 +425,14 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None):
     targets, flags = _split_targets(out, tiles, split, reduce)
     x2 = x.view(torch.int32)                 # (M, K/2): one bf16 pair per word
     sb = scale.view(torch.uint8)             # E4M3 bits; decoded in-kernel
-    hp, lb, ls = lora if lora is not None else (out, out, 0.0)
-    R = lb.shape[1] if lora is not None else 1
+    lora_ptrs, R, lora_flags = _lora_args(lora, out)
     _nvfp4_gemv_kernel[(tiles, split)](
         x2, packed, sb, global_scale, bias if bias is not None else out, part,
-        *targets, hp, lb, ls,
+        *targets, *lora_ptrs,
         M, N, K // 2, k_split // 2, R,
         x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags,
+        HAS_BIAS=bias is not None, **flags, **lora_flags,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=interpreting(),
-        LORA=lora is not None, LSPLIT=hp.shape[0] if lora is not None else 1,
-        LR=max(16, triton.next_power_of_2(R)),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 
@@ -484,10 +493,11 @@ def _matmul_dx(dy, packed, scale, global_scale, cfg):
 
 
 def folds_lora(M: int) -> bool:
-    """Can nvfp4_matmul take a LoRA update at M rows? Where the CUDA-core GEMV runs and finishes its
-    own output rows (it sums its split-K partials itself): the update is added before they are
-    stored, and the expand kernel (lora_kernels.lora_expand_) with its launch is not needed."""
-    return M <= GEMV_MAX_M and REDUCE_IN_KERNEL
+    """Can nvfp4_matmul take a LoRA update at M rows? Where the kernel that runs finishes its own
+    output tiles (it sums its split-K partials itself): the CUDA-core GEMV (M <= GEMV_MAX_M) and the
+    swapped tiles (FRAGMENT_MAX_M < M <= 16). The update is added before y is stored, and the
+    expand kernel (lora_kernels.lora_expand_) with its launch is not needed."""
+    return REDUCE_IN_KERNEL and (M <= GEMV_MAX_M or FRAGMENT_MAX_M < M <= 16)
 
 
 def _check_lora(lora, M, N, device):
@@ -515,7 +525,9 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None):
                              f"{bias.dtype} {tuple(bias.shape)}")
     if lora is not None:
         _check_lora(lora, x.shape[0], N, x.device)
-        return _gemv(x, packed, scale, global_scale, bias, fwd_config(x.shape[0], N, K), lora)
+        cfg = fwd_config(x.shape[0], N, K)
+        run = _gemv if isinstance(cfg, GemvConfig) else _matmul
+        return run(x, packed, scale, global_scale, bias, cfg, lora)
     if use_dequant(x.shape[0], N, K):
         return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale), bias)
     cfg = fwd_config(x.shape[0], N, K)

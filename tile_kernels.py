@@ -48,8 +48,8 @@ and test_real_shapes_gpu run them on the routes that reach them. Benchmark: pyth
 import triton
 import triton.language as tl
 
-from fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _e2m1x2_to_f32, _e4m3_to_f32,
-                        _finish, _last_split, _sum_splits, _to_bf16, pdl_start)
+from fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _add_update, _e2m1x2_to_f32, _e4m3_to_f32,
+                        _finish, _last_split, _lora_update_tile, _sum_splits, _to_bf16, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # the weight tile
@@ -96,8 +96,9 @@ def _nvfp4_mm_kernel(
     # pointers
     x_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
     y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
+    hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ (fp4_decode._lora_update_tile)
     # sizes: x (M, K), W (N, K); each program of split pid_k reduces k in [pid_k·K_SPLIT, +K_SPLIT)
-    M, N, K, K_SPLIT,
+    M, N, K, K_SPLIT, R_LORA,
     # strides (the innermost stride of every tensor is 1)
     stride_xm, stride_pn, stride_sn, stride_om, stride_os,
     # meta
@@ -107,8 +108,10 @@ def _nvfp4_mm_kernel(
     SWAP_AB: tl.constexpr,     # True: acc = W·xᵀ (BN, BM), W from registers; False: x·Wᵀ (BM, BN)
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
+    LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
 ):
-    """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program."""
+    """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program. With LORA, whoever
+    finishes the tile adds the LoRA update before storing it (the expand kernel's work)."""
     pdl_start(USE_PDL)
     # ---- grouped program order: GROUP weight tiles are swept over all m-tiles together (L2)
     pid_n, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
@@ -150,10 +153,17 @@ def _nvfp4_mm_kernel(
         tl.store(ptrs, acc, mask=mask)
         if REDUCE:
             if _last_split(count_ptr, pid_m * tl.cdiv(N, BN) + pid_n, NSPLIT):
+                upd = None
+                if LORA:
+                    upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R_LORA, LSPLIT, LR,
+                                            INTERPRET)
                 _sum_splits(out_ptr, y_ptr, offs_m[:, None] * stride_om + offs_n[None, :], mask, offs_n[None, :],
-                            N, stride_os, gs_ptr, bias_ptr, None, NSPLIT, HAS_BIAS, INTERPRET)
+                            N, stride_os, gs_ptr, bias_ptr, upd, NSPLIT, HAS_BIAS, INTERPRET)
     else:
         y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
+        if LORA:
+            y = _add_update(y, _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R_LORA, LSPLIT,
+                                                 LR, INTERPRET), INTERPRET)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
 
 

@@ -60,11 +60,13 @@ def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
 @pytest.mark.parametrize("M,N,K,R,cfg", [
     (1, 48, 1056, 24, mk.GemvConfig(bn=16, bk=64, split=3)),    # the last split adds the update
     (2, 64, 512, 16, mk.GemvConfig(bn=32, bk=64, split=1)),     # one pass: every program adds it
-    (2, 32, 272, 40, mk.GemvConfig())])
+    (2, 32, 272, 40, mk.GemvConfig()),
+    (9, 144, 512, 24, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3)),   # swapped tiles
+    (16, 64, 256, 96, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=1))])
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_gemv_folds_the_lora_update(M, N, K, R, cfg, has_bias, poisoned):
-    """nvfp4_matmul's lora = (hp, B, s): the GEMV adds s · bf16(Σ_j hp[j]) · Bᵀ to the rows it
-    finishes. Against float64 (the base, plus the update with h rounded to bf16 as the expand kernel
+def test_kernels_fold_the_lora_update(M, N, K, R, cfg, has_bias, poisoned):
+    """nvfp4_matmul's lora = (hp, B, s): the GEMV (M <= 2) and the swapped tiles (M 9..16) add
+    s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish. Against float64 (the base, plus the update with h rounded to bf16 as the expand kernel
     rounds it), and element by element against the kernel's own base output plus the float64 update:
     one bf16 rounding of the sum (what lora_kernels.lora_expand_ does to a stored y), at most half
     a unit in the last place."""
@@ -74,22 +76,24 @@ def test_gemv_folds_the_lora_update(M, N, K, R, cfg, has_bias, poisoned):
     bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
     hp = torch.randn(3, M, R, generator=gen).to(DEV)                     # three K-chunk partials
     B = (torch.randn(N, R, generator=gen) * 0.2).bfloat16().to(DEV)
-    got = mk._gemv(x, packed, scale, gs, bias, cfg, (hp, B, 0.75))
+    run = mk._gemv if isinstance(cfg, mk.GemvConfig) else mk._matmul
+    got = run(x, packed, scale, gs, bias, cfg, (hp, B, 0.75))
     h = (hp[0] + hp[1] + hp[2]).bfloat16().double()
     want = mk.reference_matmul(x, packed, scale, gs, bias) + 0.75 * h @ B.double().t()
     assert_close(got, want, f"gemv + lora M={M} N={N} K={K} R={R} {cfg}")
-    exact = mk._gemv(x, packed, scale, gs, bias, cfg).double() + 0.75 * h @ B.double().t()
+    exact = run(x, packed, scale, gs, bias, cfg).double() + 0.75 * h @ B.double().t()
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
 
 
-def test_gemv_lora_update_only_where_it_folds(monkeypatch):
-    """nvfp4_matmul takes a LoRA update only where folds_lora holds (the GEMV's rows, partials summed
-    in-kernel) and only well-formed: a clear error otherwise, never a silent unfolded result."""
+def test_lora_update_only_where_it_folds(monkeypatch):
+    """nvfp4_matmul takes a LoRA update only where folds_lora holds (the GEMV's and the swapped
+    tiles' rows, partials summed in-kernel) and only well-formed: a clear error otherwise, never a
+    silent unfolded result."""
     gen = torch.Generator().manual_seed(3)
     packed, scale, gs = random_weight(32, 64, gen)
     hp, B = torch.zeros(1, 1, 8, device=DEV), torch.zeros(32, 8, dtype=torch.bfloat16, device=DEV)
     x1 = torch.randn(1, 64, generator=gen).bfloat16().to(DEV)
-    assert [m for m in range(1, 17) if mk.folds_lora(m)] == [1, 2]
+    assert [m for m in range(1, 17) if mk.folds_lora(m)] == [1, 2] + list(range(9, 17))
     with pytest.raises(ValueError, match="folds_lora"):
         mk.nvfp4_matmul(torch.randn(3, 64).bfloat16().to(DEV), packed, scale, gs, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
     with pytest.raises(ValueError, match="fp32"):
