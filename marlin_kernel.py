@@ -355,8 +355,13 @@ def _reduce(part, global_scale, bias, out):
     return out
 
 
-def _lora_args(lora, out):
-    """The kernels' LoRA arguments: (hp, B, s, R) and constexprs LORA, LSPLIT, LR (unused: dummies)."""
+def _lora_args(lora, out, split, reduce):
+    """A launch's LoRA arguments: (hp, B, s), R and the constexprs LORA, LSPLIT, LR (dummies without
+    lora). The update folds in only where the kernel finishes its own tiles (one pass, or the split
+    sum in-kernel): else a clear error."""
+    if lora is not None and split > 1 and not reduce:
+        raise ValueError("the LoRA update folds into a kernel only where it sums its own split-K partials "
+                         "(REDUCE_IN_KERNEL; see folds_lora)")
     hp, lb, ls = lora if lora is not None else (out, out, 0.0)
     R = lb.shape[1] if lora is not None else 1
     return (hp, lb, ls), R, dict(LORA=lora is not None, LSPLIT=hp.shape[0] if lora is not None else 1,
@@ -383,11 +388,8 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None):
     # v10); the 128 x 128 medium tiles do not (their last split would read SPLIT x 64 KB alone: GRPO
     # batch -7.4%, v9)
     reduce = split > 1 and cfg.swap and REDUCE_IN_KERNEL
-    if lora is not None and split > 1 and not reduce:
-        raise ValueError("the LoRA update folds into the tile kernel only where it sums its own split-K "
-                         "partials (swapped tiles, REDUCE_IN_KERNEL; see folds_lora)")
     targets, flags = _split_targets(out, tiles, split, reduce)
-    lora_ptrs, R, lora_flags = _lora_args(lora, out)
+    lora_ptrs, R, lora_flags = _lora_args(lora, out, split, reduce)
     _nvfp4_mm_kernel[(tiles, split)](
         x, packed, scale, global_scale, bias if bias is not None else out, part,
         *targets, *lora_ptrs,
@@ -419,13 +421,10 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None):
     split, k_split = _split(cfg.split, tiles, K, bk, 8 * _num_sms(x.device), min_blocks=2)
     part = _partials(split, out)
     reduce = split > 1 and REDUCE_IN_KERNEL
-    if lora is not None and split > 1 and not reduce:
-        raise ValueError("the LoRA update folds into the GEMV only where it sums its own split-K partials "
-                         "(REDUCE_IN_KERNEL; see folds_lora)")
     targets, flags = _split_targets(out, tiles, split, reduce)
     x2 = x.view(torch.int32)                 # (M, K/2): one bf16 pair per word
     sb = scale.view(torch.uint8)             # E4M3 bits; decoded in-kernel
-    lora_ptrs, R, lora_flags = _lora_args(lora, out)
+    lora_ptrs, R, lora_flags = _lora_args(lora, out, split, reduce)
     _nvfp4_gemv_kernel[(tiles, split)](
         x2, packed, sb, global_scale, bias if bias is not None else out, part,
         *targets, *lora_ptrs,
