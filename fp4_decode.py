@@ -41,8 +41,9 @@ launch; the host side (the PDL switch, pdl_launch) is in marlin_kernel.py, where
 turn it off.
 
 Split-K in one launch (_last_split, _sum_splits; the CUDA-core kernel and the fragment kernel at
-M <= 4; paged_attention.py counts its partitions with _last_split too): every split stores its fp32 partial tile, then counts itself in an int32 per output tile
-(marlin_kernel._split_counts: zeros, one buffer per CUDA stream). The contract: barrier, then one
+M <= 4; paged_attention.py counts its partitions with _last_split too): every split stores its
+fp32 partial tile, then counts itself in an int32 per output tile (marlin_kernel._split_counts:
+zeros, one buffer per CUDA stream). The contract: barrier, then one
 release-acquire atomic add at GPU scope, so the split that counts last sees every partial; it reads
 them through L2 (.cg), sums them in split order (the bits of _splitk_reduce_kernel), finishes the
 tile, and sets its count back to 0 for the next launch on that stream.
@@ -217,7 +218,8 @@ def _sum_splits(part_ptr, y_ptr, offs, mask, cols, N, stride_os, gs_ptr, bias_pt
 
 
 # ----------------------------------------------------------------------------------------------
-# The LoRA expand folded into the epilogue (lora_kernels.py owns the update; the GEMV applies it)
+# The LoRA expand folded into the epilogue (lora_kernels.py owns the update; the GEMV and the
+# swapped tiles apply it)
 
 @triton.jit
 def _lora_update(hp_ptr, lb_ptr, lora_scale, m, cols, M, N, R, LSPLIT: tl.constexpr, LR: tl.constexpr,

@@ -38,8 +38,9 @@ M is not specialized (do_not_specialize, as in tile_kernels.py). Under the inter
 
 Test: tests/test_small_m_kernels.py through marlin_kernel's wrappers: test_cuda_core_gemv_*,
 test_fragment_kernel_* (CPU: the index maps, through the emulation; GPU: the PTX, on the real
-projection shapes too), the in-kernel split sum; the routing tests are in tests/test_marlin_kernel.py
-(test_wrapper_picks_cuda_core_path_for_tiny_m, test_wrapper_routes_small_m_to_fragment_kernel). Benchmark: python bench/kernel.py --sweep-gemv,
+projection shapes too), the in-kernel split sum, the folded LoRA update; the routing tests are in
+tests/test_marlin_kernel.py (test_wrapper_picks_cuda_core_path_for_tiny_m,
+test_wrapper_routes_small_m_to_fragment_kernel). Benchmark: python bench/kernel.py --sweep-gemv,
 --small-variants.
 """
 import triton

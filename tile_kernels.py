@@ -40,10 +40,12 @@ cuBLAS, so _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS multipl
 Rows past N or M are wrapped rather than masked, so loads stay unmasked and vectorized; they are
 never stored. Under the interpreter (INTERPRET) the dots run on fp32 copies.
 
-Test: tests/test_tile_kernels.py through marlin_kernel's wrappers (test_backward_input_matches_float64,
-test_split_and_tile_variants_agree, test_medium_m_unswapped_kernel_matches_float64,
-test_large_m_dequantize_then_matmul_path); tests/test_marlin_kernel.py's test_forward_matches_float64
-and test_real_shapes_gpu run them on the routes that reach them. Benchmark: python bench/kernel.py (--sweep, --medium-variants).
+Test: tests/test_tile_kernels.py through marlin_kernel's wrappers
+(test_backward_input_matches_float64, test_split_and_tile_variants_agree,
+test_medium_m_unswapped_kernel_matches_float64, test_large_m_dequantize_then_matmul_path);
+tests/test_marlin_kernel.py's test_forward_matches_float64 and test_real_shapes_gpu run them on the
+routes that reach them; the folded LoRA update: tests/test_small_m_kernels.py
+(test_kernels_fold_the_lora_update). Benchmark: python bench/kernel.py (--sweep, --medium-variants).
 """
 import triton
 import triton.language as tl

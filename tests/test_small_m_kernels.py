@@ -66,10 +66,10 @@ def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_kernels_fold_the_lora_update(M, N, K, R, cfg, has_bias, poisoned):
     """nvfp4_matmul's lora = (hp, B, s): the GEMV (M <= 2) and the swapped tiles (M 9..16) add
-    s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish. Against float64 (the base, plus the update with h rounded to bf16 as the expand kernel
-    rounds it), and element by element against the kernel's own base output plus the float64 update:
-    one bf16 rounding of the sum (what lora_kernels.lora_expand_ does to a stored y), at most half
-    a unit in the last place."""
+    s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish. Against float64 (the base, plus the update
+    with h rounded to bf16 as the expand kernel rounds it), and element by element against the
+    kernel's own base output plus the float64 update: one bf16 rounding of the sum (what
+    lora_kernels.lora_expand_ does to a stored y), at most half a unit in the last place."""
     gen = torch.Generator().manual_seed(M + N + K + R + has_bias)
     packed, scale, gs = random_weight(N, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
@@ -95,7 +95,8 @@ def test_lora_update_only_where_it_folds(monkeypatch):
     x1 = torch.randn(1, 64, generator=gen).bfloat16().to(DEV)
     assert [m for m in range(1, 17) if mk.folds_lora(m)] == [1, 2] + list(range(9, 17))
     with pytest.raises(ValueError, match="folds_lora"):
-        mk.nvfp4_matmul(torch.randn(3, 64).bfloat16().to(DEV), packed, scale, gs, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
+        x3 = torch.randn(3, 64).bfloat16().to(DEV)
+        mk.nvfp4_matmul(x3, packed, scale, gs, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
     with pytest.raises(ValueError, match="fp32"):
         mk.nvfp4_matmul(x1, packed, scale, gs, lora=(hp.bfloat16(), B, 1.0))
     with pytest.raises(ValueError, match="B must be"):
