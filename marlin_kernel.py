@@ -522,19 +522,16 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None):
         if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
             raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
                              f"{bias.dtype} {tuple(bias.shape)}")
-    if lora is not None:
+    if lora is not None:       # folds_lora(M): the GEMV or the swapped tiles below, never _mma or dequant
         _check_lora(lora, x.shape[0], N, x.device)
-        cfg = fwd_config(x.shape[0], N, K)
-        run = _gemv if isinstance(cfg, GemvConfig) else _matmul
-        return run(x, packed, scale, global_scale, bias, cfg, lora)
-    if use_dequant(x.shape[0], N, K):
+    elif use_dequant(x.shape[0], N, K):
         return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale), bias)
     cfg = fwd_config(x.shape[0], N, K)
     if isinstance(cfg, GemvConfig):
-        return _gemv(x, packed, scale, global_scale, bias, cfg)
+        return _gemv(x, packed, scale, global_scale, bias, cfg, lora)
     if isinstance(cfg, MmaConfig):
         return _mma(x, packed, scale, global_scale, bias, cfg)
-    return _matmul(x, packed, scale, global_scale, bias, cfg)
+    return _matmul(x, packed, scale, global_scale, bias, cfg, lora)
 
 
 def nvfp4_matmul_dx(dy, packed, scale, global_scale):
