@@ -1,8 +1,8 @@
 """NVFP4 inside a kernel: E2M1 codes and E4M3 scales to exact bf16 / fp32 operands, and the epilogue.
 
 Every NVFP4 kernel (tile_kernels.py, small_m_kernels.py; marlin_kernel.py launches them) reads
-the compressed-tensors bytes as they are and decodes them in registers. The pieces they share
-are here: @triton.jit device functions (inlined into the kernels) and inline-PTX strings held as
+the compressed-tensors bytes, in their own layout or in nvfp4.interleave's 16 x 128 tiles
+(_tiled_offsets), and decodes them in registers. The pieces they share are here: @triton.jit device functions (inlined into the kernels) and inline-PTX strings held as
 tl.constexpr (a jit function may read no other module global). The bytes they take:
 
     packed        uint8  (N, K/2)   two E2M1 codes per byte, even k in the LOW nibble
@@ -83,6 +83,20 @@ def pdl_start(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+# ----------------------------------------------------------------------------------------------
+# where a weight byte lives: the compressed-tensors layout, or 16 x 128 tiles (nvfp4.interleave)
+
+@triton.jit
+def _tiled_offsets(rows, cols, stride, TW: tl.constexpr, IL: tl.constexpr):
+    """Offsets of element (rows, cols) of packed (TW = 64 bytes, or 16 where it is read as int32
+    words) or scale (TW = 8), `stride` elements per weight row. IL (nvfp4.interleave): every
+    16-row x 128-k tile is stored whole, its 16 rows of TW row-major, the tiles of a 16-row group
+    one after another along K."""
+    if IL:
+        return ((rows // 16) * (stride // TW) + cols // TW) * (16 * TW) + (rows % 16) * TW + cols % TW
+    return rows * stride + cols
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from marlin_kernel import FRAGMENT_MAX_M, GEMV_MAX_M, folds_lora, interpreting, pdl_launch, pdl_start
+    from marlin_kernel import folds_lora, fragment_rows, interpreting, pdl_launch, pdl_start
 except ImportError:  # lora.py's torch path needs no triton
     triton = None
 
@@ -63,21 +63,21 @@ def pdl_for(base) -> bool:
 
 def early_shrink(base, rows: int) -> bool:
     """Run the shrink before the base matmul (it reads x only) and both kernels with PDL? On an NVFP4
-    base where the GEMV (rows <= GEMV_MAX_M) or the tile kernel (rows > FRAGMENT_MAX_M) computes
-    it: H100, 7B with rank-32 adapters, same run, against shrink and expand after the base without
-    PDL: batch 1 260.0/258.4 vs 252.6/253.9 tok/s, batch 16 2966/2956 vs 2858/2877. Beside the
-    fragment kernel (batch 4) it lost 16% (758 vs 897); that and bf16 bases keep pdl_for's order
-    (bench/NOTES.md v12)."""
-    return EARLY_SHRINK and hasattr(base, "weight_packed") and not GEMV_MAX_M < rows <= FRAGMENT_MAX_M
+    base where the GEMV or the swapped tiles compute it (not the fragment kernel: marlin_kernel.
+    fragment_rows): H100, 7B with rank-32 adapters, same run, against shrink and expand after the
+    base without PDL: batch 1 260.0/258.4 vs 252.6/253.9 tok/s, batch 16 2966/2956 vs 2858/2877.
+    Beside the fragment kernel (batch 4) it lost 16% (758 vs 897); that and bf16 bases keep
+    pdl_for's order (bench/NOTES.md v12)."""
+    return EARLY_SHRINK and hasattr(base, "weight_packed") and not fragment_rows(rows, base.in_features)
 
 
 def fold_expand(base, x2) -> bool:
     """After an early shrink, let the base matmul add the update instead of the expand kernel? Where
-    the NVFP4 kernel finishes the rows of y itself (marlin_kernel.folds_lora: the GEMV's rows <=
-    GEMV_MAX_M and the swapped tiles' > FRAGMENT_MAX_M) and the activations are bf16: whoever stores
-    a tile of y adds s·h·Bᵀ first (fp4_decode._lora_update), one launch per adapter group fewer."""
+    the NVFP4 kernel finishes the rows of y itself (marlin_kernel.folds_lora: the GEMV, and the
+    swapped tiles where the fragment kernel does not run) and the activations are bf16: whoever
+    stores a tile of y adds s·h·Bᵀ first (fp4_decode._lora_update), one launch per adapter group fewer."""
     return (FOLD_EXPAND and hasattr(base, "weight_packed") and x2.dtype == torch.bfloat16
-            and folds_lora(x2.shape[0]))
+            and folds_lora(*x2.shape))
 
 
 if triton is not None:

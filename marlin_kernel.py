@@ -22,11 +22,17 @@ their underscore names):
     tile_kernels.py     _nvfp4_mm_kernel (wgmma, swapped or not), _nvfp4_mm_dx_kernel,
                         _splitk_reduce_kernel, _nvfp4_dequant_kernel
 
+Weight layout. Every wrapper takes W in the compressed-tensors layout, or with interleaved=True in
+nvfp4.interleave's 16 x 128 tiles (K a multiple of 128), which NVFP4Linear holds on CUDA: a warp's
+16-byte-per-lane load of 8 rows then reads 512 contiguous bytes instead of 8 scattered pieces
+(fp4_decode._tiled_offsets addresses both; the fragment kernel gains 10-25%,
+bench/NOTES.md v15). The bits of y do not depend on the layout.
+
 Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
-  * M <= 2 (batch-1/2 decode): the CUDA-core kernel, 16-32 weight rows x 512-1024 k per step,
-    split along K until ~8 programs per SM exist.
-  * M <= 8 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
-    into its A registers, 64 weight rows per program.
+  * M = 1 (batch-1 decode): the CUDA-core kernel, 32 weight rows x 512-1024 k per step, split
+    along K until ~8 programs per SM exist.
+  * M <= 16 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
+    into its A registers, 64 or 128 weight rows per program.
   * M <= 64 (decode, memory-bound): the tile kernel swapped (W·xᵀ, W from registers), BM = 16..64
     rows of x, 64 weight rows per program, split-K until there are >= 4 programs per SM.
   * 64 < M < 512: the same kernel not swapped, x·Wᵀ with 128 x 128 tiles (MEDIUM_CONFIG): 0.8-0.9x
@@ -47,9 +53,9 @@ Every kernel starts with pdl_start and is launched with pdl_launch's keywords: p
 dependent launch on Hopper, switched off by setting marlin_kernel.PDL = False (the benchmarks do).
 fused_ops.py, paged_attention.py and lora_kernels.py use the same pair for their own kernels.
 
-What it leaves out: activation quantization (this is W4A16), a Marlin-style re-layout of the
-weights (the fragment kernel gets the same register-only decode from a k-permutation instead),
-a warp-specialized schedule. q/k/v and gate/up arrive as one weight each
+What it leaves out: activation quantization (this is W4A16), a re-layout of the bits inside a byte
+(the fragment kernel gets its register-only decode from a k-permutation instead), a
+warp-specialized schedule. q/k/v and gate/up arrive as one weight each
 (stacked_linear.StackedLinear).
 Test: pytest tests/test_marlin_kernel.py (routing, input checks, end to end on every route) and the
 kernels' own tests/test_fp4_decode.py, test_small_m_kernels.py, test_tile_kernels.py (CPU:
@@ -73,8 +79,8 @@ BLOCK = 16               # NVFP4 scale block along K
 MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded wrong on the H100);
                          # a reduction dim that is not a multiple of 64 is zero-padded
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
-GEMV_MAX_M = 2           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
-FRAGMENT_MAX_M = 8       # up to this M: the fragment kernel (one mma.sync token tile; K % 128 == 0)
+GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
+FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
 
 
 def interpreting() -> bool:
@@ -224,15 +230,18 @@ MEDIUM_CONFIG = TileConfig(bm=128, bn=128, bk=64, warps=8, stages=4, swap=False)
 
 def fwd_config(M: int, N: int, K: int):
     """Launch shape for y = x·Wᵀ: the sweep winners on an H100 (bench/NOTES.md)."""
-    if M <= GEMV_MAX_M:          # CUDA cores; the fragment kernel wins from M = 3 (NOTES.md v7)
-        # 8 rows per thread at M = 1 (x's decode amortized, 96 registers); at M = 2 4 rows (124
-        # registers). At M = 1 a step covers 512 k (256 B of each row) where K is not a multiple
-        # of 1024 (7B: 3584, 18944), so that no step runs half masked (NOTES.md v11)
-        if M == 2:
-            return GemvConfig(bn=16, bk=1024)
+    if M <= GEMV_MAX_M:          # CUDA cores; on interleaved weights the fragment kernel wins from
+        # M = 2 (NOTES.md v15). 8 rows per thread (x's decode amortized, 96 registers); a step
+        # covers 512 k (256 B of each row) where K is not a multiple of 1024 (7B: 3584, 18944), so
+        # that no step runs half masked (NOTES.md v11)
         return GemvConfig(bn=32, bk=1024 if K % 1024 == 0 else 512)
-    if M <= FRAGMENT_MAX_M and K % 128 == 0:   # mma.sync on fragments decoded in registers
-        return MmaConfig()
+    if fragment_rows(M, K):      # mma.sync on fragments decoded in registers
+        # 128 weight rows per program for the wide weights (gate_up: 8 warps, or 4 warps of two
+        # tiles when each warp also runs two token tiles) and at M <= 4; else 64 (NOTES.md v15)
+        wide = N >= 16384
+        if M <= 4 or (wide and M <= 8):
+            return MmaConfig(warps=8)
+        return MmaConfig(tiles=2) if wide else MmaConfig()
     if M <= 16:
         return TileConfig(bm=16, bn=64, bk=128, warps=4, stages=4)
     if M <= 32:
@@ -262,7 +271,7 @@ def use_dequant(M: int, N: int, K: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 # wrappers
 
-def _check_weight(packed, scale, global_scale, device):
+def _check_weight(packed, scale, global_scale, device, interleaved=False):
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed must be uint8 (two E2M1 codes per byte), got {packed.dtype}")
     if scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
@@ -277,6 +286,8 @@ def _check_weight(packed, scale, global_scale, device):
         raise ValueError(f"N and K must be multiples of 16, got N={N}, K={K}")
     if tuple(scale.shape) != (N, K // BLOCK):
         raise ValueError(f"scale must have shape (N, K/16) = {(N, K // BLOCK)}, got {tuple(scale.shape)}")
+    if interleaved and K % 128:
+        raise ValueError(f"an interleaved weight needs K a multiple of 128, got K={K}")
     for name, t in (("packed", packed), ("scale", scale), ("global_scale", global_scale)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, the activations on {device}")
@@ -305,15 +316,16 @@ def _pad(t, dim, mult):
     return torch.nn.functional.pad(t, pad)
 
 
-def _dequantize_bf16(packed, scale, global_scale):
-    """W (N, K) bf16 in one pass (K must be a multiple of 64): the large-M path feeds it to cuBLAS."""
+def _dequantize_bf16(packed, scale, global_scale, il=False):
+    """W (N, K) bf16 in one pass (K must be a multiple of 64): the large-M path feeds it to cuBLAS.
+    il: W interleaved (nvfp4.interleave), as in every wrapper below."""
     N, K = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((N, K), device=packed.device, dtype=torch.bfloat16)
     BN, BK = 64, _fit(128, K)
     sb = scale.view(torch.uint8)
     _nvfp4_dequant_kernel[(triton.cdiv(N, BN), K // BK)](
         packed, sb, global_scale, out, N, K, packed.stride(0), sb.stride(0),
-        BN=BN, BK=BK, INTERPRET=interpreting(), num_warps=4, **pdl_launch(packed.device))
+        BN=BN, BK=BK, IL=il, INTERPRET=interpreting(), num_warps=4, **pdl_launch(packed.device))
     return out
 
 
@@ -368,7 +380,7 @@ def _lora_args(lora, out, split, reduce):
                                  LR=max(16, triton.next_power_of_2(R)))
 
 
-def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None):
+def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
     if x.shape[1] % MIN_RED:               # odd K: pad the reduction (a copy; model shapes never)
         x, packed, scale = _pad(x, 1, MIN_RED), _pad(packed, 1, MIN_RED // 2), _pad(scale, 1, MIN_RED // 16)
@@ -396,12 +408,12 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None):
         M, N, K, k_split, R,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap, IL=il,
         INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
-def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None):
+def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s), see nvfp4_matmul) on CUDA cores for
     M <= 4 (K a multiple of 16; padded to 32 if odd)."""
     M, K = x.shape
@@ -431,12 +443,12 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None):
         M, N, K // 2, k_split // 2, R,
         x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags,
-        BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, INTERPRET=interpreting(),
+        BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, IL=il, INTERPRET=interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
-def _mma(x, packed, scale, global_scale, bias, cfg):
+def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     """y = x·Wᵀ (+bias) with the fragment kernel: M <= 16, K a multiple of 128."""
     M, K = x.shape
     N = packed.shape[0]
@@ -460,17 +472,17 @@ def _mma(x, packed, scale, global_scale, bias, cfg):
         M, N, K // 128, k_split // 128,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, **flags,
-        W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2,
+        W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il,
         INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=1, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
-def _matmul_dx(dy, packed, scale, global_scale, cfg):
+def _matmul_dx(dy, packed, scale, global_scale, cfg, il=False):
     K0 = packed.shape[1] * 2
     scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
     if dy.shape[1] % MIN_RED or K0 % MIN_RED:   # odd shapes: pad N (the reduction) and K
         dx = _matmul_dx(_pad(dy, 1, MIN_RED), _pad(_pad(packed, 0, MIN_RED), 1, MIN_RED // 2),
-                        _pad(_pad(scale, 0, MIN_RED), 1, MIN_RED // 16), global_scale, cfg)
+                        _pad(_pad(scale, 0, MIN_RED), 1, MIN_RED // 16), global_scale, cfg, il)
         return dx[:, :K0].contiguous()
     M, N = dy.shape
     K = packed.shape[1] * 2
@@ -486,20 +498,26 @@ def _matmul_dx(dy, packed, scale, global_scale, cfg):
         M, N, K, n_split,
         dy.stride(0), packed.stride(0), scale.stride(0), K, M * K,
         PARTIAL=split > 1,
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=cfg.group, INTERPRET=interpreting(),
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_K=cfg.group, IL=il, INTERPRET=interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(dy.device))
     return _reduce(part, global_scale, None, out)
 
 
-def folds_lora(M: int) -> bool:
+def fragment_rows(M: int, K: int) -> bool:
+    """Does the fragment kernel compute y at M rows (K a multiple of 128 only)?"""
+    return GEMV_MAX_M < M <= FRAGMENT_MAX_M and K % 128 == 0
+
+
+def folds_lora(M: int, K: int) -> bool:
     """Can nvfp4_matmul take a LoRA update at M rows? Where the kernel that runs finishes its own
     output tiles (it sums its split-K partials itself): the CUDA-core GEMV (M <= GEMV_MAX_M) and the
-    swapped tiles (FRAGMENT_MAX_M < M <= 16). The update is added before y is stored, and the
-    expand kernel (lora_kernels.lora_expand_) with its launch is not needed."""
-    return REDUCE_IN_KERNEL and (M <= GEMV_MAX_M or FRAGMENT_MAX_M < M <= 16)
+    swapped tiles (M <= 16 where the fragment kernel does not run: K not a multiple of 128). The
+    update is added before y is stored, and the expand kernel (lora_kernels.lora_expand_) with its
+    launch is not needed."""
+    return REDUCE_IN_KERNEL and M <= 16 and not fragment_rows(M, K)
 
 
-def _check_lora(lora, M, N, device):
+def _check_lora(lora, M, N, K, device):
     hp, B, s = lora
     if hp.dtype != torch.float32 or hp.dim() != 3 or hp.shape[1] != M or not hp.is_contiguous():
         raise ValueError(f"lora: hp must be contiguous fp32 K-chunk partials (split, {M}, R), got "
@@ -508,36 +526,38 @@ def _check_lora(lora, M, N, device):
         raise ValueError(f"lora: B must be a contiguous bf16 ({N}, {hp.shape[2]}), got {B.dtype} {tuple(B.shape)}")
     if hp.device != device or B.device != device or not isinstance(s, float):
         raise ValueError("lora: hp and B on the activations' device, and a float scale")
-    if not folds_lora(M):
-        raise ValueError(f"lora: the update folds into the matmul only where folds_lora(M) holds, not at M = {M}")
+    if not folds_lora(M, K):
+        raise ValueError(f"lora: the update folds into the matmul only where folds_lora holds, not at M = {M}, K = {K}")
 
 
-def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None):
+def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False):
     """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16), fp32 accumulation.
-    lora = (hp, B, s), where folds_lora(M): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the LoRA update of
-    lora_kernels.lora_expand_ (hp (split, M, R) fp32 from lora_kernels.lora_shrink, B (N, R) bf16)."""
-    N, K = _check_weight(packed, scale, global_scale, x.device)
+    lora = (hp, B, s), where folds_lora(M, K): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the LoRA update of
+    lora_kernels.lora_expand_ (hp (split, M, R) fp32 from lora_kernels.lora_shrink, B (N, R) bf16).
+    interleaved: packed and scale hold nvfp4.interleave's layout (K a multiple of 128)."""
+    N, K = _check_weight(packed, scale, global_scale, x.device, interleaved)
+    il = interleaved
     _check_act("x", x, K)
     if bias is not None:
         if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
             raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
                              f"{bias.dtype} {tuple(bias.shape)}")
-    if lora is not None:       # folds_lora(M): the GEMV or the swapped tiles below, never _mma or dequant
-        _check_lora(lora, x.shape[0], N, x.device)
+    if lora is not None:       # folds_lora: the GEMV or the swapped tiles below, never _mma or dequant
+        _check_lora(lora, x.shape[0], N, K, x.device)
     elif use_dequant(x.shape[0], N, K):
-        return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale), bias)
+        return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale, il), bias)
     cfg = fwd_config(x.shape[0], N, K)
     if isinstance(cfg, GemvConfig):
-        return _gemv(x, packed, scale, global_scale, bias, cfg, lora)
+        return _gemv(x, packed, scale, global_scale, bias, cfg, lora, il)
     if isinstance(cfg, MmaConfig):
-        return _mma(x, packed, scale, global_scale, bias, cfg)
-    return _matmul(x, packed, scale, global_scale, bias, cfg, lora)
+        return _mma(x, packed, scale, global_scale, bias, cfg, il)
+    return _matmul(x, packed, scale, global_scale, bias, cfg, lora, il)
 
 
-def nvfp4_matmul_dx(dy, packed, scale, global_scale):
+def nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False):
     """dx (M, K) bf16 = dy (M, N) bf16 · dequant(W), fp32 accumulation (backward of y = x·Wᵀ)."""
-    N, K = _check_weight(packed, scale, global_scale, dy.device)
+    N, K = _check_weight(packed, scale, global_scale, dy.device, interleaved)
     _check_act("dy", dy, N)
     if use_dequant(dy.shape[0], N, K):
-        return dy @ _dequantize_bf16(packed, scale, global_scale)
-    return _matmul_dx(dy, packed, scale, global_scale, dx_config(dy.shape[0], N, K))
+        return dy @ _dequantize_bf16(packed, scale, global_scale, interleaved)
+    return _matmul_dx(dy, packed, scale, global_scale, dx_config(dy.shape[0], N, K), interleaved)

@@ -429,6 +429,9 @@ def _finish(model: Transformer, device) -> Transformer:
     model.inv_freq = rope_inv_freq(model.config, device)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"tensors left on the meta device: {left}"
+    for m in model.modules():
+        if isinstance(m, nvfp4.NVFP4Linear) and m.weight_packed.is_cuda:
+            m.interleave_()                      # the kernels' layout, before stacking
     stack_groups(model)
     return model.eval()
 

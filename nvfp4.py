@@ -214,22 +214,58 @@ def _marlin():
     return marlin_kernel
 
 
+# ----------------------------------------------------------------------------------------------
+# the kernels' layout: 16 x 128 tiles
+
+def interleave(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed-tensors layout -> the GPU kernels' (same shapes and dtypes, bytes moved):
+    W cut into 16-row x 128-k tiles, each stored whole (its 16 x 64 packed bytes, and its 16 x 8
+    scales, row-major), the tiles of a 16-row group one after another along K. A decode kernel gives each
+    lane 16 bytes of one row and each warp 8 or 16 rows at a time (the mma.sync fragments); in
+    the plain layout those rows lie K/2 bytes apart, here a warp's load is 512 contiguous bytes
+    (H100: the fragment kernel 10-25% faster, bench/NOTES.md v15). Needs N % 16 == K % 128 == 0."""
+    return _tiles(packed, scale, inverse=False)
+
+
+def deinterleave(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of interleave: back to the compressed-tensors layout."""
+    return _tiles(packed, scale, inverse=True)
+
+
+def _tiles(packed, scale, inverse):
+    N, K = packed.shape[0], packed.shape[1] * 2
+    if packed.dtype != torch.uint8 or packed.ndim != 2 or tuple(scale.shape) != (N, K // BLOCK) or N % 16 or K % 128:
+        raise ValueError(f"interleave: needs packed (N, K/2) uint8 and scale (N, K/16) with N % 16 == 0 and "
+                         f"K % 128 == 0, got {packed.dtype} {tuple(packed.shape)}, {tuple(scale.shape)}")
+
+    def move(t, width):                    # (N/16, 16 rows, K/128, width) <-> (N/16, K/128, 16 rows, width)
+        shape = (N // 16, K // 128, 16, width) if inverse else (N // 16, 16, K // 128, width)
+        return t.reshape(shape).transpose(1, 2)
+    p, s = move(packed, 64), move(scale.view(torch.uint8), 8)
+    return p.reshape(N, K // 2), s.reshape(N, K // 16).view(scale.dtype)
+
+
 def _use_kernel(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype == torch.bfloat16 and _marlin() is not None
 
 
-def linear(x, packed, scale, global_scale, bias=None, lora=None):
+def _plain(packed, scale, interleaved):
+    return deinterleave(packed, scale) if interleaved else (packed, scale)
+
+
+def linear(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False):
     """y = x·W'ᵀ (+ bias) without autograd: x (..., K) -> (..., N) in x.dtype. lora: a LoRA update
-    for the kernel to fold in (marlin_kernel.nvfp4_matmul; bf16 on CUDA only)."""
+    for the kernel to fold in (marlin_kernel.nvfp4_matmul; bf16 on CUDA only). interleaved: packed
+    and scale hold interleave()'s layout."""
     x2d = x.reshape(-1, x.shape[-1])                                      # (M, K)
     if _use_kernel(x2d):
         b = bias.to(torch.bfloat16) if bias is not None else None
-        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b, lora)
+        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b, lora, interleaved)
     elif lora is not None:
         raise ValueError("nvfp4.linear: a LoRA update folds in only on the CUDA kernel (bf16 activations)")
     else:
         b = bias.to(x.dtype) if bias is not None else None
-        y = F.linear(x2d, dequantize(packed, scale, global_scale, x.dtype), b)
+        y = F.linear(x2d, dequantize(*_plain(packed, scale, interleaved), global_scale, x.dtype), b)
     return y.view(*x.shape[:-1], packed.shape[0])                         # (..., N)
 
 
@@ -237,27 +273,30 @@ class _NVFP4Matmul(torch.autograd.Function):
     """linear with the gradient flowing to x only: W' is frozen, stored as NVFP4."""
 
     @staticmethod
-    def forward(ctx, x, packed, scale, global_scale, bias):
+    def forward(ctx, x, packed, scale, global_scale, bias, interleaved):
         ctx.save_for_backward(packed, scale, global_scale)
-        return linear(x, packed, scale, global_scale, bias)
+        ctx.interleaved = interleaved
+        return linear(x, packed, scale, global_scale, bias, interleaved=interleaved)
 
     @staticmethod
     def backward(ctx, dy):
         packed, scale, global_scale = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])                               # (M, N)
         if _use_kernel(dy2d):
-            dx = _marlin().nvfp4_matmul_dx(dy2d.contiguous(), packed, scale, global_scale)
-        else:
-            dx = dy2d @ dequantize(packed, scale, global_scale, dy.dtype)  # (M, K)
+            dx = _marlin().nvfp4_matmul_dx(dy2d.contiguous(), packed, scale, global_scale, ctx.interleaved)
+        else:                                                             # (M, K)
+            dx = dy2d @ dequantize(*_plain(packed, scale, ctx.interleaved), global_scale, dy.dtype)
         dbias = dy2d.sum(0) if ctx.needs_input_grad[4] else None         # only if unfrozen
-        return dx.view(*dy.shape[:-1], dx.shape[-1]), None, None, None, dbias
+        return dx.view(*dy.shape[:-1], dx.shape[-1]), None, None, None, dbias, None
 
 
 # ----------------------------------------------------------------------------------------------
 # module
 
 class NVFP4Linear(nn.Module):
-    """A frozen linear layer stored as NVFP4; state_dict keys are compressed-tensors' own."""
+    """A frozen linear layer stored as NVFP4; state_dict keys and bytes are compressed-tensors' own.
+    On CUDA the buffers hold interleave()'s layout for the kernels (`interleaved`; from_weight and
+    the model loaders call interleave_()), and state_dict() / load_state_dict() convert."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -270,6 +309,7 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK,
                                                          dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        self.interleaved = False
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
                                      requires_grad=False)
@@ -286,10 +326,34 @@ class NVFP4Linear(nn.Module):
         layer.weight_packed, layer.weight_scale, layer.weight_global_scale = packed, scale, g
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-        return layer
+        return layer.interleave_() if weight.is_cuda else layer
+
+    def interleave_(self) -> "NVFP4Linear":
+        """Move the weight into the kernels' layout (interleave) where the shape allows; the CPU
+        path works on either layout, so the loaders call this on CUDA only."""
+        if not self.interleaved and self.out_features % 16 == 0 and self.in_features % 128 == 0:
+            self.weight_packed, self.weight_scale = interleave(self.weight_packed, self.weight_scale)
+            self.interleaved = True
+        return self
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+        return dequantize(*_plain(self.weight_packed, self.weight_scale, self.interleaved),
+                          self.weight_global_scale, dtype)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.interleaved:     # compressed-tensors' bytes, whatever the kernels read
+            keys = (prefix + "weight_packed", prefix + "weight_scale")
+            destination[keys[0]], destination[keys[1]] = deinterleave(*(destination[k] for k in keys))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        """Loads compressed-tensors' bytes, then interleaves them again if this layer was."""
+        again = self.interleaved and prefix + "weight_packed" in state_dict
+        if again:
+            self.interleaved = False
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        if again:
+            self.interleave_()
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """lora: a LoRA update folded into the no-grad kernel (linear; lora.LoRALinear passes it)."""
@@ -300,8 +364,8 @@ class NVFP4Linear(nn.Module):
         if torch.is_grad_enabled() and needs_grad:
             if lora is not None:
                 raise ValueError("NVFP4Linear: a folded LoRA update is for no-grad forwards only")
-            return _NVFP4Matmul.apply(*args)
-        return linear(*args, lora=lora)   # no autograd (rollout): skip the Function's overhead
+            return _NVFP4Matmul.apply(*args, self.interleaved)
+        return linear(*args, lora=lora, interleaved=self.interleaved)   # no autograd (rollout)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,4 +1,4 @@
-"""The decode-time kernels: y = x·Wᵀ for a few rows of x (M <= 8), on CUDA cores or mma.sync.
+"""The decode-time kernels: y = x·Wᵀ for a few rows of x (M <= 16), on CUDA cores or mma.sync.
 
 At decode time M is the batch, 1..8 rows of x against a weight of millions of elements: the
 product is memory-bound, and an MMA tile of 16 rows or more would spend most of its work on
@@ -6,7 +6,7 @@ padding. What is left to win is the instruction count per weight of the decode, 
 here keep the weights in registers from load to multiply (no shared memory, no barrier in the
 loop). marlin_kernel.fwd_config chooses between them; marlin_kernel._gemv and _mma launch them.
 
-The CUDA-core kernel, _nvfp4_gemv_kernel (M <= GEMV_MAX_M = 2; it takes up to 4 rows), decodes
+The CUDA-core kernel, _nvfp4_gemv_kernel (M <= GEMV_MAX_M = 1; it takes up to 4 rows), decodes
 E2M1 to fp32 e2m1·2^-126 (fp4_decode._E2M1X4_TO_F32_PTX, ~2.4 integer ops per weight). x is
 multiplied by 2^64 (X_SCALE) so that the products stay normal (|x| < 2^64 assumed), and per row
 of x
@@ -20,11 +20,12 @@ the bf16 pair (x[2j], x[2j+1]) that meets byte j of W (low nibble = even k), and
 the 16 words its threads need straight into registers in the weights' layout (_gemv_row):
 ~4.1 SASS instructions per weight at M = 1.
 
-The fragment kernel, _nvfp4_mma_kernel (M <= FRAGMENT_MAX_M = 8 and K a multiple of 128; it takes
-up to 16 rows), decodes the weights straight into the A registers of mma.sync.m16n8k16 (the
-bf16 decode of fp4_decode.py) and lets each lane own the k of its own 16-byte loads, so the
-compressed-tensors layout needs no re-layout: 3.4-3.7 SASS instructions per weight for any
-M <= 8. The comment above _decode_mma_ptx gives the register maps.
+The fragment kernel, _nvfp4_mma_kernel (M <= FRAGMENT_MAX_M = 16 and K a multiple of 128),
+decodes the weights straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of
+fp4_decode.py) and lets each lane own the k of its own 16-byte loads, so no bits need to move
+inside a byte: 3.4-3.7 SASS instructions per weight for any M <= 8. The comment above
+_decode_mma_ptx gives the register maps. Both kernels read either layout of W (IL: nvfp4.interleave,
+where the fragment kernel's warp loads are 512 contiguous bytes; marlin_kernel's docstring).
 
     x2       int32 (M, K/2)      x viewed as bf16 pairs
     packed   uint8 (N, K/2)      (the fragment kernel reads it as int32 words, (N, K/8))
@@ -47,7 +48,8 @@ import triton
 import triton.language as tl
 
 from fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
-                        _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits, pdl_start)
+                        _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
+                        _tiled_offsets, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -91,14 +93,14 @@ def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.conste
 
 @triton.jit
 def _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
-                 BKB: tl.constexpr, INTERPRET: tl.constexpr):
+                 BKB: tl.constexpr, IL: tl.constexpr, INTERPRET: tl.constexpr):
     """The (W, R, BKB/8) E4M3 scales of the tile as fp32. A thread's 16 bytes of a row hold two
     16-weight blocks, so it needs two scale bytes: they are loaded 2 at a time as a (BKB/16, W, R,
     2) tensor (threads along the blocks, like the bytes; a plain (W, R, BKB/8) load would give a
     thread 16 contiguous scales and need a shared-memory shuffle). Blocks past kb_end read as 0."""
     t = tl.arange(0, BKB // 16)[:, None, None, None]
     c = tl.arange(0, 2)[None, None, None, :]
-    ptrs = scale_ptr + tl.permute(rows, 2, 0, 1)[:, :, :, None] * stride_sn + kb0 // 8 + 2 * t + c
+    ptrs = scale_ptr + _tiled_offsets(tl.permute(rows, 2, 0, 1)[:, :, :, None], kb0 // 8 + 2 * t + c, stride_sn, 8, IL)
     sb = tl.load(ptrs, mask=kb0 + 16 * t < kb_end, other=0)
     sb = sb.permute(1, 2, 0, 3).reshape(W, R, BKB // 8)                # (W, R, BKB/8) u8
     if INTERPRET:
@@ -141,6 +143,7 @@ def _nvfp4_gemv_kernel(
     REDUCE: tl.constexpr, NSPLIT: tl.constexpr,        # REDUCE: the tile's last split sums them
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
+    IL: tl.constexpr,                                  # W interleaved (nvfp4.interleave)
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
@@ -169,9 +172,9 @@ def _nvfp4_gemv_kernel(
     for kb0 in range(kb_start, kb_end, BKB):
         kb0 = tl.multiple_of(kb0, BKB)
         offs_b = kb0 + tl.arange(0, BKB)[None, None, :]       # bytes past kb_end decode to some
-        p = tl.load(packed_ptr + rows * stride_pn + offs_b, mask=offs_b < kb_end)   # finite w; x = 0
-        lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (W, R, BKB)
-        s = _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, INTERPRET)
+        p = tl.load(packed_ptr + _tiled_offsets(rows, offs_b, stride_pn, 64, IL), mask=offs_b < kb_end)  # finite w;
+        lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (W, R, BKB)   x = 0
+        s = _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, IL, INTERPRET)
         acc0 = _gemv_row(acc0, lo, hi, s, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
         if BM > 1:
             acc1 = _gemv_row(acc1, lo, hi, s, x2_ptr + (1 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
@@ -219,7 +222,7 @@ def _nvfp4_gemv_kernel(
 # for mma.m16n8k16"). A sum over k does not care which physical k a slot stands for, as long as A
 # and B agree: so lane t takes the 32 consecutive k of its own 16-byte piece of each row,
 # [32t, 32t + 32) of a 128-wide window, in whatever slot order its decode produces. Every load is
-# then a plain 16-byte load of the compressed-tensors layout (no re-layout of the weights), and a
+# then a plain 16-byte load (of either layout: fp4_decode._tiled_offsets), and a
 # decoded pair goes straight into an A register (no shared memory, no barrier, no layout change).
 # The decode (_e2m1x4_to_bf16_ptx, as in the wgmma kernel) turns a word of 4 bytes b0..b3 into the pairs
 # (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3), (hi b2, hi b3) = physical k (0, 2), (1, 3),
@@ -334,6 +337,7 @@ def _nvfp4_mma_kernel(
     W: tl.constexpr,        # = num_warps
     R: tl.constexpr,        # 16-row tiles per warp: a program owns 16·W·R rows of W
     NT: tl.constexpr,       # token tiles of 8: 1 for M <= 8, 2 for M <= 16
+    IL: tl.constexpr,       # W interleaved (nvfp4.interleave)
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
 ):
@@ -358,10 +362,11 @@ def _nvfp4_mma_kernel(
     acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 0..7
     acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
     for win in range(win_start, win_end):
+        # the weights are read once per call: evict them first, keep x and the partials in L2
         wo = win * 16 + 4 * T + Q                                               # lane t's 4 words
-        w0 = tl.load(p4_ptr + row0 * stride_p4n + wo)                           # (4, 8, W, R, 4)
-        w1 = tl.load(p4_ptr + row1 * stride_p4n + wo)
-        sb = tl.load(scale_ptr + srow * stride_sn + win * 8 + 2 * T + Q // 2)    # E4M3 bits
+        w0 = tl.load(p4_ptr + _tiled_offsets(row0, wo, stride_p4n, 16, IL), eviction_policy="evict_first")
+        w1 = tl.load(p4_ptr + _tiled_offsets(row1, wo, stride_p4n, 16, IL), eviction_policy="evict_first")
+        sb = tl.load(scale_ptr + _tiled_offsets(srow, win * 8 + 2 * T + Q // 2, stride_sn, 8, IL))   # E4M3 bits
         if INTERPRET:
             s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                             # scale·2^-7
         else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7

@@ -61,12 +61,14 @@ class StackedLinear:
                 type(m) is type(first) and m.in_features == first.in_features
                 and (m.bias is None) == (first.bias is None) for m in mods):
             return False
-        return not isinstance(first, nvfp4.NVFP4Linear) or \
-            all(torch.equal(m.weight_global_scale, first.weight_global_scale) for m in mods)
+        return not isinstance(first, nvfp4.NVFP4Linear) or all(
+            torch.equal(m.weight_global_scale, first.weight_global_scale) and m.interleaved == first.interleaved
+            for m in mods)
 
     def __init__(self, mods):
         self.sizes = [m.out_features for m in mods]
         self.global_scale = getattr(mods[0], "weight_global_scale", None)   # None: bf16
+        self.interleaved = getattr(mods[0], "interleaved", False)          # rows stack in either layout
         self.tensors = {}
         for name in self.TENSORS:
             if getattr(mods[0], name, None) is None:
@@ -95,7 +97,8 @@ class StackedLinear:
             if lora is not None:
                 raise ValueError("StackedLinear: a folded LoRA update needs an NVFP4 stack")
             return F.linear(x, t["weight"], t.get("bias"))
-        return nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"), lora)
+        return nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"), lora,
+                            self.interleaved)
 
 
 # ----------------------------------------------------------------------------------------------

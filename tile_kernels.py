@@ -51,19 +51,21 @@ import triton
 import triton.language as tl
 
 from fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _add_update, _e2m1x2_to_f32, _e4m3_to_f32,
-                        _finish, _last_split, _lora_update_tile, _sum_splits, _to_bf16, pdl_start)
+                        _finish, _last_split, _lora_update_tile, _sum_splits, _tiled_offsets,
+                        _to_bf16, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # the weight tile
 
 @triton.jit
 def _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
-                      BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rows offs_n (all valid), columns k0..k0+BK (BK divides K) of W as bf16 w·scale·2^-7."""
+                      BN: tl.constexpr, BK: tl.constexpr, IL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows offs_n (all valid), columns k0..k0+BK (BK divides K) of W as bf16 w·scale·2^-7
+    (IL: W interleaved, nvfp4.interleave)."""
     offs_b = k0 // 2 + tl.arange(0, BK // 2)             # byte columns
     offs_s = k0 // 16 + tl.arange(0, BK // 16)           # scale columns
-    p = tl.load(packed_ptr + offs_n[:, None] * stride_pn + offs_b[None, :])    # (BN, BK/2) u8
-    sb = tl.load(scale_ptr + offs_n[:, None] * stride_sn + offs_s[None, :])    # (BN, BK/16) u8
+    p = tl.load(packed_ptr + _tiled_offsets(offs_n[:, None], offs_b[None, :], stride_pn, 64, IL))   # (BN, BK/2) u8
+    sb = tl.load(scale_ptr + _tiled_offsets(offs_n[:, None], offs_s[None, :], stride_sn, 8, IL))     # (BN, BK/16) u8
     # scale·2^119 times the pseudo-value e2m1·2^-126 = e2m1·scale·2^-7 (exact in bf16)
     s = _e4m3_to_f32(sb, 126 - OPERAND_SHIFT)
     if INTERPRET:
@@ -108,6 +110,7 @@ def _nvfp4_mm_kernel(
     REDUCE: tl.constexpr, NSPLIT: tl.constexpr,        # REDUCE: the tile's last split sums them
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     SWAP_AB: tl.constexpr,     # True: acc = W·xᵀ (BN, BM), W from registers; False: x·Wᵀ (BM, BN)
+    IL: tl.constexpr,          # W interleaved (nvfp4.interleave)
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
@@ -134,7 +137,7 @@ def _nvfp4_mm_kernel(
     for it in range(0, n_iter):
         k0 = tl.multiple_of(k_start + it * BK, BK)
         w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
-                              BN, BK, INTERPRET)                                   # (BN, BK)
+                              BN, BK, IL, INTERPRET)                               # (BN, BK)
         offs_k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :])        # (BM, BK)
         if INTERPRET:
@@ -180,6 +183,7 @@ def _nvfp4_mm_dx_kernel(
     # meta
     PARTIAL: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_K: tl.constexpr,
+    IL: tl.constexpr,          # W interleaved (nvfp4.interleave)
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
 ):
@@ -200,7 +204,7 @@ def _nvfp4_mm_dx_kernel(
         n0 = tl.multiple_of(n_start + it * BN, BN)
         offs_n = n0 + tl.arange(0, BN)
         w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
-                              BN, BK, INTERPRET)                                   # (BN, BK)
+                              BN, BK, IL, INTERPRET)                               # (BN, BK)
         dyt = tl.load(dy_ptr + offs_m[None, :] * stride_dym + offs_n[:, None])    # (BN, BM)
         if INTERPRET:
             acc = tl.dot(tl.trans(w.to(tl.float32)), dyt.to(tl.float32), acc)
@@ -235,14 +239,14 @@ def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
 
 @triton.jit
 def _nvfp4_dequant_kernel(packed_ptr, scale_ptr, gs_ptr, out_ptr, N, K, stride_pn, stride_sn,
-                          BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr, IL: tl.constexpr, INTERPRET: tl.constexpr,
                           USE_PDL: tl.constexpr):
     """W (N, K) bf16 = e2m1 · scale / global_scale, one (BN, BK) tile per program (BK divides K)."""
     pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     k0 = tl.multiple_of(tl.program_id(1) * BK, BK)
     offs_n = (pid_n * BN + tl.arange(0, BN)) % N
-    w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn, BN, BK, INTERPRET)
+    w = _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn, BN, BK, IL, INTERPRET)
     w = w.to(tl.float32) * (OPERAND_POST / tl.load(gs_ptr))
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = k0 + tl.arange(0, BK)

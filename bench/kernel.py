@@ -15,7 +15,7 @@ and speedup = cuBLAS time / our time.
     python bench/kernel.py --sweep-gemv --no-bench   # launch shapes of the CUDA-core kernel (M <= 4)
     python bench/kernel.py --ms 1,2,4,8,16 --fwd-only   # a subset; "old" = pre-v4 tensor-core path
     python bench/kernel.py --medium-variants --no-check --no-bench   # M = 64..512: pre-v5 vs v5 tiles
-    python bench/kernel.py --small-variants --no-check --no-bench    # M = 1..16: shipped vs fragment kernel
+    python bench/kernel.py --small-variants --no-check --no-bench    # M = 1..16: route vs launch shapes (plain layout)
     python bench/kernel.py --once "7B gate_up:1,7B down:16"   # one call each, for ncu (NOTES.md v11)
     python bench/kernel.py --out DIR          # where the JSON and log go
 
@@ -37,6 +37,7 @@ import triton
 import triton.testing
 
 import marlin_kernel as mk
+import nvfp4
 
 # ----------------------------------------------------------------------------------------------
 # shapes (N, K) from ANCHORS.md
@@ -55,6 +56,13 @@ def random_weight(N, K, device, gen):
     scale = s.to(torch.float8_e4m3fn)
     global_scale = torch.tensor([448.0 * 6 / 3.0], device=device)
     return packed, scale, global_scale
+
+
+def shipped_weight(N, K, device, gen):
+    """random_weight in the layout NVFP4Linear holds on CUDA (nvfp4.interleave; every SHAPES has
+    K % 128 == 0): what the table times. The sweeps and variants below take the plain layout."""
+    packed, scale, global_scale = random_weight(N, K, device, gen)
+    return (*nvfp4.interleave(packed, scale), global_scale)
 
 
 def rel_err(out, ref):
@@ -161,7 +169,7 @@ OLD_SMALL_M = mk.TileConfig(16, 64, 128)     # the tensor-core split-K config us
 def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,), fwd_only=False):
     q_bytes = N * K * 4.5 / 8
     b_bytes = N * K * 2
-    qs = Rotating([random_weight(N, K, device, gen) for _ in range(copies_for(q_bytes, device))])
+    qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(q_bytes, device))])
     ws = Rotating([torch.randn(N, K, device=device, generator=gen).bfloat16()
                    for _ in range(copies_for(b_bytes, device))])
     rows = []
@@ -170,10 +178,10 @@ def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,), fwd_only=False):
         dy = torch.randn(M, N, device=device, generator=gen).bfloat16()
 
         def ours_fwd():
-            mk.nvfp4_matmul(x, *qs.next())
+            mk.nvfp4_matmul(x, *qs.next(), interleaved=True)
 
         def ours_dx():
-            mk.nvfp4_matmul_dx(dy, *qs.next())
+            mk.nvfp4_matmul_dx(dy, *qs.next(), interleaved=True)
 
         cfg = mk.fwd_config(M, N, K)
         path = ("dequant+cublas" if mk.use_dequant(M, N, K) else "gemv" if isinstance(cfg, mk.GemvConfig)
@@ -182,7 +190,7 @@ def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,), fwd_only=False):
         r["fwd_ms"] = bench_ms(ours_fwd)
         r["cublas_fwd_ms"] = bench_ms(lambda: x @ ws.next().t())
         if M <= 16:          # the pre-v4 tensor-core kernel, same run: honest old/new ratios
-            r["old_fwd_ms"] = bench_ms(lambda: mk._matmul(x, *qs.next(), None, OLD_SMALL_M))
+            r["old_fwd_ms"] = bench_ms(lambda: mk._matmul(x, *qs.next(), None, OLD_SMALL_M, il=True))
         r["dx_ms"] = float("nan") if fwd_only else bench_ms(ours_dx)
         r["cublas_dx_ms"] = float("nan") if fwd_only else bench_ms(lambda: dy @ ws.next())
         if M in eager_ms:
@@ -323,7 +331,7 @@ def medium_candidates():
         label: (lambda x, p, s, g, cfg=cfg: mk._matmul(x, p, s, g, None, cfg)) for label, cfg in MEDIUM_CANDIDATES.items()}
 
 
-# M <= 16: the shipped route against each small-M kernel in several launch shapes: the CUDA-core
+# M <= 16: the route (plain layout) against each small-M kernel in several launch shapes: the CUDA-core
 # kernel (M <= 2) and the fragment kernel (mma.sync on weights decoded into its registers)
 SMALL_MS = (1, 2, 4, 8, 16)
 GEMV = [mk.GemvConfig(32, 1024), mk.GemvConfig(32, 512), mk.GemvConfig(16, 2048), mk.GemvConfig(16, 1024)]
@@ -338,7 +346,7 @@ def _gemv(cfg):
 
 
 def small_candidates():
-    return ({"shipped": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)}
+    return ({"route": lambda x, p, s, g: mk.nvfp4_matmul(x, p, s, g)}
             | {f"gemv {c.bn}x{c.bk}": _gemv(c) for c in GEMV}
             | {f"mma w{c.warps}t{c.tiles}": (lambda x, p, s, g, cfg=c: mk._mma(x, p, s, g, None, cfg))
                for c in FRAGMENT})
@@ -425,7 +433,7 @@ def main():
     ap.add_argument("--medium-variants", action="store_true",
                     help="M = 64..512 forward: pre-v5 path vs the v5 candidates (< 2 min)")
     ap.add_argument("--small-variants", action="store_true",
-                    help="M = 1..16 forward: the shipped route vs the fragment kernel's launch shapes")
+                    help="M = 1..16 forward, plain layout: the route vs the small-M kernels' launch shapes")
     ap.add_argument("--small-ms", default=",".join(map(str, SMALL_MS)), help="M values of --small-variants")
     ap.add_argument("--no-check", action="store_true", help="skip the GPU correctness check")
     ap.add_argument("--once", default="", help='only one call per "shape:M" case, e.g. "7B o:1,7B o:16" (for ncu)')

@@ -348,6 +348,54 @@ def test_nvfp4linear_buffers_and_state_dict():
     assert "in_features=64, out_features=24, bias=True" in repr(layer)
 
 
+def test_interleave_puts_every_byte_where_the_kernels_read_it():
+    """interleave against the layout the kernels address (fp4_decode._tiled_offsets), written out
+    here element by element; deinterleave undoes it."""
+    N, K = 32, 384
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(0, 127, (N, K // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    pi, si = nvfp4.interleave(packed, scale)
+    assert pi.shape == packed.shape and si.shape == scale.shape and si.dtype == scale.dtype
+    flat_p, flat_s, T = pi.flatten(), si.view(torch.uint8).flatten(), K // 128
+    for n in range(N):
+        for b in range(K // 2):
+            assert flat_p[((n // 16) * T + b // 64) * 1024 + (n % 16) * 64 + b % 64] == packed[n, b]
+        for c in range(K // 16):
+            assert flat_s[((n // 16) * T + c // 8) * 128 + (n % 16) * 8 + c % 8] == scale.view(torch.uint8)[n, c]
+    back = nvfp4.deinterleave(pi, si)
+    assert torch.equal(back[0], packed) and torch.equal(back[1].view(torch.uint8), scale.view(torch.uint8))
+    with pytest.raises(ValueError, match="K % 128"):
+        nvfp4.interleave(packed[:, :96], scale[:, :12])
+
+
+def test_interleaved_nvfp4linear_keeps_its_outputs_and_state_dict():
+    """An interleaved layer (what the loaders make on CUDA) computes what the plain one does, and
+    its state_dict holds compressed-tensors' bytes; loading one into it interleaves them again."""
+    torch.manual_seed(1)
+    plain = NVFP4Linear.from_weight(torch.randn(32, 256) * 0.1, torch.randn(32).bfloat16())
+    layer = NVFP4Linear.from_weight(torch.randn(32, 256) * 0.1, torch.randn(32).bfloat16())
+    layer.load_state_dict(plain.state_dict())
+    layer.interleave_()
+    assert layer.interleaved and not torch.equal(layer.weight_packed, plain.weight_packed)
+    x = torch.randn(3, 256, requires_grad=True)
+    y = layer(x)
+    y_plain = plain(x)
+    assert torch.equal(y, y_plain)
+    dx, dx_plain = torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(y_plain.sum(), x)[0]
+    assert torch.equal(dx, dx_plain)
+    assert torch.equal(layer.dequantized_weight(), plain.dequantized_weight())
+    sd = layer.state_dict()
+    assert all(torch.equal(sd[k].view(torch.uint8), v.view(torch.uint8)) for k, v in plain.state_dict().items()
+               if v.dtype != torch.bfloat16)
+    other = NVFP4Linear.from_weight(torch.randn(32, 256), torch.randn(32).bfloat16()).interleave_()
+    other.load_state_dict(sd)
+    assert other.interleaved and torch.equal(other.weight_packed, layer.weight_packed)
+    assert torch.equal(other(x), y)
+    odd = NVFP4Linear.from_weight(torch.randn(24, 64)).interleave_()      # no 16 x 128 tiles: stays plain
+    assert not odd.interleaved
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvfp4linear_forward_and_backward(bias, dtype):

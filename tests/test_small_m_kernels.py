@@ -65,7 +65,7 @@ def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
     (16, 64, 256, 96, mk.TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=1))])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_kernels_fold_the_lora_update(M, N, K, R, cfg, has_bias, poisoned):
-    """nvfp4_matmul's lora = (hp, B, s): the GEMV (M <= 2) and the swapped tiles (M 9..16) add
+    """nvfp4_matmul's lora = (hp, B, s): the GEMV and the swapped tiles (folds_lora's routes) add
     s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish. Against float64 (the base, plus the update
     with h rounded to bf16 as the expand kernel rounds it), and element by element against the
     kernel's own base output plus the float64 update: one bf16 rounding of the sum (what
@@ -93,16 +93,18 @@ def test_lora_update_only_where_it_folds(monkeypatch):
     packed, scale, gs = random_weight(32, 64, gen)
     hp, B = torch.zeros(1, 1, 8, device=DEV), torch.zeros(32, 8, dtype=torch.bfloat16, device=DEV)
     x1 = torch.randn(1, 64, generator=gen).bfloat16().to(DEV)
-    assert [m for m in range(1, 17) if mk.folds_lora(m)] == [1, 2] + list(range(9, 17))
+    assert [m for m in range(1, 17) if mk.folds_lora(m, 128)] == [1]      # 2..16: the fragment kernel
+    assert all(mk.folds_lora(m, 64) for m in range(1, 17)) and not mk.folds_lora(17, 64)
     with pytest.raises(ValueError, match="folds_lora"):
-        x3 = torch.randn(3, 64).bfloat16().to(DEV)
-        mk.nvfp4_matmul(x3, packed, scale, gs, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
+        p128, s128, g128 = random_weight(32, 128, gen)
+        x3 = torch.randn(3, 128).bfloat16().to(DEV)
+        mk.nvfp4_matmul(x3, p128, s128, g128, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
     with pytest.raises(ValueError, match="fp32"):
         mk.nvfp4_matmul(x1, packed, scale, gs, lora=(hp.bfloat16(), B, 1.0))
     with pytest.raises(ValueError, match="B must be"):
         mk.nvfp4_matmul(x1, packed, scale, gs, lora=(hp, B[:16], 1.0))
     monkeypatch.setattr(mk, "REDUCE_IN_KERNEL", False)
-    assert not mk.folds_lora(1)
+    assert not mk.folds_lora(1, 64)
     with pytest.raises(ValueError, match="REDUCE_IN_KERNEL|folds_lora"):
         mk._gemv(x1, packed, scale, gs, None, mk.GemvConfig(bn=16, bk=32, split=2), (hp, B, 1.0))
 
