@@ -2,8 +2,9 @@
 
 Every NVFP4 kernel (tile_kernels.py, small_m_kernels.py; marlin_kernel.py launches them) reads
 the compressed-tensors bytes, in their own layout or in nvfp4.interleave's 16 x 128 tiles
-(_tiled_offsets), and decodes them in registers. The pieces they share are here: @triton.jit device functions (inlined into the kernels) and inline-PTX strings held as
-tl.constexpr (a jit function may read no other module global). The bytes they take:
+(_tiled_offsets), and decodes them in registers. The pieces they share are here: @triton.jit
+device functions (inlined into the kernels) and inline-PTX strings held as tl.constexpr (a jit
+function may read no other module global). The bytes they take:
 
     packed        uint8  (N, K/2)   two E2M1 codes per byte, even k in the LOW nibble
     scale         uint8  (N, K/16)  E4M3 bits (the wrappers view float8_e4m3fn as uint8)

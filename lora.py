@@ -29,8 +29,9 @@ megabytes of weight traffic, and a 7B model has 196 adapted linears. So when sam
 at most 16 rows (decode steps of up to 16 sequences), two Triton kernels launched with programmatic
 dependent launch (where it pays: lora_kernels.pdl_for) do the update in place instead
 (lora_kernels.py: shrink x Aᵀ, expand into y); on an NVFP4 base the shrink runs before the base
-matmul where that measured faster (lora_kernels.early_shrink), and at 1-2 and 9-16 rows the NVFP4
-kernel adds the update itself as it stores y (lora_kernels.fold_expand: one launch per adapter group).
+matmul where that measured faster (lora_kernels.early_shrink), and where the GEMV or the swapped tiles
+compute y (marlin_kernel.folds_lora) the NVFP4 kernel adds the update itself as it stores y
+(lora_kernels.fold_expand: one launch per adapter group).
 
 Names follow PEFT, so adapters move between this code and the Hugging Face stack:
 

@@ -22,10 +22,11 @@ Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) 
 all in one dtype; M <= 16 (one MMA tile of rows). Launched with programmatic dependent launch except
 beside the small-M NVFP4 kernels, where it measured slower (pdl_for), unless the shrink runs before
 the base matmul (early_shrink: the GEMV and tile rows of an NVFP4 base, both kernels with PDL).
-Where the NVFP4 GEMV (1-2 rows) or the swapped tiles (9-16) compute y, they also do the expand's
-work as they store y, from the shrink's partials (fold_expand; fp4_decode._lora_update): H100, 7B
-rank 32, against the expand kernel: batch 1 +10.5-11.6%, batch 2 +9.4%, batch 16 +3.0%
-(bench/NOTES.md v13).
+Where the NVFP4 GEMV (1 row) or the swapped tiles (up to 16 rows where K is not a multiple of 128,
+else the fragment kernel runs) compute y, they also do the expand's work as they store y, from the
+shrink's partials (fold_expand; fp4_decode._lora_update): H100, 7B rank 32, against the expand
+kernel: batch 1 +10.5-11.6%, batch 2 +9.4%, batch 16 +3.0% (bench/NOTES.md v13, when the GEMV took
+2 rows and the tiles 9-16).
 Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 tl.dot is wrong), as in the
 other kernels.
 Tests: tests/test_lora_kernels.py (interpreter: against float64 with odd sizes, K-splits and

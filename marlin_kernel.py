@@ -536,7 +536,6 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleav
     lora_kernels.lora_expand_ (hp (split, M, R) fp32 from lora_kernels.lora_shrink, B (N, R) bf16).
     interleaved: packed and scale hold nvfp4.interleave's layout (K a multiple of 128)."""
     N, K = _check_weight(packed, scale, global_scale, x.device, interleaved)
-    il = interleaved
     _check_act("x", x, K)
     if bias is not None:
         if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
@@ -545,13 +544,13 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleav
     if lora is not None:       # folds_lora: the GEMV or the swapped tiles below, never _mma or dequant
         _check_lora(lora, x.shape[0], N, K, x.device)
     elif use_dequant(x.shape[0], N, K):
-        return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale, il), bias)
+        return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale, interleaved), bias)
     cfg = fwd_config(x.shape[0], N, K)
     if isinstance(cfg, GemvConfig):
-        return _gemv(x, packed, scale, global_scale, bias, cfg, lora, il)
+        return _gemv(x, packed, scale, global_scale, bias, cfg, lora, interleaved)
     if isinstance(cfg, MmaConfig):
-        return _mma(x, packed, scale, global_scale, bias, cfg, il)
-    return _matmul(x, packed, scale, global_scale, bias, cfg, lora, il)
+        return _mma(x, packed, scale, global_scale, bias, cfg, interleaved)
+    return _matmul(x, packed, scale, global_scale, bias, cfg, lora, interleaved)
 
 
 def nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False):

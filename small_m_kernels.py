@@ -1,6 +1,6 @@
 """The decode-time kernels: y = x·Wᵀ for a few rows of x (M <= 16), on CUDA cores or mma.sync.
 
-At decode time M is the batch, 1..8 rows of x against a weight of millions of elements: the
+At decode time M is the batch, 1..16 rows of x against a weight of millions of elements: the
 product is memory-bound, and an MMA tile of 16 rows or more would spend most of its work on
 padding. What is left to win is the instruction count per weight of the decode, so both kernels
 here keep the weights in registers from load to multiply (no shared memory, no barrier in the
