@@ -13,12 +13,14 @@ The weight format is the standard compressed-tensors NVFP4 layout, untouched (nv
 
 This file is the entry point the rest of the project imports: the float64 reference, the launch
 shapes and the routing between kernels, the input checks and the wrappers that allocate and
-launch. The kernels live in three files that nothing but this one and their tests import (hence
+launch. The kernels live in four files that nothing but this one and their tests import (hence
 their underscore names):
 
     fp4_decode.py       the in-kernel number format: E2M1 / E4M3 bit decoding (PTX and its plain-tl
                         emulation for the interpreter), the epilogue, pdl_start
     small_m_kernels.py  _nvfp4_gemv_kernel (CUDA cores) and _nvfp4_mma_kernel (mma.sync fragments)
+    register_a_kernel.py  _nvfp4_wgmma_kernel (Gluon: wgmma on weights decoded into its A registers)
+                        and the permutation of x it reads
     tile_kernels.py     _nvfp4_mm_kernel (wgmma, swapped or not), _nvfp4_mm_dx_kernel,
                         _splitk_reduce_kernel, _nvfp4_dequant_kernel
 
@@ -26,13 +28,18 @@ Weight layout. Every wrapper takes W in the compressed-tensors layout, or with i
 nvfp4.interleave's 16 x 128 tiles (K a multiple of 128), which NVFP4Linear holds on CUDA: a warp's
 16-byte-per-lane load of 8 rows then reads 512 contiguous bytes instead of 8 scattered pieces
 (fp4_decode._tiled_offsets addresses both; the fragment kernel gains 10-25%,
-bench/NOTES.md v15). The bits of y do not depend on the layout.
+bench/NOTES.md v15). The bits of y do not depend on the layout, except where the register-A
+kernel runs (it reads the interleaved layout only, and sums in its own order).
 
 Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
   * M = 1 (batch-1 decode): the CUDA-core kernel, 32 weight rows x 512-1024 k per step, split
     along K until ~8 programs per SM exist.
   * M <= 16 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
     into its A registers, 64 or 128 weight rows per program.
+  * 16 < M <= 256 on the big weights (N·K > 20M: 7B/32B gate_up and down), interleaved, on an
+    H100 with triton 3.6: the register-A wgmma kernel (register_a_kernel.py), x permuted first;
+    7B gate_up M = 64 1.9x cuBLAS, M = 128 1.1x, where the tiles below reach 1.26x and 0.79x
+    (bench/NOTES.md v17).
   * M <= 64 (decode, memory-bound): the tile kernel swapped (W·xᵀ, W from registers), BM = 16..64
     rows of x, 64 weight rows per program, split-K until there are >= 4 programs per SM.
   * 64 < M < 512: the same kernel not swapped, x·Wᵀ with 128 x 128 tiles (MEDIUM_CONFIG): 0.8-0.9x
@@ -43,14 +50,16 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
 Split-K: each split writes fp32 partial sums; on the CUDA-core kernel, the fragment kernel at
 M <= 4 and the swapped tiles the last split of each output tile to finish (an atomic count per
 tile, fp4_decode._last_split) sums them in order with scale, bias and cast (deterministic, one
-launch); elsewhere (fragment at M > 4, medium tiles) _splitk_reduce_kernel does, which measured
-faster there (bench/NOTES.md v9, v10).
+launch); elsewhere (fragment at M > 4, medium tiles, the register-A kernel) _splitk_reduce_kernel
+does, which measured faster there (bench/NOTES.md v9, v10).
 dx = dy·W takes the tile kernel, or the dequantized weight where use_dequant says so.
 Measured on an H100 (fwd, bench/NOTES.md v9): M = 1 1.6-3.4x over cuBLAS bf16 (1.1-2.6 TB/s of
-NVFP4 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.2x, M = 16 1.0-1.9x, M = 128 0.5-0.95x.
+NVFP4 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.2x, M = 16 1.0-1.9x; M = 64 / 128 (v17) 1.3-1.9x /
+0.9-1.2x on the big weights, 0.6-0.7x / 0.6x on 7B qkv and o.
 
-Every kernel starts with pdl_start and is launched with pdl_launch's keywords: programmatic
-dependent launch on Hopper, switched off by setting marlin_kernel.PDL = False (the benchmarks do).
+Every kernel but the register-A one (Gluon has no griddepcontrol) starts with pdl_start and is
+launched with pdl_launch's keywords: programmatic dependent launch on Hopper, switched off by
+setting marlin_kernel.PDL = False (the benchmarks do).
 fused_ops.py, paged_attention.py and lora_kernels.py use the same pair for their own kernels.
 
 What it leaves out: activation quantization (this is W4A16), a re-layout of the bits inside a byte
@@ -68,6 +77,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+import register_a_kernel as rak
 from fp4_decode import pdl_start  # noqa: F401 (public here: fused_ops, paged_attention, lora_kernels)
 from small_m_kernels import _nvfp4_gemv_kernel, _nvfp4_mma_kernel
 from tile_kernels import _nvfp4_dequant_kernel, _nvfp4_mm_dx_kernel, _nvfp4_mm_kernel, _splitk_reduce_kernel
@@ -81,6 +91,9 @@ MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded 
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
 GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
+WGMMA_MAX_M = 256        # from there to this M on the big weights: the register-A wgmma kernel
+WGMMA_MIN_WEIGHT = 20_000_000   # ... of more than this many elements (7B gate_up, down; not qkv, o)
+GLUON_TRITON = "3.6."    # the Triton release register_a_kernel.py's Gluon is written for
 
 
 def interpreting() -> bool:
@@ -193,6 +206,24 @@ class MmaConfig:
             raise ValueError(f"MmaConfig: warps and tiles in 1, 2, 4, 8, split >= 0, got {self}")
 
 
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Launch shape of the register-A wgmma kernel (register_a_kernel.py). bt: tokens per program
+    (wgmma's N: 32, 64 or 128); bn: weight rows per program (64 per warpgroup of 4 warps); stages:
+    the cp.async ring; split: programs along K (0 = choose: ~4 programs per SM, >= 4 windows each)."""
+    bt: int
+    bn: int = 64
+    warps: int = 4
+    stages: int = 3
+    split: int = 0
+
+    def __post_init__(self):
+        if self.bt not in (16, 32, 64, 128) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
+                or self.bn & (self.bn - 1) or self.stages < 2 or self.split < 0:
+            raise ValueError(f"WgmmaConfig: bt in 16..128 (power of two), 4 or 8 warps, bn a power-of-two "
+                             f"multiple of 16·warps, stages >= 2, split >= 0, got {self}")
+
+
 def _num_sms(device) -> int:
     if device.type != "cuda":
         return 4
@@ -249,6 +280,12 @@ def fwd_config(M: int, N: int, K: int):
     if M <= 64:
         return TileConfig(bm=64, bn=128, bk=128, warps=8, stages=3)
     return MEDIUM_CONFIG
+
+
+def wgmma_config(M: int) -> WgmmaConfig:
+    """Launch shape of the register-A kernel: the H100 winners of bench/NOTES.md v16 (64 weight
+    rows, 4 warps, 3 stages; tokens per program by M)."""
+    return WgmmaConfig(bt=32 if M <= 32 else 64 if M <= 64 else 128)
 
 
 def dx_config(M: int, N: int, K: int) -> TileConfig:
@@ -477,6 +514,31 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
+def _wgmma(x, packed, scale, global_scale, bias, cfg):
+    """y = x·Wᵀ (+bias) with the register-A wgmma kernel: W interleaved, K a multiple of 128, sm_90
+    with triton 3.6 (wgmma_rows). x is first permuted into the operand's k order (one pass)."""
+    M, K = x.shape
+    N = packed.shape[0]
+    if K % 128:
+        raise ValueError(f"the wgmma kernel takes interleaved weights, K a multiple of 128, got K={K}")
+    out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
+    if M == 0:
+        return out
+    nwin = K // 128
+    grid_nm = (triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bt))
+    tiles = grid_nm[0] * grid_nm[1]
+    split = cfg.split or max(1, min(nwin // 4, triton.cdiv(4 * _num_sms(x.device), tiles)))
+    split, chunk = _split(split, tiles, nwin, 1, 0)
+    part = _partials(split, out)
+    xp = rak.fragment_order(x, pdl_launch(x.device))
+    rak._nvfp4_wgmma_kernel[(*grid_nm, split)](
+        xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, bias if bias is not None else out,
+        part, M, N, nwin, chunk, xp.stride(0), N, M * N,
+        LW=rak.word_layout(cfg.bn, cfg.warps), LS=rak.scale_layout(cfg.bn, cfg.warps), BN=cfg.bn, BT=cfg.bt,
+        S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=cfg.warps)
+    return _reduce(part, global_scale, bias, out)
+
+
 def _matmul_dx(dy, packed, scale, global_scale, cfg, il=False):
     K0 = packed.shape[1] * 2
     scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
@@ -506,6 +568,16 @@ def _matmul_dx(dy, packed, scale, global_scale, cfg, il=False):
 def fragment_rows(M: int, K: int) -> bool:
     """Does the fragment kernel compute y at M rows (K a multiple of 128 only)?"""
     return GEMV_MAX_M < M <= FRAGMENT_MAX_M and K % 128 == 0
+
+
+def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
+    """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 256 on the big weights
+    (N·K > 20M: at M = 32..128 it beats the tiles 1.3-1.6x there and loses on 7B qkv and o,
+    bench/NOTES.md v16), interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6 (the
+    Gluon it is written in; register_a_kernel.py)."""
+    return (FRAGMENT_MAX_M < M <= WGMMA_MAX_M and N * K > WGMMA_MIN_WEIGHT and interleaved
+            and device.type == "cuda" and not interpreting() and _capability(device.index or 0) == (9, 0)
+            and triton.__version__.startswith(GLUON_TRITON))
 
 
 def folds_lora(M: int, K: int) -> bool:
@@ -543,6 +615,8 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleav
                              f"{bias.dtype} {tuple(bias.shape)}")
     if lora is not None:       # folds_lora: the GEMV or the swapped tiles below, never _mma or dequant
         _check_lora(lora, x.shape[0], N, K, x.device)
+    elif wgmma_rows(x.shape[0], N, K, x.device, interleaved):
+        return _wgmma(x, packed, scale, global_scale, bias, wgmma_config(x.shape[0]))
     elif use_dequant(x.shape[0], N, K):
         return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale, interleaved), bias)
     cfg = fwd_config(x.shape[0], N, K)

@@ -18,6 +18,8 @@ defaults, which are what ships):
     lora_early=0|1        lora_kernels.EARLY_SHRINK: x Aᵀ before the base matmul where early_shrink says
     lora_fold=0|1         lora_kernels.FOLD_EXPAND: the update added by the NVFP4 GEMV where fold_expand says
     sampler=triton|torch  sampling.py's GPU path (torch: the ~10-op reference path)
+    wgmma=N               marlin_kernel.WGMMA_MAX_M: the register-A wgmma kernel up to M = N rows
+                          (0: never; the tile kernels instead)
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants lora_kernels=1 lora_kernels=0
@@ -57,6 +59,7 @@ SWITCHES = {
     "lora_early": (lora_kernels, "EARLY_SHRINK", lambda v: bool(int(v))),
     "lora_fold": (lora_kernels, "FOLD_EXPAND", lambda v: bool(int(v))),
     "sampler": (sampling, "triton", lambda v: sampling.triton if v == "triton" else None),
+    "wgmma": (marlin_kernel, "WGMMA_MAX_M", int),
 }
 
 

@@ -184,8 +184,9 @@ def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,), fwd_only=False):
             mk.nvfp4_matmul_dx(dy, *qs.next(), interleaved=True)
 
         cfg = mk.fwd_config(M, N, K)
-        path = ("dequant+cublas" if mk.use_dequant(M, N, K) else "gemv" if isinstance(cfg, mk.GemvConfig)
-                else "fragment" if isinstance(cfg, mk.MmaConfig) else "fused")
+        path = ("wgmma" if mk.wgmma_rows(M, N, K, x.device, True) else "dequant+cublas" if mk.use_dequant(M, N, K)
+                else "gemv" if isinstance(cfg, mk.GemvConfig) else "fragment" if isinstance(cfg, mk.MmaConfig)
+                else "fused")
         r = dict(shape=name, N=N, K=K, M=M, path=path)
         r["fwd_ms"] = bench_ms(ours_fwd)
         r["cublas_fwd_ms"] = bench_ms(lambda: x @ ws.next().t())

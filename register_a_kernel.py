@@ -1,0 +1,227 @@
+"""wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ at 16 < M <= 256 on the
+big weights (Hopper only; written in Gluon, Triton's layout-explicit dialect).
+
+Why. At 16 < M <= 256 (the decode steps of a GRPO batch) the product is still mostly memory-bound,
+but the tile kernels (tile_kernels.py) pay for their decode twice: W is decoded into registers,
+stored to shared memory and read back by tl.dot, and the MMA waits on each decode (bench/NOTES.md
+v5, v14). Hopper's wgmma can take its A operand (64 rows x 16 k per warpgroup) from registers, as
+Marlin and Machete do on the H100: decode straight into the registers the instruction reads. A
+tl.dot cannot be told that a register tensor already has the operand's layout; Gluon can, and
+checks it (convert_layout(..., assert_trivial=True) fails to compile where data would move).
+
+The product is computed swapped, acc[BN weight rows, BT tokens] += decode(W)[BN, 128] · xpᵀ[128, BT]
+per 128-k window: the weight rows are wgmma's M (16 per warp, 64 per warpgroup of 4 warps), the
+tokens its N (BT = 32, 64 or 128).
+
+The fragment mapping. In nvfp4.interleave's layout a 16-row x 128-k tile is 16 rows of 16 int32
+words (8 codes each). Lane (g = lane // 4, t = lane % 4) of a warp loads words 4t .. 4t+3 of rows
+g and g+8 of its warp's 16 rows (word_layout): codes k = 32t .. 32t+31 of both rows. The decode
+(fp4_decode._e2m1x4_to_bf16_ptx, scale multiply included) turns word j into four bf16x2 registers,
+(lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3), (hi b2, hi b3) for its bytes b0..b3. Index the 8
+values as (p1, p0, e): p1 the byte pair, p0 low or high nibble, e the byte within the pair; the
+value is the weight of k = 32t + 8j + 4p1 + 2e + p0. wgmma's register operand (k_width 2) for the
+16-k step s holds, in lane t, the pairs (2t, 2t+1) and (2t+8, 2t+9) of that step, rows g and g+8.
+So calling value (j, p1, p0, e) of lane t the operand's column
+
+    c = e + 2t + 8·p0 + 16·p1 + 32·j        (of the 128-column window)
+
+makes the decoded registers *be* the operand: _decode_operand reshapes and permutes the tensor to
+say so, and the convert_layout that follows moves nothing (SASS: 8 HGMMA a window reading A from
+the decode's registers, no shared-memory traffic for W). Column c of the operand then holds the
+weight of k(c) = 32t + 8j + 4p1 + 2e + p0, so x must come permuted the same way:
+xp[:, c] = x[:, k(c)] in every window (_fragment_order_kernel, one pass over x before the GEMM;
+fragment_order_index is the same map in torch).
+
+The pipeline: a ring of S = 3 stages in shared memory, each holding one window's W words (BN x 64
+bytes), scales (BN x 8 bytes) and xp tile (BT x 128 bf16, 128-byte swizzle: wgmma's B), filled by
+cp.async two windows ahead. Per window: wait for the oldest copy group, barrier, words and scales
+into registers in the fragment layout, decode, one wgmma (8 instructions of 16 k), wait for it,
+refill the stage just read. Keeping a wgmma in flight across windows (warpgroup_mma_wait(1) with
+the previous A registers alive) gave wrong results in the experiment and was no faster (NOTES v16).
+The scales are E4M3 bytes: the hardware's fp8 -> fp32 conversion, times 2^119, as bf16 pairs, so
+the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAND_SHIFT).
+
+Split-K: a weight with few 64-row tiles (7B down: N = 3584) splits its windows among programs
+(marlin_kernel._split), which write fp32 partials that tile_kernels._splitk_reduce_kernel sums in
+order with scale and bias. The kernel does not use programmatic dependent launch (Gluon has no
+griddepcontrol builtin): it starts when the x permutation before it has finished.
+
+Gluon's API moves between Triton releases (3.9 removed async_copy_global_to_shared and
+thread_barrier), so marlin_kernel routes here only on the release this file is written for and
+tested on, triton 3.6 (GLUON_TRITON); elsewhere the tile kernels serve these M.
+
+Shapes: x (M, K) bf16 rows contiguous; W interleaved, N a multiple of 16, K of 128. Weight rows past
+N are wrapped (loads stay unmasked), token rows past M masked; neither is stored.
+
+Test: tests/test_register_a_kernel.py (GPU: against float64 at odd M, N at its minimum, every
+split, bias on and off, poisoned output; CPU: the x permutation against its torch form).
+Benchmark: python bench/kernel.py (the route marlin_kernel chooses), bench/NOTES.md v17.
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+
+from fp4_decode import OPERAND_POST, OPERAND_SHIFT, _e2m1x4_to_bf16_ptx, pdl_start
+
+# decode of one word into 4 bf16x2 outputs $0..$3 = (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3),
+# (hi b2, hi b3); inputs $4..$11 the word, $12..$15 the scale pair (inline_asm_elementwise's pack=8
+# hands every output register its own copy of the inputs, hence the joins in _decode_operand)
+_DECODE8 = gl.constexpr("{ .reg .b32 y01, y23, t, u, sg, nz; mov.b32 nz, 0x80008000; " + " ".join(
+    _e2m1x4_to_bf16_ptx("$4", "$12", "$12", "$0", "$2", "$1", "$3")) + " }")
+_DECODE8_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
+_SCALE_TO_OPERAND = gl.constexpr(2.0 ** (126 - OPERAND_SHIFT.value))  # decoded codes are e2m1·2^-126
+_POST = gl.constexpr(OPERAND_POST.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# x in the operand's k order
+
+@triton.jit
+def _fragment_order_kernel(x_ptr, out_ptr, M, K, stride_xm, BM: tl.constexpr, USE_PDL: tl.constexpr):
+    """out (M, K) = x with each 128-k window permuted: out[:, c] = x[:, k(c)] (module docstring)."""
+    pdl_start(USE_PDL)
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    c = tl.arange(0, 128)
+    e, t, p0, p1, j = c & 1, (c >> 1) & 3, (c >> 3) & 1, (c >> 4) & 1, c >> 5
+    k = tl.program_id(1) * 128 + 32 * t + 8 * j + 4 * p1 + 2 * e + p0
+    mask = (m < M)[:, None]
+    v = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mask)
+    tl.store(out_ptr + m[:, None] * K + tl.program_id(1) * 128 + c[None, :], v, mask=mask)
+
+
+def fragment_order_index(K: int, device=None) -> torch.Tensor:
+    """k(c) for the K columns in torch: xp = x[:, index] (tests and reading; the wrapper launches the
+    kernel). x's columns as (window, t, j, p1, e, p0) read in the order (window, j, p1, p0, t, e)."""
+    k = torch.arange(K, device=device).view(K // 128, 4, 4, 2, 2, 2)
+    return k.permute(0, 2, 3, 5, 1, 4).reshape(K)
+
+
+def fragment_order(x: torch.Tensor, use_pdl: dict) -> torch.Tensor:
+    """x (M, K) bf16 -> xp (M, K), permuted for the kernel below (one pass over x)."""
+    M, K = x.shape
+    out = torch.empty((M, K), device=x.device, dtype=x.dtype)
+    BM = 16
+    _fragment_order_kernel[(triton.cdiv(M, BM), K // 128)](x, out, M, K, x.stride(0), BM=BM, num_warps=4,
+                                                            **use_pdl)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the GEMM
+
+@gluon.jit
+def _decode_operand(words, sc, BN: gl.constexpr, DL: gl.constexpr):
+    """(BN, 16) int32 words and (BN, 16) bf16 scale·2^119 per word, in word_layout -> the (BN, 128)
+    bf16 A operand of wgmma in DL, without moving data (module docstring: the fragment mapping)."""
+    w2 = gl.join(words, words)
+    w4 = gl.join(w2, w2)
+    w8 = gl.join(w4, w4)
+    s2 = gl.join(sc, sc)
+    s4 = gl.join(s2, s2)
+    s8 = gl.join(s4, s4)
+    a = gl.inline_asm_elementwise(_DECODE8, _DECODE8_CONSTRAINTS, [w8, s8], dtype=gl.bfloat16, is_pure=True,
+                                  pack=8)                    # (BN, 16, 8): word 4t + j, value 4p1 + 2p0 + e
+    a = gl.reshape(a, [BN, 4, 4, 2, 2, 2])                   # (row, t, j, p1, p0, e)
+    a = gl.permute(a, [0, 2, 3, 4, 1, 5])                    # (row, j, p1, p0, t, e): column c
+    return gl.convert_layout(gl.reshape(a, [BN, 128]), DL, assert_trivial=True)
+
+
+@gluon.jit
+def _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs, win, stage):
+    """cp.async of window win's xp tile, W words and scales into ring stage `stage`, one group."""
+    cp.async_copy_global_to_shared(xs.index(stage), x_ptr + x_offs + win * 128, mask=x_mask)
+    cp.async_copy_global_to_shared(ws.index(stage), p4_ptr + win * 256 + w_offs, eviction_policy="evict_first")
+    cp.async_copy_global_to_shared(ss.index(stage), s_ptr + win * 128 + s_offs)
+    cp.commit_group()
+
+
+@gluon.jit
+def _nvfp4_wgmma_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, NWIN, WIN_SPLIT,
+                        stride_xm, stride_om, stride_os,
+                        LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
+                        S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """out = x·Wᵀ (+bias) for the tile (BN weight rows of program 0, BT tokens of program 1) over the
+    windows [pid2·WIN_SPLIT, +WIN_SPLIT); PARTIAL: fp32 sums to out[pid2] (split-K) instead.
+    x_ptr holds xp (fragment order), p4_ptr the interleaved codes as int32, s_ptr the scale bytes."""
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BT, 16])
+    DL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])   # copies of 16 B a lane
+    WL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
+    SCL: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])  # 4 B a lane
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    PS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+
+    # copy offsets: a 16-row x 128-k tile is 256 words and 128 scale bytes, a 16-row group's tiles
+    # follow one another along K (nvfp4.interleave); window w adds 256·w words, 128·w bytes
+    r = (pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, WL))) % N
+    w_offs = ((r // 16) * NWIN * 256 + (r % 16) * 16)[:, None] + gl.arange(0, 16, layout=gl.SliceLayout(0, WL))[None, :]
+    r = (pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SCL))) % N
+    s_offs = ((r // 16) * NWIN * 128 + (r % 16) * 8)[:, None] + gl.arange(0, 8, layout=gl.SliceLayout(0, SCL))[None, :]
+    toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
+    x_offs = toks[:, None] * stride_xm + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
+    x_mask = (toks < M)[:, None]
+
+    xs = gl.allocate_shared_memory(gl.bfloat16, [S, BT, 128], XS)
+    ws = gl.allocate_shared_memory(gl.int32, [S, BN, 16], PS)
+    ss = gl.allocate_shared_memory(gl.uint8, [S, BN, 8], PS)
+    acc = gl.zeros([BN, BT], gl.float32, mma)
+    w_start = pid_k * WIN_SPLIT
+    w_end = gl.minimum(NWIN, w_start + WIN_SPLIT)
+    for st in gl.static_range(S - 1):      # a split shorter than the ring re-reads its last window
+        _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
+               gl.minimum(w_start + st, w_end - 1), st)
+    for win in range(w_start, w_end):
+        i = win - w_start
+        stage = i % S
+        cp.wait_group(S - 2)               # this window's group has landed (for this thread) ...
+        gl.thread_barrier()                # ... and for every thread; stage i - 1 is free
+        words = ws.index(stage).load(LW)                                       # (BN, 16) int32
+        sb = ss.index(stage).load(LS)                                          # (BN, 8) scale bytes
+        sb = gl.convert_layout(gl.reshape(gl.join(sb, sb), [BN, 16]), LW, assert_trivial=True)  # word w: block w // 2
+        sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_TO_OPERAND).to(gl.bfloat16)
+        a = _decode_operand(words, sc, BN, DL)
+        acc = warpgroup_mma(a, xs.index(stage).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
+               gl.minimum(win + S - 1, w_end - 1), (i + S - 1) % S)
+    cp.wait_group(0)
+
+    rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+    offs = toks[None, :] * stride_om + rows[:, None]                          # y[tok, row]
+    mask = (rows < N)[:, None] & (toks < M)[None, :]
+    if PARTIAL:
+        gl.store(out_ptr + pid_k * stride_os + offs, acc, mask=mask)
+    else:
+        y = acc * (_POST / gl.load(gs_ptr))
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(out_ptr + offs, y.to(gl.bfloat16), mask=mask)
+
+
+def word_layout(BN: int, warps: int):
+    """The (BN, 16) int32 words of a window in registers: lane (g, t) of warp w holds words 4t..4t+3
+    of rows 16w + g and 16w + g + 8 (and the same every 16·warps rows): wgmma's A fragment rows."""
+    reps = BN // (16 * warps)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + [[16 * warps << i, 0] for i in range(reps.bit_length() - 1)],
+        lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[BN, 16])
+
+
+def scale_layout(BN: int, warps: int):
+    """The (BN, 8) scale bytes: lane (g, t) holds blocks 2t, 2t+1 of word_layout's rows (the scale of
+    word w is block w // 2, so join(sb, sb) reshaped is word_layout itself)."""
+    lw = word_layout(BN, warps)
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1]] + lw.reg_bases[2:], lane_bases=[[0, 2], [0, 4]] + lw.lane_bases[2:],
+        warp_bases=lw.warp_bases, block_bases=[], shape=[BN, 8])

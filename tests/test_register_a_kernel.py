@@ -1,0 +1,113 @@
+"""Tests for register_a_kernel.py: the register-A wgmma kernel (Gluon, sm_90 + triton 3.6 only) and
+the permutation of x it needs.
+
+The kernel itself cannot run in the interpreter, so it is tested on the GPU: against float64
+(marlin_kernel.reference_matmul) at odd M, N at its minimum (16) and real shapes, every token tile,
+split-K through the reduce kernel, bias on and off, poisoned buffers (conftest). On the CPU the
+permutation of x is checked against the map derived independently below, from the facts it rests
+on: the interleaved bytes, the decode's output order and the PTX ISA's wgmma register fragment.
+"""
+import pytest
+import torch
+
+import marlin_kernel as mk
+import register_a_kernel as rak
+from test_marlin_kernel import DEV, LaunchSpy, assert_close, random_weight
+
+
+def operand_column_to_k():
+    """For a 128-k window: which k the wgmma operand's column c holds, derived step by step.
+    Lane t of a quad loads words 4t .. 4t+3 of a row; word 4t + j, byte b, nibble p0 (even k in the
+    low nibble) holds k = 8(4t + j) + 2b + p0. The decode PTX writes its 8 values as bf16 pairs
+    (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3), (hi b2, hi b3): value v = 4(b // 2) + 2 p0 + b % 2.
+    wgmma's A fragment (PTX ISA, m64nNk16, .bf16 from registers): in lane t, for the 16-k step s, the
+    registers hold columns 16s + 2t, 16s + 2t + 1, then 16s + 2t + 8, 16s + 2t + 9; a lane's 32 values
+    per row over the 8 steps of a window, in order, are (s, half, elem) -> 16s + 8·half + 2t + elem.
+    The kernel hands value v of word j over as the lane's value 8j + v."""
+    col_to_k = [None] * 128
+    for t in range(4):
+        for j in range(4):
+            for b in range(4):
+                for p0 in range(2):
+                    r = 8 * j + 4 * (b // 2) + 2 * p0 + b % 2           # = 4s + 2·half + elem
+                    col_to_k[16 * (r // 4) + 8 * (r // 2 % 2) + 2 * t + r % 2] = 8 * (4 * t + j) + 2 * b + p0
+    assert sorted(col_to_k) == list(range(128))
+    return col_to_k
+
+
+def test_fragment_order_index_is_the_operand_map():
+    K = 384
+    idx = rak.fragment_order_index(K)
+    expect = torch.tensor([128 * w + k for w in range(K // 128) for k in operand_column_to_k()])
+    assert torch.equal(idx, expect)
+
+
+@pytest.mark.parametrize("M,K", [(1, 128), (17, 256), (40, 640)])
+def test_fragment_order_kernel_permutes_x(M, K, poisoned):
+    """The one-pass kernel gives x[:, fragment_order_index(K)] (bits), every element written."""
+    x = torch.randn(M, K).bfloat16().to(DEV)
+    xp = rak.fragment_order(x, dict(USE_PDL=False, launch_pdl=False))
+    assert torch.equal(xp, x[:, rak.fragment_order_index(K, x.device)])
+
+
+def test_wgmma_route_and_config():
+    """The route's conditions: 16 < M <= 256, a weight of > 20M elements, interleaved, sm_90 with
+    triton 3.6; never on the CPU or under the interpreter."""
+    big = (37888, 3584)
+    assert not mk.wgmma_rows(64, *big, torch.device("cpu"), True)
+    assert [mk.wgmma_config(M).bt for M in (17, 32, 33, 64, 65, 256)] == [32, 32, 64, 64, 128, 128]
+    with pytest.raises(ValueError, match="WgmmaConfig"):
+        mk.WgmmaConfig(bt=48)
+    with pytest.raises(ValueError, match="WgmmaConfig"):
+        mk.WgmmaConfig(bt=64, bn=32)
+    if _runs_here():
+        dev = torch.device("cuda")
+        assert not mk.wgmma_rows(16, *big, dev, True) and not mk.wgmma_rows(257, *big, dev, True)
+        assert not mk.wgmma_rows(64, 4608, 3584, dev, True)          # 7B qkv: the tiles win
+        assert not mk.wgmma_rows(64, *big, dev, False)               # the plain layout
+
+
+def _runs_here():
+    return torch.cuda.is_available() and mk.wgmma_rows(64, 37888, 3584, torch.device("cuda"), True)
+
+
+gluon_gpu = pytest.mark.skipif(not _runs_here(), reason="the Gluon kernel needs sm_90 and triton 3.6")
+
+
+@pytest.mark.gpu
+@gluon_gpu
+@pytest.mark.parametrize("M,N,K,bt,split", [(17, 16, 128, 32, 1), (33, 48, 384, 64, 1), (100, 80, 256, 128, 2),
+                                            (130, 16, 1280, 128, 3), (64, 208, 2048, 64, 0), (5, 64, 128, 16, 1)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, poisoned):
+    """_wgmma called directly (any shape): tiny and odd N (wrapped weight rows), odd M (masked
+    tokens), one window, splits of unequal length, bias; y against float64."""
+    import nvfp4
+    gen = torch.Generator().manual_seed(M * N + K + split)
+    packed, scale, gs = random_weight(N, K, gen, "cuda")
+    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda() if has_bias else None
+    y = mk._wgmma(x, *nvfp4.interleave(packed, scale), gs, bias, mk.WgmmaConfig(bt=bt, split=split))
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"M={M} N={N} K={K} split={split}")
+    assert e < 4e-3, e
+
+
+@pytest.mark.gpu
+@gluon_gpu
+@pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (55296, 5120)])
+@pytest.mark.parametrize("M", [17, 64, 100, 256])
+def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
+    """nvfp4_matmul on interleaved real weights at 16 < M <= 256 launches the wgmma kernel (and
+    nothing else but the x permutation and, split, the reduce) and matches float64."""
+    import nvfp4
+    launched, kernel = [], rak._nvfp4_wgmma_kernel
+    monkeypatch.setattr(rak, "_nvfp4_wgmma_kernel", LaunchSpy(kernel, launched))
+    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(mk._nvfp4_mm_kernel, launched))
+    gen = torch.Generator().manual_seed(N + K + M)
+    packed, scale, gs = random_weight(N, K, gen, "cuda")
+    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda()
+    y = mk.nvfp4_matmul(x, *nvfp4.interleave(packed, scale), gs, bias, interleaved=True)
+    assert [k for k, _ in launched] == [kernel]
+    assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"{N}x{K} M={M}")
