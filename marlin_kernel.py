@@ -36,12 +36,14 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
     along K until ~8 programs per SM exist.
   * M <= 16 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
     into its A registers, 64 or 128 weight rows per program.
-  * 16 < M <= 256 on the big weights (N·K > 20M: 7B/32B gate_up and down), interleaved, on an
-    H100 with triton 3.6: the register-A wgmma kernel (register_a_kernel.py), x permuted first;
-    7B gate_up M = 64 1.9x cuBLAS, M = 128 1.1x, where the tiles below reach 1.26x and 0.79x
+  * 16 < M <= 256 (M <= 128 on weights of <= 20M elements: 7B qkv, o), interleaved, on an H100
+    with triton 3.6: the register-A wgmma kernel (register_a_kernel.py), x permuted first; 7B
+    gate_up M = 64 1.9x cuBLAS, M = 128 1.1x, where the tiles below reach 1.26x and 0.79x
     (bench/NOTES.md v17).
-  * M <= 64 (decode, memory-bound): the tile kernel swapped (W·xᵀ, W from registers), BM = 16..64
-    rows of x, 64 weight rows per program, split-K until there are >= 4 programs per SM.
+  * M <= 64 (decode, memory-bound; where the register-A kernel does not run: the plain layout,
+    other GPUs or Triton releases, the interpreter): the tile kernel swapped (W·xᵀ, W from
+    registers), BM = 16..64 rows of x, 64 weight rows per program, split-K until there are >= 4
+    programs per SM.
   * 64 < M < 512: the same kernel not swapped, x·Wᵀ with 128 x 128 tiles (MEDIUM_CONFIG): 0.8-0.9x
     cuBLAS at M = 128 on the big weights (the MMA still waits on each decode: bench/NOTES.md v5).
   * M >= 512 (compute-bound; M >= 128 for weights under 20M elements): the fused kernel reaches only
@@ -54,10 +56,10 @@ launch); elsewhere (fragment at M > 4, medium tiles, the register-A kernel) _spl
 does, which measured faster there (bench/NOTES.md v9, v10).
 dx = dy·W takes the tile kernel, or the dequantized weight where use_dequant says so.
 Measured on an H100 (fwd, bench/NOTES.md v9): M = 1 1.6-3.4x over cuBLAS bf16 (1.1-2.6 TB/s of
-NVFP4 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.2x, M = 16 1.0-1.9x; M = 64 / 128 (v17) 1.3-1.9x /
-0.9-1.2x on the big weights, 0.6-0.7x / 0.6x on 7B qkv and o.
+NVFP4 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.2x, M = 16 1.0-1.9x; M = 64 / 128 (v17)
+0.91-1.91x / 0.79-1.32x (7B o the lowest, 7B gate_up and 32B down the highest).
 
-Every kernel but the register-A one (Gluon has no griddepcontrol) starts with pdl_start and is
+Every kernel starts with pdl_start (the register-A one with the same two instructions) and is
 launched with pdl_launch's keywords: programmatic dependent launch on Hopper, switched off by
 setting marlin_kernel.PDL = False (the benchmarks do).
 fused_ops.py, paged_attention.py and lora_kernels.py use the same pair for their own kernels.
@@ -91,8 +93,10 @@ MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded 
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
 GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
-WGMMA_MAX_M = 256        # from there to this M on the big weights: the register-A wgmma kernel
-WGMMA_MIN_WEIGHT = 20_000_000   # ... of more than this many elements (7B gate_up, down; not qkv, o)
+WGMMA_MAX_M = 256        # from there to this M: the register-A wgmma kernel (sm_90) ...
+WGMMA_NARROW_MAX_M = 128 # ... and to this M only on weights of <= 20M elements (7B qkv, o), where
+WGMMA_NARROW = 20_000_000  # dequantize + cuBLAS wins above
+SMEM_PER_SM = 228 * 1024 # H100 shared memory per SM (1 KB of it reserved per program)
 GLUON_TRITON = "3.6."    # the Triton release register_a_kernel.py's Gluon is written for
 
 
@@ -527,7 +531,10 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg):
     nwin = K // 128
     grid_nm = (triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bt))
     tiles = grid_nm[0] * grid_nm[1]
-    split = cfg.split or max(1, min(nwin // 4, triton.cdiv(4 * _num_sms(x.device), tiles)))
+    # split-K up to one wave of programs (as many as fit on the SMs at once by shared memory: the
+    # ring of x tiles, words and scales), each >= 4 windows; more waves measured slower (NOTES v17)
+    wave = _num_sms(x.device) * max(1, SMEM_PER_SM // (cfg.stages * (cfg.bt * 256 + cfg.bn * 72) + 1024))
+    split = cfg.split or max(1, min(nwin // 4, wave // tiles))
     split, chunk = _split(split, tiles, nwin, 1, 0)
     part = _partials(split, out)
     xp = rak.fragment_order(x, pdl_launch(x.device))
@@ -535,7 +542,7 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg):
         xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, bias if bias is not None else out,
         part, M, N, nwin, chunk, xp.stride(0), N, M * N,
         LW=rak.word_layout(cfg.bn, cfg.warps), LS=rak.scale_layout(cfg.bn, cfg.warps), BN=cfg.bn, BT=cfg.bt,
-        S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=cfg.warps)
+        S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=cfg.warps, **pdl_launch(x.device))
     return _reduce(part, global_scale, bias, out)
 
 
@@ -571,11 +578,13 @@ def fragment_rows(M: int, K: int) -> bool:
 
 
 def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
-    """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 256 on the big weights
-    (N·K > 20M: at M = 32..128 it beats the tiles 1.3-1.6x there and loses on 7B qkv and o,
-    bench/NOTES.md v16), interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6 (the
-    Gluon it is written in; register_a_kernel.py)."""
-    return (FRAGMENT_MAX_M < M <= WGMMA_MAX_M and N * K > WGMMA_MIN_WEIGHT and interleaved
+    """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 256, and M <= 128 on weights
+    of <= 20M elements (H100, bench/NOTES.md v17: at M = 64..256 1.2-2.8x faster than the tiles or
+    dequantize + cuBLAS on every shape, except 7B qkv and o at M = 256; about even with the tiles
+    at M = 17..32), interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6 (the Gluon it
+    is written in; register_a_kernel.py)."""
+    top = WGMMA_MAX_M if N * K > WGMMA_NARROW else min(WGMMA_MAX_M, WGMMA_NARROW_MAX_M)
+    return (FRAGMENT_MAX_M < M <= top and interleaved
             and device.type == "cuda" and not interpreting() and _capability(device.index or 0) == (9, 0)
             and triton.__version__.startswith(GLUON_TRITON))
 

@@ -13,6 +13,10 @@ The product is computed swapped, acc[BN weight rows, BT tokens] += decode(W)[BN,
 per 128-k window: the weight rows are wgmma's M (16 per warp, 64 per warpgroup of 4 warps), the
 tokens its N (BT = 32, 64 or 128).
 
+Measured on the H100 (bench/NOTES.md v17, times including the x permutation): 7B gate_up M = 64
+53 µs (1.9x cuBLAS bf16; the tile kernels 82 µs), M = 128 93 µs (1.13x; tiles 136); the 7B GRPO
+decode batch (M = 128) +20% with it, 1.04x our bf16 engine.
+
 The fragment mapping. In nvfp4.interleave's layout a 16-row x 128-k tile is 16 rows of 16 int32
 words (8 codes each). Lane (g = lane // 4, t = lane % 4) of a warp loads words 4t .. 4t+3 of rows
 g and g+8 of its warp's 16 rows (word_layout): codes k = 32t .. 32t+31 of both rows. The decode
@@ -43,8 +47,9 @@ the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAN
 
 Split-K: a weight with few 64-row tiles (7B down: N = 3584) splits its windows among programs
 (marlin_kernel._split), which write fp32 partials that tile_kernels._splitk_reduce_kernel sums in
-order with scale and bias. The kernel does not use programmatic dependent launch (Gluon has no
-griddepcontrol builtin): it starts when the x permutation before it has finished.
+order with scale and bias. Programmatic dependent launch as in every other kernel (pdl_start's two
+instructions as inline PTX): without it, a split launch after a PDL chain ran up to 8 µs slower
+(bench/results/kernel_v17_pdl_diag_h100.txt).
 
 Gluon's API moves between Triton releases (3.9 removed async_copy_global_to_shared and
 thread_barrier), so marlin_kernel routes here only on the release this file is written for and
@@ -144,10 +149,14 @@ def _nvfp4_wgmma_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, N
                         stride_xm, stride_om, stride_os,
                         LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
                         S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        USE_PDL: gl.constexpr, num_warps: gl.constexpr):
     """out = x·Wᵀ (+bias) for the tile (BN weight rows of program 0, BT tokens of program 1) over the
     windows [pid2·WIN_SPLIT, +WIN_SPLIT); PARTIAL: fp32 sums to out[pid2] (split-K) instead.
     x_ptr holds xp (fragment order), p4_ptr the interleaved codes as int32, s_ptr the scale bytes."""
+    if USE_PDL:     # fp4_decode.pdl_start's two instructions (Gluon has no builtin for them)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_k = gl.program_id(2)

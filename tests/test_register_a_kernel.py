@@ -51,8 +51,8 @@ def test_fragment_order_kernel_permutes_x(M, K, poisoned):
 
 
 def test_wgmma_route_and_config():
-    """The route's conditions: 16 < M <= 256, a weight of > 20M elements, interleaved, sm_90 with
-    triton 3.6; never on the CPU or under the interpreter."""
+    """The route's conditions: 16 < M <= 256 (<= 128 on weights of <= 20M elements), interleaved,
+    sm_90 with triton 3.6; never on the CPU or under the interpreter."""
     big = (37888, 3584)
     assert not mk.wgmma_rows(64, *big, torch.device("cpu"), True)
     assert [mk.wgmma_config(M).bt for M in (17, 32, 33, 64, 65, 256)] == [32, 32, 64, 64, 128, 128]
@@ -63,7 +63,8 @@ def test_wgmma_route_and_config():
     if _runs_here():
         dev = torch.device("cuda")
         assert not mk.wgmma_rows(16, *big, dev, True) and not mk.wgmma_rows(257, *big, dev, True)
-        assert not mk.wgmma_rows(64, 4608, 3584, dev, True)          # 7B qkv: the tiles win
+        assert mk.wgmma_rows(256, *big, dev, True) and mk.wgmma_rows(128, 4608, 3584, dev, True)
+        assert not mk.wgmma_rows(129, 4608, 3584, dev, True)         # 7B qkv: dequantize + cuBLAS
         assert not mk.wgmma_rows(64, *big, dev, False)               # the plain layout
 
 
@@ -95,11 +96,11 @@ def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, poisoned
 
 @pytest.mark.gpu
 @gluon_gpu
-@pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (55296, 5120)])
+@pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (55296, 5120), (4608, 3584)])
 @pytest.mark.parametrize("M", [17, 64, 100, 256])
 def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
-    """nvfp4_matmul on interleaved real weights at 16 < M <= 256 launches the wgmma kernel (and
-    nothing else but the x permutation and, split, the reduce) and matches float64."""
+    """nvfp4_matmul on interleaved real weights launches the wgmma kernel where wgmma_rows says so
+    (and then nothing else but the x permutation and, split, the reduce) and matches float64."""
     import nvfp4
     launched, kernel = [], rak._nvfp4_wgmma_kernel
     monkeypatch.setattr(rak, "_nvfp4_wgmma_kernel", LaunchSpy(kernel, launched))
@@ -109,5 +110,6 @@ def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
     x = torch.randn(M, K, generator=gen).bfloat16().cuda()
     bias = torch.randn(N, generator=gen).bfloat16().cuda()
     y = mk.nvfp4_matmul(x, *nvfp4.interleave(packed, scale), gs, bias, interleaved=True)
-    assert [k for k, _ in launched] == [kernel]
+    routed = mk.wgmma_rows(M, N, K, x.device, True)
+    assert [k for k, _ in launched] == ([kernel] if routed else []), routed
     assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"{N}x{K} M={M}")
