@@ -214,7 +214,7 @@ class MmaConfig:
 class WgmmaConfig:
     """Launch shape of the register-A wgmma kernel (register_a_kernel.py). bt: tokens per program
     (wgmma's N: 32, 64 or 128); bn: weight rows per program (64 per warpgroup of 4 warps); stages:
-    the cp.async ring; split: programs along K (0 = choose: ~4 programs per SM, >= 4 windows each)."""
+    the cp.async ring; split: programs along K (0 = choose: up to one wave, >= 4 windows each)."""
     bt: int
     bn: int = 64
     warps: int = 4

@@ -1,5 +1,5 @@
-"""wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ at 16 < M <= 256 on the
-big weights (Hopper only; written in Gluon, Triton's layout-explicit dialect).
+"""wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ at 16 < M <= 256 (<= 128
+on weights of <= 20M elements; Hopper only; written in Gluon, Triton's layout-explicit dialect).
 
 Why. At 16 < M <= 256 (the decode steps of a GRPO batch) the product is still mostly memory-bound,
 but the tile kernels (tile_kernels.py) pay for their decode twice: W is decoded into registers,
@@ -41,12 +41,13 @@ bytes), scales (BN x 8 bytes) and xp tile (BT x 128 bf16, 128-byte swizzle: wgmm
 cp.async two windows ahead. Per window: wait for the oldest copy group, barrier, words and scales
 into registers in the fragment layout, decode, one wgmma (8 instructions of 16 k), wait for it,
 refill the stage just read. Keeping a wgmma in flight across windows (warpgroup_mma_wait(1) with
-the previous A registers alive) gave wrong results in the experiment and was no faster (NOTES v16).
+the previous A registers alive) gave wrong results in the experiment and was no faster (NOTES v16),
+and decoding window i+1 under wgmma i is serialized by ptxas, which reuses A's registers (v17).
 The scales are E4M3 bytes: the hardware's fp8 -> fp32 conversion, times 2^119, as bf16 pairs, so
 the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAND_SHIFT).
 
-Split-K: a weight with few 64-row tiles (7B down: N = 3584) splits its windows among programs
-(marlin_kernel._split), which write fp32 partials that tile_kernels._splitk_reduce_kernel sums in
+Split-K: a weight with few 64-row tiles (7B down: N = 3584) splits its windows among programs (up
+to one wave of them: marlin_kernel._wgmma), which write fp32 partials that tile_kernels._splitk_reduce_kernel sums in
 order with scale and bias. Programmatic dependent launch as in every other kernel (pdl_start's two
 instructions as inline PTX): without it, a split launch after a PDL chain ran up to 8 µs slower
 (bench/results/kernel_v17_pdl_diag_h100.txt).
@@ -59,7 +60,8 @@ Shapes: x (M, K) bf16 rows contiguous; W interleaved, N a multiple of 16, K of 1
 N are wrapped (loads stay unmasked), token rows past M masked; neither is stored.
 
 Test: tests/test_register_a_kernel.py (GPU: against float64 at odd M, N at its minimum, every
-split, bias on and off, poisoned output; CPU: the x permutation against its torch form).
+split, bias on and off, poisoned output; CPU: the x permutation against a derivation of the map
+from the PTX ISA's fragment).
 Benchmark: python bench/kernel.py (the route marlin_kernel chooses), bench/NOTES.md v17.
 """
 import torch
@@ -70,13 +72,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from fp4_decode import OPERAND_POST, OPERAND_SHIFT, _e2m1x4_to_bf16_ptx, pdl_start
+from fp4_decode import _DECODE_REGS, OPERAND_POST, OPERAND_SHIFT, _e2m1x4_to_bf16_ptx, pdl_start
 
 # decode of one word into 4 bf16x2 outputs $0..$3 = (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3),
 # (hi b2, hi b3); inputs $4..$11 the word, $12..$15 the scale pair (inline_asm_elementwise's pack=8
 # hands every output register its own copy of the inputs, hence the joins in _decode_operand)
-_DECODE8 = gl.constexpr("{ .reg .b32 y01, y23, t, u, sg, nz; mov.b32 nz, 0x80008000; " + " ".join(
-    _e2m1x4_to_bf16_ptx("$4", "$12", "$12", "$0", "$2", "$1", "$3")) + " }")
+_DECODE8 = gl.constexpr("{ " + " ".join(
+    [_DECODE_REGS] + _e2m1x4_to_bf16_ptx("$4", "$12", "$12", "$0", "$2", "$1", "$3")) + " }")
 _DECODE8_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
 _SCALE_TO_OPERAND = gl.constexpr(2.0 ** (126 - OPERAND_SHIFT.value))  # decoded codes are e2m1·2^-126
 _POST = gl.constexpr(OPERAND_POST.value)
@@ -105,13 +107,13 @@ def fragment_order_index(K: int, device=None) -> torch.Tensor:
     return k.permute(0, 2, 3, 5, 1, 4).reshape(K)
 
 
-def fragment_order(x: torch.Tensor, use_pdl: dict) -> torch.Tensor:
-    """x (M, K) bf16 -> xp (M, K), permuted for the kernel below (one pass over x)."""
+def fragment_order(x: torch.Tensor, pdl: dict) -> torch.Tensor:
+    """x (M, K) bf16 -> xp (M, K), permuted for the kernel below (one pass over x); pdl:
+    marlin_kernel.pdl_launch's keywords."""
     M, K = x.shape
     out = torch.empty((M, K), device=x.device, dtype=x.dtype)
     BM = 16
-    _fragment_order_kernel[(triton.cdiv(M, BM), K // 128)](x, out, M, K, x.stride(0), BM=BM, num_warps=4,
-                                                            **use_pdl)
+    _fragment_order_kernel[(triton.cdiv(M, BM), K // 128)](x, out, M, K, x.stride(0), BM=BM, num_warps=4, **pdl)
     return out
 
 
