@@ -533,7 +533,7 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg):
     tiles = grid_nm[0] * grid_nm[1]
     # split-K up to one wave of programs (as many as fit on the SMs at once by shared memory: the
     # ring of x tiles, words and scales), each >= 4 windows; more waves measured slower (NOTES v17)
-    wave = _num_sms(x.device) * max(1, SMEM_PER_SM // (cfg.stages * (cfg.bt * 256 + cfg.bn * 72) + 1024))
+    wave = _num_sms(x.device) * max(1, SMEM_PER_SM // (rak.ring_bytes(cfg.bn, cfg.bt, cfg.stages) + 1024))
     split = cfg.split or max(1, min(nwin // 4, wave // tiles))
     split, chunk = _split(split, tiles, nwin, 1, 0)
     part = _partials(split, out)

@@ -219,6 +219,12 @@ def _nvfp4_wgmma_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, N
         gl.store(out_ptr + offs, y.to(gl.bfloat16), mask=mask)
 
 
+def ring_bytes(BN: int, BT: int, S: int) -> int:
+    """Shared memory of the kernel's ring (its three allocations): S stages of a BT x 128 bf16 x
+    tile, BN x 16 int32 words and BN x 8 scale bytes."""
+    return S * (BT * 128 * 2 + BN * 16 * 4 + BN * 8)
+
+
 def word_layout(BN: int, warps: int):
     """The (BN, 16) int32 words of a window in registers: lane (g, t) of warp w holds words 4t..4t+3
     of rows 16w + g and 16w + g + 8 (and the same every 16·warps rows): wgmma's A fragment rows."""
