@@ -36,10 +36,11 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
     along K until ~8 programs per SM exist.
   * M <= 16 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
     into its A registers, 64 or 128 weight rows per program.
-  * 16 < M <= 256 (M <= 128 on weights of <= 20M elements: 7B qkv, o), interleaved, on an H100
+  * 16 < M <= 256 (M <= 128 on weights of <= 20M elements: 7B qkv, o), and on the big weights from
+    M = 2 (wide ones, N >= 16384: gate_up) or M = 9 (down, 32B qkv / o), interleaved, on an H100
     with triton 3.6: the register-A wgmma kernel (register_a_kernel.py), x permuted first; 7B
     gate_up M = 64 1.9x cuBLAS, M = 128 1.1x, where the tiles below reach 1.26x and 0.79x
-    (bench/NOTES.md v17).
+    (bench/NOTES.md v17); 32B gate_up M = 2 3.2x, where the fragment kernel reaches 2.8x (v18).
   * M <= 64 (decode, memory-bound; where the register-A kernel does not run: the plain layout,
     other GPUs or Triton releases, the interpreter): the tile kernel swapped (W·xᵀ, W from
     registers), BM = 16..64 rows of x, 64 weight rows per program, split-K until there are >= 4
@@ -93,7 +94,10 @@ MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded 
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
 GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
-WGMMA_MAX_M = 256        # from there to this M: the register-A wgmma kernel (sm_90) ...
+WGMMA_MIN_M = 16         # above this M (and where the route holds, in place of the two above) ...
+WGMMA_SMALL = True       # ... and from M = 2 on wide weights (N >= 16384: gate_up), M = 9 on the other
+                         # big ones (> WGMMA_NARROW elements: down, 32B qkv / o) (bench/NOTES.md v18)
+WGMMA_MAX_M = 256        # ... to this M: the register-A wgmma kernel (sm_90) ...
 WGMMA_NARROW_MAX_M = 128 # ... and to this M only on weights of <= 20M elements (7B qkv, o), where
 WGMMA_NARROW = 20_000_000  # dequantize + cuBLAS wins above
 SMEM_PER_SM = 228 * 1024 # H100 shared memory per SM (1 KB of it reserved per program)
@@ -213,7 +217,7 @@ class MmaConfig:
 @dataclass(frozen=True)
 class WgmmaConfig:
     """Launch shape of the register-A wgmma kernel (register_a_kernel.py). bt: tokens per program
-    (wgmma's N: 32, 64 or 128); bn: weight rows per program (64 per warpgroup of 4 warps); stages:
+    (wgmma's N: 8, 16, 32, 64 or 128); bn: weight rows per program (64 per warpgroup of 4 warps); stages:
     the cp.async ring; split: programs along K (0 = choose: up to one wave, >= 4 windows each)."""
     bt: int
     bn: int = 64
@@ -222,7 +226,7 @@ class WgmmaConfig:
     split: int = 0
 
     def __post_init__(self):
-        if self.bt not in (16, 32, 64, 128) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
+        if self.bt not in (8, 16, 32, 64, 128) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
                 or self.bn & (self.bn - 1) or self.stages < 2 or self.split < 0:
             raise ValueError(f"WgmmaConfig: bt in 16..128 (power of two), 4 or 8 warps, bn a power-of-two "
                              f"multiple of 16·warps, stages >= 2, split >= 0, got {self}")
@@ -288,7 +292,9 @@ def fwd_config(M: int, N: int, K: int):
 
 def wgmma_config(M: int) -> WgmmaConfig:
     """Launch shape of the register-A kernel: the H100 winners of bench/NOTES.md v16 (64 weight
-    rows, 4 warps, 3 stages; tokens per program by M)."""
+    rows, 4 warps, 3 stages; tokens per program by M) and v18 (M <= 16: 8 or 16 tokens, 4 stages)."""
+    if M <= 16:
+        return WgmmaConfig(bt=8 if M <= 8 else 16, stages=4)
     return WgmmaConfig(bt=32 if M <= 32 else 64 if M <= 64 else 128)
 
 
@@ -581,10 +587,14 @@ def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 256, and M <= 128 on weights
     of <= 20M elements (H100, bench/NOTES.md v17: at M = 64..256 1.2-2.8x faster than the tiles or
     dequantize + cuBLAS on every shape, except 7B qkv and o at M = 256; about even with the tiles
-    at M = 17..32), interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6 (the Gluon it
-    is written in; register_a_kernel.py)."""
-    top = WGMMA_MAX_M if N * K > WGMMA_NARROW else min(WGMMA_MAX_M, WGMMA_NARROW_MAX_M)
-    return (FRAGMENT_MAX_M < M <= top and interleaved
+    at M = 17..32); with WGMMA_SMALL also from M = 2 on wide weights (N >= 16384) and M = 9 on the
+    other big ones, where it beat the fragment kernel by 4-16% (v18; on 7B down at M <= 8 and the
+    small weights it lost); interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6
+    (the Gluon it is written in; register_a_kernel.py)."""
+    big = N * K > WGMMA_NARROW
+    top = WGMMA_MAX_M if big else min(WGMMA_MAX_M, WGMMA_NARROW_MAX_M)
+    low = WGMMA_MIN_M if not (WGMMA_SMALL and big) else min(WGMMA_MIN_M, 1 if N >= 16384 else 8)
+    return (low < M <= top and interleaved
             and device.type == "cuda" and not interpreting() and _capability(device.index or 0) == (9, 0)
             and triton.__version__.startswith(GLUON_TRITON))
 

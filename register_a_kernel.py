@@ -1,5 +1,6 @@
 """wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ at 16 < M <= 256 (<= 128
-on weights of <= 20M elements; Hopper only; written in Gluon, Triton's layout-explicit dialect).
+on weights of <= 20M elements; from M = 2 or 9 on the big ones: marlin_kernel.wgmma_rows; Hopper
+only; written in Gluon, Triton's layout-explicit dialect).
 
 Why. At 16 < M <= 256 (the decode steps of a GRPO batch) the product is still mostly memory-bound,
 but the tile kernels (tile_kernels.py) pay for their decode twice: W is decoded into registers,
@@ -11,11 +12,12 @@ checks it (convert_layout(..., assert_trivial=True) fails to compile where data 
 
 The product is computed swapped, acc[BN weight rows, BT tokens] += decode(W)[BN, 128] · xpᵀ[128, BT]
 per 128-k window: the weight rows are wgmma's M (16 per warp, 64 per warpgroup of 4 warps), the
-tokens its N (BT = 32, 64 or 128).
+tokens its N (BT = 8, 16, 32, 64 or 128).
 
 Measured on the H100 (bench/NOTES.md v17, times including the x permutation): 7B gate_up M = 64
 53 µs (1.9x cuBLAS bf16; the tile kernels 82 µs), M = 128 93 µs (1.13x; tiles 136); the 7B GRPO
-decode batch (M = 128) +20% with it, 1.04x our bf16 engine.
+decode batch (M = 128) +20% with it, 1.04x our bf16 engine. At M = 2..16 on the big weights it beats
+the fragment kernel (32B gate_up M = 2 64 vs 72 µs, v18); at M = 1 it only ties the GEMV.
 
 The fragment mapping. In nvfp4.interleave's layout a 16-row x 128-k tile is 16 rows of 16 int32
 words (8 codes each). Lane (g = lane // 4, t = lane % 4) of a warp loads words 4t .. 4t+3 of rows
@@ -88,16 +90,20 @@ _POST = gl.constexpr(OPERAND_POST.value)
 # x in the operand's k order
 
 @triton.jit
-def _fragment_order_kernel(x_ptr, out_ptr, M, K, stride_xm, BM: tl.constexpr, USE_PDL: tl.constexpr):
-    """out (M, K) = x with each 128-k window permuted: out[:, c] = x[:, k(c)] (module docstring)."""
+def _fragment_order_kernel(x_ptr, out_ptr, M, K, stride_xm, BM: tl.constexpr, WINS: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    """out (M, K) = x with each 128-k window permuted: out[:, c] = x[:, k(c)] (module docstring), for
+    BM rows x WINS windows. Loads and stores are contiguous (16 B a lane); the permutation is a
+    reshape and permute of the tile in registers, which Triton carries out through shared memory
+    (a gather of 2-byte loads took 9 us a call at M = 128 in the GRPO batch, bench/NOTES.md v18)."""
     pdl_start(USE_PDL)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
-    c = tl.arange(0, 128)
-    e, t, p0, p1, j = c & 1, (c >> 1) & 3, (c >> 3) & 1, (c >> 4) & 1, c >> 5
-    k = tl.program_id(1) * 128 + 32 * t + 8 * j + 4 * p1 + 2 * e + p0
-    mask = (m < M)[:, None]
+    k = tl.program_id(1) * (WINS * 128) + tl.arange(0, WINS * 128)
+    mask = (m < M)[:, None] & (k < K)[None, :]
     v = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mask)
-    tl.store(out_ptr + m[:, None] * K + tl.program_id(1) * 128 + c[None, :], v, mask=mask)
+    v = tl.reshape(v, [BM, WINS, 4, 4, 2, 2, 2])              # k = 32t + 8j + 4p1 + 2e + p0: (t, j, p1, e, p0)
+    v = tl.reshape(tl.permute(v, [0, 1, 3, 4, 6, 2, 5]), [BM, WINS * 128])   # c order: (j, p1, p0, t, e)
+    tl.store(out_ptr + m[:, None] * K + k[None, :], v, mask=mask)
 
 
 def fragment_order_index(K: int, device=None) -> torch.Tensor:
@@ -112,8 +118,9 @@ def fragment_order(x: torch.Tensor, pdl: dict) -> torch.Tensor:
     marlin_kernel.pdl_launch's keywords."""
     M, K = x.shape
     out = torch.empty((M, K), device=x.device, dtype=x.dtype)
-    BM = 16
-    _fragment_order_kernel[(triton.cdiv(M, BM), K // 128)](x, out, M, K, x.stride(0), BM=BM, num_warps=4, **pdl)
+    BM, WINS = min(16, triton.next_power_of_2(M)), 2
+    _fragment_order_kernel[(triton.cdiv(M, BM), triton.cdiv(K, WINS * 128))](
+        x, out, M, K, x.stride(0), BM=BM, WINS=WINS, num_warps=4, **pdl)
     return out
 
 

@@ -20,6 +20,8 @@ defaults, which are what ships):
     sampler=triton|torch  sampling.py's GPU path (torch: the ~10-op reference path)
     wgmma=N               marlin_kernel.WGMMA_MAX_M: the register-A wgmma kernel up to M = N rows
                           (0: never; the tile kernels instead)
+    wgmma_min=N           marlin_kernel.WGMMA_MIN_M: ... from M = N + 1 rows (16: above the fragment kernel)
+    wgmma_small=0|1       marlin_kernel.WGMMA_SMALL: ... and at M <= 16 on the big weights (wgmma_rows)
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants lora_kernels=1 lora_kernels=0
@@ -60,6 +62,8 @@ SWITCHES = {
     "lora_fold": (lora_kernels, "FOLD_EXPAND", lambda v: bool(int(v))),
     "sampler": (sampling, "triton", lambda v: sampling.triton if v == "triton" else None),
     "wgmma": (marlin_kernel, "WGMMA_MAX_M", int),
+    "wgmma_min": (marlin_kernel, "WGMMA_MIN_M", int),
+    "wgmma_small": (marlin_kernel, "WGMMA_SMALL", lambda v: bool(int(v))),
 }
 
 

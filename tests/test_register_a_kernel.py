@@ -42,7 +42,7 @@ def test_fragment_order_index_is_the_operand_map():
     assert torch.equal(idx, expect)
 
 
-@pytest.mark.parametrize("M,K", [(1, 128), (17, 256), (40, 640)])
+@pytest.mark.parametrize("M,K", [(1, 128), (3, 384), (17, 256), (40, 640)])
 def test_fragment_order_kernel_permutes_x(M, K, poisoned):
     """The one-pass kernel gives x[:, fragment_order_index(K)] (bits), every element written."""
     x = torch.randn(M, K).bfloat16().to(DEV)
@@ -50,22 +50,27 @@ def test_fragment_order_kernel_permutes_x(M, K, poisoned):
     assert torch.equal(xp, x[:, rak.fragment_order_index(K, x.device)])
 
 
-def test_wgmma_route_and_config():
-    """The route's conditions: 16 < M <= 256 (<= 128 on weights of <= 20M elements), interleaved,
+def test_wgmma_route_and_config(monkeypatch):
+    """The route's conditions: 16 < M <= 256 (<= 128 on weights of <= 20M elements), and with
+    WGMMA_SMALL from M = 2 on wide weights (N >= 16384) and M = 9 on the other big ones; interleaved,
     sm_90 with triton 3.6; never on the CPU or under the interpreter."""
-    big = (37888, 3584)
+    big, down, qkv = (37888, 3584), (3584, 18944), (4608, 3584)
     assert not mk.wgmma_rows(64, *big, torch.device("cpu"), True)
-    assert [mk.wgmma_config(M).bt for M in (17, 32, 33, 64, 65, 256)] == [32, 32, 64, 64, 128, 128]
+    assert [mk.wgmma_config(M).bt for M in (1, 8, 9, 16, 17, 32, 33, 64, 65, 256)] == [8, 8, 16, 16, 32, 32, 64, 64,
+                                                                                       128, 128]
+    assert [mk.wgmma_config(M).stages for M in (2, 16, 17)] == [4, 4, 3]
     with pytest.raises(ValueError, match="WgmmaConfig"):
         mk.WgmmaConfig(bt=48)
     with pytest.raises(ValueError, match="WgmmaConfig"):
         mk.WgmmaConfig(bt=64, bn=32)
     if _runs_here():
         dev = torch.device("cuda")
-        assert not mk.wgmma_rows(16, *big, dev, True) and not mk.wgmma_rows(257, *big, dev, True)
-        assert mk.wgmma_rows(256, *big, dev, True) and mk.wgmma_rows(128, 4608, 3584, dev, True)
-        assert not mk.wgmma_rows(129, 4608, 3584, dev, True)         # 7B qkv: dequantize + cuBLAS
+        assert [M for M in range(1, 300) if mk.wgmma_rows(M, *big, dev, True)] == list(range(2, 257))
+        assert [M for M in range(1, 300) if mk.wgmma_rows(M, *down, dev, True)] == list(range(9, 257))
+        assert [M for M in range(1, 300) if mk.wgmma_rows(M, *qkv, dev, True)] == list(range(17, 129))
         assert not mk.wgmma_rows(64, *big, dev, False)               # the plain layout
+        monkeypatch.setattr(mk, "WGMMA_SMALL", False)
+        assert [M for M in range(1, 300) if mk.wgmma_rows(M, *big, dev, True)] == list(range(17, 257))
 
 
 def _runs_here():
@@ -78,7 +83,8 @@ gluon_gpu = pytest.mark.skipif(not _runs_here(), reason="the Gluon kernel needs 
 @pytest.mark.gpu
 @gluon_gpu
 @pytest.mark.parametrize("M,N,K,bt,split", [(17, 16, 128, 32, 1), (33, 48, 384, 64, 1), (100, 80, 256, 128, 2),
-                                            (130, 16, 1280, 128, 3), (64, 208, 2048, 64, 0), (5, 64, 128, 16, 1)])
+                                            (130, 16, 1280, 128, 3), (64, 208, 2048, 64, 0), (5, 64, 128, 16, 1),
+                                            (1, 16, 128, 8, 1), (7, 80, 640, 8, 2), (13, 48, 1024, 16, 0)])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, poisoned):
     """_wgmma called directly (any shape): tiny and odd N (wrapped weight rows), odd M (masked
@@ -88,7 +94,8 @@ def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, poisoned
     packed, scale, gs = random_weight(N, K, gen, "cuda")
     x = torch.randn(M, K, generator=gen).bfloat16().cuda()
     bias = torch.randn(N, generator=gen).bfloat16().cuda() if has_bias else None
-    y = mk._wgmma(x, *nvfp4.interleave(packed, scale), gs, bias, mk.WgmmaConfig(bt=bt, split=split))
+    y = mk._wgmma(x, *nvfp4.interleave(packed, scale), gs, bias,
+                  mk.WgmmaConfig(bt=bt, split=split, stages=4 if bt <= 16 else 3))
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
     e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"M={M} N={N} K={K} split={split}")
     assert e < 4e-3, e
@@ -97,7 +104,7 @@ def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, poisoned
 @pytest.mark.gpu
 @gluon_gpu
 @pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (55296, 5120), (4608, 3584)])
-@pytest.mark.parametrize("M", [17, 64, 100, 256])
+@pytest.mark.parametrize("M", [2, 9, 16, 17, 64, 100, 256])
 def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
     """nvfp4_matmul on interleaved real weights launches the wgmma kernel where wgmma_rows says so
     (and then nothing else but the x permutation and, split, the reduce) and matches float64."""
