@@ -23,10 +23,11 @@ kept between calls instead: every eager call refreshes them in place, and CUDA-g
 run no Python) read them as they are, so a graphed decode step has no cast kernels. A version
 counter cannot tell when to refresh (fused AdamW did not bump it when tried here); the rule that
 makes this safe is that rollout.py's prefill, which starts every generate() call, runs eagerly.
-The output add is fused too: y + s·(h Bᵀ) is one addmm (beta 1, alpha s), so an adapted linear is
-the base kernel plus two small GEMMs; at batch-1 decode each small kernel costs as much as a few
-megabytes of weight traffic, and a 7B model has 196 adapted linears. So when sampling on CUDA with
-at most 16 rows (decode steps of up to 16 sequences), two Triton kernels launched with programmatic
+The output add is fused too: y + s·(h Bᵀ) is one addmm (beta 1, alpha s; in place without
+autograd, _add_update), so an adapted linear is the base kernel plus two small GEMMs; at batch-1
+decode each small kernel costs as much as a few megabytes of weight traffic, and a 7B model has
+196 adapted linears. So when sampling on CUDA with at most 16 rows (decode steps of up to 16
+sequences), two Triton kernels launched with programmatic
 dependent launch (where it pays: lora_kernels.pdl_for) do the update in place instead
 (lora_kernels.py: shrink x Aᵀ, expand into y); on an NVFP4 base the shrink runs before the base
 matmul where that measured faster (lora_kernels.early_shrink), and where the GEMV or the swapped tiles
@@ -139,6 +140,18 @@ def _delta_kernels(x2, A, B, y, scale, base):
     return lora_kernels.lora_expand_(hp, B, y.reshape(-1, y.shape[-1]), scale, pdl).view(y.shape)
 
 
+def _add_update(y, h, B, scale):
+    """y + scale · h Bᵀ (y (..., out), h (..., r), B (out, r)) as one addmm. Without autograd, on a
+    y whose rows are one view (2-D, or contiguous), in place: y is the base's fresh output, as on the
+    Triton path, and an out-of-place addmm first copies it (9.7 MB for 7B gate_up at the GRPO
+    batch: 350 us of copies a decode step, bench/NOTES.md v18)."""
+    h2 = h.reshape(-1, h.shape[-1])
+    if not torch.is_grad_enabled() and (y.dim() == 2 or y.is_contiguous()):
+        y.view(-1, y.shape[-1]).addmm_(h2, B.t(), alpha=scale)
+        return y
+    return torch.addmm(y.reshape(-1, y.shape[-1]), h2, B.t(), alpha=scale).view(y.shape)
+
+
 def _capturing(t: torch.Tensor) -> bool:
     """Is a CUDA graph being captured on t's device? Then the kept casts are read, not refreshed."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -185,9 +198,7 @@ class LoRALinear(nn.Module):
         if _decode_kernels(x2) and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
             return _delta_kernels(x2, A, B, y, self.scaling, self.base_layer)
         y = y() if callable(y) else y
-        h = F.linear(self.lora_dropout(x), A)                                      # (..., r)
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, self.r), B.t(), alpha=self.scaling)
-        return out.view(y.shape)                                                   # y + s·h Bᵀ
+        return _add_update(y, F.linear(self.lora_dropout(x), A), B, self.scaling)  # h: (..., r)
 
     @staticmethod
     def add_group_delta(mods, x: torch.Tensor, y):
@@ -220,9 +231,7 @@ class LoRALinear(nn.Module):
         if _decode_kernels(x2):
             return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer)
         y = y() if callable(y) else y
-        h = F.linear(x, A)                                                         # (..., Σr)
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), h.reshape(-1, h.shape[-1]), B.t(), alpha=first.scaling)
-        return out.view(y.shape)
+        return _add_update(y, F.linear(x, A), B, first.scaling)                   # h: (..., Σr)
 
     def _cast(self, dtype):
         """A, B in the activation dtype: bf16 matmuls, fp32 gradients (the cast's backward upcasts).

@@ -445,3 +445,27 @@ def test_gpu_graph_replay_reads_casts_refreshed_by_an_eager_call():
         graph.replay()
     assert not torch.equal(stale, want), "the replay before the refresh should still see the old B"
     check_close(out, want, 0.0, "graph replay after the eager refresh")
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_update_without_autograd_is_in_place_on_fresh_outputs(mode):
+    """lora._add_update adds s·h Bᵀ into y itself without autograd where y's rows are one view (a
+    2-D output, or a contiguous one; a column block of a stacked 2-D output too), and out of place
+    for a 3-D column block (its rows are not one view) or with autograd; every result against float64."""
+    from lora import _add_update
+    g = torch.Generator().manual_seed(3)
+    stacked = torch.randn(6, 40, generator=g)
+    h, B = torch.randn(6, 4, generator=g), torch.randn(24, 4, generator=g)
+    want = stacked[:, 8:32].double() + 0.5 * h.double() @ B.double().t()
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for y, in_place in ((stacked[:, 8:32].clone(), True), (stacked.clone()[:, 8:32], True),
+                        (stacked.clone().view(2, 3, 40)[..., 8:32], False)):
+        before = y.clone()
+        with ctx():
+            out = _add_update(y, h.view(*y.shape[:-1], 4), B, 0.5)
+        check_close(out.reshape(6, 24), want, 1e-5, f"in place {in_place}")
+        assert (out is y) == in_place and torch.equal(y, out if in_place else before)
+    y = stacked[:, 8:32].clone().requires_grad_()
+    out = _add_update(y, h, B, 0.5)
+    assert out is not y and out.grad_fn is not None
+    check_close(out.detach(), want, 1e-5, "autograd")
