@@ -189,8 +189,9 @@ class LoRALinear(nn.Module):
         (stacked_linear.StackedLinear computes q, k and v in one matmul, then each adapter adds its part).
         y may be a function that computes it (given lora=(hp, B, s), with the update folded in:
         NVFP4Linear.forward): the Triton path then runs its first kernel (x Aᵀ) before the base
-        matmul where that pays, and folds the second into it where it can (_delta_kernels). On the Triton path
-        (_decode_kernels) y itself is updated and returned: pass a fresh output."""
+        matmul where that pays, and folds the second into it where it can (_delta_kernels). Without
+        autograd (the Triton path, and _add_update's) y itself may be updated and returned: pass a
+        fresh output."""
         if not self.enabled:
             return y() if callable(y) else y
         A, B = self._cast(x.dtype)
