@@ -94,9 +94,10 @@ MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded 
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
 GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
+WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and routes differ)
 WGMMA_MIN_M = 16         # above this M (and where the route holds, in place of the two above) ...
-WGMMA_SMALL = True       # ... and from M = 2 on wide weights (N >= 16384: gate_up), M = 9 on the other
-                         # big ones (> WGMMA_NARROW elements: down, 32B qkv / o) (bench/NOTES.md v18)
+WGMMA_SMALL = True       # ... and on the big weights (> WGMMA_NARROW elements) above GEMV_MAX_M where
+WGMMA_SMALL_MIN_M = 8    # wide, else above this M (down, 32B qkv / o) (bench/NOTES.md v18) ...
 WGMMA_MAX_M = 256        # ... to this M: the register-A wgmma kernel (sm_90) ...
 WGMMA_NARROW_MAX_M = 128 # ... and to this M only on weights of <= 20M elements (7B qkv, o), where
 WGMMA_NARROW = 20_000_000  # dequantize + cuBLAS wins above
@@ -277,7 +278,7 @@ def fwd_config(M: int, N: int, K: int):
     if fragment_rows(M, K):      # mma.sync on fragments decoded in registers
         # 128 weight rows per program for the wide weights (gate_up: 8 warps, or 4 warps of two
         # tiles when each warp also runs two token tiles) and at M <= 4; else 64 (NOTES.md v15)
-        wide = N >= 16384
+        wide = N >= WIDE_N
         if M <= 4 or (wide and M <= 8):
             return MmaConfig(warps=8)
         return MmaConfig(tiles=2) if wide else MmaConfig()
@@ -587,13 +588,15 @@ def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 256, and M <= 128 on weights
     of <= 20M elements (H100, bench/NOTES.md v17: at M = 64..256 1.2-2.8x faster than the tiles or
     dequantize + cuBLAS on every shape, except 7B qkv and o at M = 256; about even with the tiles
-    at M = 17..32); with WGMMA_SMALL also from M = 2 on wide weights (N >= 16384) and M = 9 on the
+    at M = 17..32); with WGMMA_SMALL also from M = 2 on wide weights (N >= WIDE_N) and M = 9 on the
     other big ones, where it beat the fragment kernel by 4-16% (v18; on 7B down at M <= 8 and the
     small weights it lost); interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6
     (the Gluon it is written in; register_a_kernel.py)."""
     big = N * K > WGMMA_NARROW
     top = WGMMA_MAX_M if big else min(WGMMA_MAX_M, WGMMA_NARROW_MAX_M)
-    low = WGMMA_MIN_M if not (WGMMA_SMALL and big) else min(WGMMA_MIN_M, 1 if N >= 16384 else 8)
+    low = WGMMA_MIN_M
+    if WGMMA_SMALL and big:
+        low = min(low, GEMV_MAX_M if N >= WIDE_N else WGMMA_SMALL_MIN_M)
     return (low < M <= top and interleaved
             and device.type == "cuda" and not interpreting() and _capability(device.index or 0) == (9, 0)
             and triton.__version__.startswith(GLUON_TRITON))
