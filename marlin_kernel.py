@@ -229,7 +229,7 @@ class WgmmaConfig:
     def __post_init__(self):
         if self.bt not in (8, 16, 32, 64, 128) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
                 or self.bn & (self.bn - 1) or self.stages < 2 or self.split < 0:
-            raise ValueError(f"WgmmaConfig: bt in 16..128 (power of two), 4 or 8 warps, bn a power-of-two "
+            raise ValueError(f"WgmmaConfig: bt in 8..128 (power of two), 4 or 8 warps, bn a power-of-two "
                              f"multiple of 16·warps, stages >= 2, split >= 0, got {self}")
 
 
