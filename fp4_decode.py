@@ -285,3 +285,13 @@ def _add_update(y, update, INTERPRET: tl.constexpr):
     if update is not None:
         y = _to_bf16(y.to(tl.float32) + update, INTERPRET)
     return y
+
+
+@triton.jit
+def silu_mul(g, u):
+    """silu(g)·u for g, u in the activation dtype, as torch's F.silu(g) * u rounds it: silu in fp32
+    rounded to the dtype, then the product in fp32 rounded. fused_ops' SiLU·mul kernel, and the
+    GEMV's epilogue when it stores silu(gate)·up itself (small_m_kernels.py)."""
+    gf = g.to(tl.float32)
+    s = (gf / (1 + tl.exp(-gf))).to(g.dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)

@@ -37,6 +37,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from fp4_decode import silu_mul
     from marlin_kernel import pdl_launch, pdl_start
 except ImportError:  # model.py's torch path needs no triton
     triton = None
@@ -101,11 +102,9 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = offs < n
-        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-        s = (g / (1 + tl.exp(-g))).to(out_ptr.dtype.element_ty)     # silu rounded, then the product
+        g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
         u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + row * n + offs, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + row * n + offs, silu_mul(g, u), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -461,24 +461,26 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
-def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
-    """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s), see nvfp4_matmul) on CUDA cores for
-    M <= 4 (K a multiple of 16; padded to 32 if odd)."""
+def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_mul=False):
+    """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s)) on CUDA cores for M <= 4 (K a
+    multiple of 16; padded to 32 if odd); with silu_mul, silu(y[:, :N/2])·y[:, N/2:] (see
+    nvfp4_matmul)."""
     M, K = x.shape
     N = packed.shape[0]
     if M > 4:
         raise ValueError(f"the CUDA-core kernel takes at most 4 rows of x, got {M}")
-    out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
+    out = torch.empty((M, N // 2 if silu_mul else N), device=x.device, dtype=torch.bfloat16)
     if M == 0:
         return out
     if K % 32:                               # a weight row must be whole 16-byte loads
         x, packed, scale = _pad(x, 1, 32), _pad(packed, 1, 16), _pad(scale.view(torch.uint8), 1, 2)
         K = x.shape[1]
     bk = min(cfg.bk, triton.next_power_of_2(K))
-    tiles = triton.cdiv(N, cfg.bn)
+    tiles = triton.cdiv(out.shape[1], cfg.bn // 2 if silu_mul else cfg.bn)
     # ~8 programs per SM, each of >= 2 steps: the warps of a GEMV mostly wait on their loads
-    # (ncu: long-scoreboard stalls), so more of them in flight (NOTES.md v11)
-    split, k_split = _split(cfg.split, tiles, K, bk, 8 * _num_sms(x.device), min_blocks=2)
+    # (ncu: long-scoreboard stalls), so more of them in flight (NOTES.md v11); SiLU·mul needs
+    # whole rows (the gate/up weights have programs enough: 7B 1184, 32B 1728)
+    split, k_split = _split(1 if silu_mul else cfg.split, tiles, K, bk, 8 * _num_sms(x.device), min_blocks=2)
     part = _partials(split, out)
     reduce = split > 1 and REDUCE_IN_KERNEL
     targets, flags = _split_targets(out, tiles, split, reduce)
@@ -489,8 +491,8 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         x2, packed, sb, global_scale, bias if bias is not None else out, part,
         *targets, *lora_ptrs,
         M, N, K // 2, k_split // 2, R,
-        x2.stride(0), packed.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags,
+        x2.stride(0), packed.stride(0), sb.stride(0), out.shape[1], M * N,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, SILU=silu_mul,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, IL=il, INTERPRET=interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -611,6 +613,13 @@ def folds_lora(M: int, K: int) -> bool:
     return REDUCE_IN_KERNEL and M <= 16 and not fragment_rows(M, K)
 
 
+def folds_silu(M: int) -> bool:
+    """Can nvfp4_matmul apply SiLU·mul to a stacked gate/up product itself (silu_mul=True)? Where
+    the CUDA-core GEMV runs, whose programs finish their rows in one pass: the gate rows and the
+    same up rows go to one program, which stores silu(gate)·up (the SiLU·mul kernel's launch saved)."""
+    return M <= GEMV_MAX_M
+
+
 def _check_lora(lora, M, N, K, device):
     hp, B, s = lora
     if hp.dtype != torch.float32 or hp.dim() != 3 or hp.shape[1] != M or not hp.is_contiguous():
@@ -624,13 +633,18 @@ def _check_lora(lora, M, N, K, device):
         raise ValueError(f"lora: the update folds into the matmul only where folds_lora holds, not at M = {M}, K = {K}")
 
 
-def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False):
+def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False, silu_mul=False):
     """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16), fp32 accumulation.
     lora = (hp, B, s), where folds_lora(M, K): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the LoRA update of
     lora_kernels.lora_expand_ (hp (split, M, R) fp32 from lora_kernels.lora_shrink, B (N, R) bf16).
-    interleaved: packed and scale hold nvfp4.interleave's layout (K a multiple of 128)."""
+    interleaved: packed and scale hold nvfp4.interleave's layout (K a multiple of 128).
+    silu_mul, where folds_silu(M): W stacks gate and up (N = 2I rows), and the result is
+    silu(y[:, :I])·y[:, I:] (M, I), the bits of fused_ops.silu_mul_triton on the two halves of y."""
     N, K = _check_weight(packed, scale, global_scale, x.device, interleaved)
     _check_act("x", x, K)
+    if silu_mul and (not folds_silu(x.shape[0]) or N % 32):
+        raise ValueError(f"silu_mul needs M <= {GEMV_MAX_M} (folds_silu) and N = 2I with I a multiple of 16, "
+                         f"got M={x.shape[0]}, N={N}")
     if bias is not None:
         if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
             raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
@@ -642,8 +656,8 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleav
     elif use_dequant(x.shape[0], N, K):
         return torch.nn.functional.linear(x, _dequantize_bf16(packed, scale, global_scale, interleaved), bias)
     cfg = fwd_config(x.shape[0], N, K)
-    if isinstance(cfg, GemvConfig):
-        return _gemv(x, packed, scale, global_scale, bias, cfg, lora, interleaved)
+    if isinstance(cfg, GemvConfig):          # every M <= GEMV_MAX_M, so every silu_mul
+        return _gemv(x, packed, scale, global_scale, bias, cfg, lora, interleaved, silu_mul)
     if isinstance(cfg, MmaConfig):
         return _mma(x, packed, scale, global_scale, bias, cfg, interleaved)
     return _matmul(x, packed, scale, global_scale, bias, cfg, lora, interleaved)

@@ -253,20 +253,27 @@ def _plain(packed, scale, interleaved):
     return deinterleave(packed, scale) if interleaved else (packed, scale)
 
 
-def linear(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False):
+def linear(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False, silu_mul=False):
     """y = x·W'ᵀ (+ bias) without autograd: x (..., K) -> (..., N) in x.dtype. lora: a LoRA update
-    for the kernel to fold in (marlin_kernel.nvfp4_matmul; bf16 on CUDA only). interleaved: packed
-    and scale hold interleave()'s layout."""
+    for the kernel to fold in; silu_mul: W' stacks gate and up, and the kernel returns
+    silu(gate)·up (..., N/2) (marlin_kernel.nvfp4_matmul; both bf16 on CUDA only, where
+    folds_silu says). interleaved: packed and scale hold interleave()'s layout."""
     x2d = x.reshape(-1, x.shape[-1])                                      # (M, K)
     if _use_kernel(x2d):
         b = bias.to(torch.bfloat16) if bias is not None else None
-        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b, lora, interleaved)
-    elif lora is not None:
-        raise ValueError("nvfp4.linear: a LoRA update folds in only on the CUDA kernel (bf16 activations)")
+        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b, lora, interleaved, silu_mul)
+    elif lora is not None or silu_mul:
+        raise ValueError("nvfp4.linear: a LoRA update or SiLU·mul folds in only on the CUDA kernel (bf16 activations)")
     else:
         b = bias.to(x.dtype) if bias is not None else None
         y = F.linear(x2d, dequantize(*_plain(packed, scale, interleaved), global_scale, x.dtype), b)
-    return y.view(*x.shape[:-1], packed.shape[0])                         # (..., N)
+    return y.view(*x.shape[:-1], y.shape[-1])                             # (..., N or N/2)
+
+
+def folds_silu(x: torch.Tensor) -> bool:
+    """Can linear(x, ..., silu_mul=True) run (the GEMV's epilogue: marlin_kernel.folds_silu)?"""
+    x2d = x.reshape(-1, x.shape[-1])
+    return _use_kernel(x2d) and _marlin().folds_silu(x2d.shape[0])
 
 
 class _NVFP4Matmul(torch.autograd.Function):

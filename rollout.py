@@ -147,6 +147,9 @@ class DecodeContext:
 # ----------------------------------------------------------------------------------------------
 # Runner: the KV cache, packed prefill, paged decode, CUDA graphs
 
+PARTITION_TOKENS = 32   # decode attention splits the context into partitions of this many positions per row
+
+
 class Runner:
     def __init__(self, model, block_size, max_model_len, attn_backend, cuda_graphs, partition_size):
         cfg = model.config
@@ -175,7 +178,8 @@ class Runner:
         # split the context finer for small batches so that batch 1 still fills the GPU, into at most
         # 64 partitions (more than 8: a merge kernel, see paged_attention.py); a partition count
         # fixed per batch size keeps captured CUDA graphs valid for every context length
-        part = self.partition_size or max(self.block_size, min(512, triton.next_power_of_2(32 * q.shape[0])),
+        tokens = PARTITION_TOKENS * q.shape[0]
+        part = self.partition_size or max(self.block_size, min(512, triton.next_power_of_2(tokens)),
                                           triton.next_power_of_2(-(-self.max_model_len // 64)))
         if self.attn_counts is None or self.attn_counts.shape[0] < q.shape[0]:
             # never during a capture (the bucket's warm-up call comes first); graphs read the counts

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
                         _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
-                        _tiled_offsets, pdl_start)
+                        _tiled_offsets, pdl_start, silu_mul)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -110,12 +110,20 @@ def _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl
 
 @triton.jit
 def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, lora,
-                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr, INTERPRET: tl.constexpr):
     """Row m of y (or of the fp32 partial sums) from its (W, R, BKB/8) accumulator; lora: the
-    (W, R) LoRA update of a finished row, or None."""
+    (W, R) LoRA update of a finished row, or None. With SILU, row m of silu(gate)·up: the columns
+    2j, 2j + 1 of the (W, R) tile are gate row j and up row j (see the kernel), and y is (M, N/2)."""
     y = tl.sum(acc, axis=2) * GEMV_POST                                           # (W, R)
     if not PARTIAL:
         y = _add_update(_finish(y, gs_ptr, bias_ptr, offs_n, N, HAS_BIAS, INTERPRET), lora, INTERPRET)
+    if SILU:                                         # the bf16 gate and up that y would hold, then
+        W: tl.constexpr = y.shape[0]                 # fused_ops.silu_mul_triton's math
+        R: tl.constexpr = y.shape[1]
+        g, u = tl.split(tl.reshape(y, (W, R // 2, 2)))
+        y = silu_mul(g, u)                                                        # (W, R/2)
+        offs_n, _ = tl.split(tl.reshape(offs_n, (W, R // 2, 2)))                  # j: y's column
+        N = N // 2
     if m < M:
         tl.store(out_ptr + m * stride_om + offs_n, y, mask=offs_n < N)
 
@@ -147,18 +155,27 @@ def _nvfp4_gemv_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
+    SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (M, I)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program
     as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
     accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are wrapped,
     computed and never stored). With LORA, whoever finishes a row of y adds the LoRA update
-    (fp4_decode._lora_update) before storing it: the expand kernel's work, without its launch."""
+    (fp4_decode._lora_update) before storing it: the expand kernel's work, without its launch.
+    With SILU (no split), a program takes BN/2 gate rows and the same up rows, interleaved in
+    its tile (columns 2j, 2j + 1: gate row j, up row I + j), and stores silu(gate)·up: the
+    SiLU·mul kernel's work, without its launch or the (M, 2I) round trip."""
     pdl_start(USE_PDL)
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BN + R * tl.arange(0, W)[:, None] + tl.arange(0, R)[None, :]   # (W, R)
+    if SILU:
+        tl.static_assert(not PARTIAL and R % 2 == 0)
+        r = tl.arange(0, R)[None, :]
+        offs_n = pid_n * (BN // 2) + (R // 2) * tl.arange(0, W)[:, None] + r // 2 + (r % 2) * (N // 2)  # (W, R)
+    else:
+        offs_n = pid_n * BN + R * tl.arange(0, W)[:, None] + tl.arange(0, R)[None, :]   # (W, R)
     rows = (offs_n % N)[:, :, None]                      # rows past N wrapped, never stored
     kb_start = pid_k * SPLIT2
     kb_end = min(K2, kb_start + SPLIT2)                  # SPLIT2 is a multiple of BKB
@@ -196,12 +213,12 @@ def _nvfp4_gemv_kernel(
             if BM > 2:
                 u2 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 2, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
                 u3 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 3, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
-    _gemv_store(acc0, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u0, HAS_BIAS, PARTIAL, INTERPRET)
+    _gemv_store(acc0, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u0, HAS_BIAS, PARTIAL, SILU, INTERPRET)
     if BM > 1:
-        _gemv_store(acc1, 1, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u1, HAS_BIAS, PARTIAL, INTERPRET)
+        _gemv_store(acc1, 1, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u1, HAS_BIAS, PARTIAL, SILU, INTERPRET)
     if BM > 2:
-        _gemv_store(acc2, 2, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u2, HAS_BIAS, PARTIAL, INTERPRET)
-        _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u3, HAS_BIAS, PARTIAL, INTERPRET)
+        _gemv_store(acc2, 2, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u2, HAS_BIAS, PARTIAL, SILU, INTERPRET)
+        _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u3, HAS_BIAS, PARTIAL, SILU, INTERPRET)
     if REDUCE:
         if _last_split(count_ptr, pid_n, NSPLIT):
             m = tl.arange(0, BM)[:, None, None]                                   # (BM, 1, 1)

@@ -16,24 +16,28 @@ member's tensor a row slice of it (N_i = the member's out_features, K its in_fea
 So the state dict, the checkpoint keys, LoRA and the training forward see the members unchanged, one
 linear at a time. On the rollout path (fused_ops.fused(x)) `project` computes y = x·Wᵀ (..., Σ N_i)
 with one matmul and then each member's LoRA update on its column block (lora.LoRALinear.
-add_group_delta: two kernels for the whole group). NVFP4 members must share one global scale (the
-kernel applies one per matmul): model.py's loader gives a group one (quantize_group, the smallest of
-the members' scales), as llm-compressor does for checkpoints meant to be served fused. A group that
-cannot share (mixed kinds, biases, scales) gets no stack and runs one linear at a time.
+add_group_delta: two kernels for the whole group). For the MLP, `project_silu_mul` goes one step
+further at a decode row of batch 1: the gate/up GEMV stores silu(gate)·up itself
+(marlin_kernel.folds_silu), so neither the (1, 2I) product nor the SiLU·mul launch exists.
+
+NVFP4 members must share one global scale (the kernel applies one per matmul): model.py's loader
+gives a group one (quantize_group, the smallest of the members' scales), as llm-compressor does for
+checkpoints meant to be served fused. A group that cannot share (mixed kinds, biases, scales) gets no
+stack and runs one linear at a time.
 
 A member whose tensor no longer lives in the stack (.to(), a reload that rebinds a parameter) ends
 the stack: `holds` compares data pointers, and project then drops it and falls back for good.
 
 Tests: tests/test_stacked_linear.py (one allocation, one matmul per group, logits equal to the
-training forward's with and without LoRA, the fallback); tests/test_model.py's GPU test runs it
-with the NVFP4 kernel.
+training forward's with and without LoRA, the fallback; on the GPU, the GEMV's SiLU·mul against
+the kernel after it, bit for bit); tests/test_model.py's GPU test runs it with the NVFP4 kernel.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import nvfp4
-from fused_ops import fused
+from fused_ops import fused, silu_mul_triton
 
 GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
@@ -89,16 +93,21 @@ class StackedLinear:
         """Are the members' tensors still slices of the stack? (.to() or a reload ends that.)"""
         return self._ptrs(mods) == self.ptrs
 
-    def __call__(self, x, lora=None):
+    def __call__(self, x, lora=None, silu_mul=False):
         """x (..., K) -> (..., Σ N): the members' outputs side by side (with a LoRA update folded
-        in: NVFP4 stacks only, nvfp4.linear)."""
+        in: NVFP4 stacks only, nvfp4.linear); silu_mul (gate/up, where folds_silu): silu(gate)·up."""
         t = self.tensors
         if self.global_scale is None:
-            if lora is not None:
-                raise ValueError("StackedLinear: a folded LoRA update needs an NVFP4 stack")
+            if lora is not None or silu_mul:
+                raise ValueError("StackedLinear: a folded LoRA update or SiLU·mul needs an NVFP4 stack")
             return F.linear(x, t["weight"], t.get("bias"))
         return nvfp4.linear(x, t["weight_packed"], t["weight_scale"], self.global_scale, t.get("bias"), lora,
-                            self.interleaved)
+                            self.interleaved, silu_mul)
+
+    def folds_silu(self, x) -> bool:
+        """Can this stack (gate/up) apply SiLU·mul in its matmul's epilogue at x's rows?"""
+        return self.global_scale is not None and len(self.sizes) == 2 and self.sizes[0] == self.sizes[1] \
+            and nvfp4.folds_silu(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +129,27 @@ def project(parent: nn.Module, names, x):
             return [m.add_delta(x, o) if hasattr(m, "add_delta") else o for m, o in zip(mods, y.split(stack.sizes, -1))]
         parent.stacked = None                   # the members moved: use them one by one, free the stack
     return [m(x) for m in mods]
+
+
+def project_silu_mul(mlp: nn.Module, x):
+    """silu(gate_proj(x))·up_proj(x) on the rollout path (fused(x)). Where the stacked gate/up
+    matmul finishes its rows itself (StackedLinear.folds_silu: the GEMV) and the adapters' update, if
+    any, is folded into it too (lora_kernels.fold_expand), the GEMV's epilogue applies SiLU·mul (one
+    launch fewer); else project, then fused_ops.silu_mul_triton."""
+    mods, stack = [mlp.gate_proj, mlp.up_proj], mlp.stacked
+    if stack is not None and stack.folds_silu(x) and stack.holds([getattr(m, "base_layer", m) for m in mods]):
+        group = getattr(type(mods[0]), "add_group_delta", None)
+        if group is None:                                                 # no adapters
+            return stack(x, silu_mul=True)
+        folded = []
+
+        def base(lora=None):           # the stack's matmul, given the update to fold in, or not
+            folded.append(lora is not None)
+            return stack(x, lora, silu_mul=folded[-1])
+        y = group(mods, x, base)
+        if y is not None:
+            return y if folded[-1] else silu_mul_triton(*y.split(stack.sizes, -1))
+    return silu_mul_triton(*project(mlp, GROUPS["mlp"], x))
 
 
 def stack_groups(model: nn.Module) -> None:

@@ -13,6 +13,8 @@ defaults, which are what ships):
     reduce=0|1            marlin_kernel.REDUCE_IN_KERNEL: split-K summed by the last split in-kernel
     merge=N               paged_attention.MERGE_MAX_PARTS: up to N partitions merged in the attention
                           kernel (0: always the merge kernel)
+    part=N                rollout.PARTITION_TOKENS: decode attention partitions of N·B positions
+                          (16..512, at least max_model_len/64)
     lora_kernels=0|1      lora_kernels.py's decode update (0: lora.py's cuBLAS GEMM + addmm)
     lora_pdl_nvfp4=0|1    lora_kernels.PDL_BESIDE_NVFP4: PDL for them on an NVFP4 base too
     lora_early=0|1        lora_kernels.EARLY_SHRINK: x Aᵀ before the base matmul where early_shrink says
@@ -56,6 +58,7 @@ SWITCHES = {
     "pdl": (marlin_kernel, "PDL", lambda v: bool(int(v))),
     "reduce": (marlin_kernel, "REDUCE_IN_KERNEL", lambda v: bool(int(v))),
     "merge": (paged_attention, "MERGE_MAX_PARTS", int),
+    "part": (rollout, "PARTITION_TOKENS", int),
     "lora_kernels": (lora, "_decode_kernels", lambda v: lora._decode_kernels if int(v) else (lambda x2: False)),
     "lora_pdl_nvfp4": (lora_kernels, "PDL_BESIDE_NVFP4", lambda v: bool(int(v))),
     "lora_early": (lora_kernels, "EARLY_SHRINK", lambda v: bool(int(v))),

@@ -109,6 +109,47 @@ def test_lora_update_only_where_it_folds(monkeypatch):
         mk._gemv(x1, packed, scale, gs, None, mk.GemvConfig(bn=16, bk=32, split=2), (hp, B, 1.0))
 
 
+@pytest.mark.parametrize("N,K,cfg,il", [
+    (64, 1056, mk.GemvConfig(), False),                     # one program, a K tail
+    (96, 512, mk.GemvConfig(bn=16, bk=64), False),          # 6 programs of 8 gate + 8 up rows
+    (160, 384, mk.GemvConfig(bn=64, bk=128), True)])        # interleaved, I = 80: a part tile
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_gemv_stores_silu_mul(N, K, cfg, il, with_lora, poisoned):
+    """nvfp4_matmul's silu_mul at M = 1: W stacks gate and up (N = 2I), each GEMV program takes gate
+    rows j and up rows I + j and stores silu(gate)·up (1, I). The bits of the plain GEMV followed by
+    fused_ops.silu_mul_triton on its two halves (with a LoRA update folded in first, as the plain
+    GEMV folds it), and float64 silu(g)·u within bf16 tolerance."""
+    import nvfp4
+    from fused_ops import silu_mul_triton
+    gen = torch.Generator().manual_seed(N + K + with_lora)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(1, K, generator=gen).bfloat16().to(DEV)
+    hp, B = torch.randn(2, 1, 8, generator=gen).to(DEV), (torch.randn(N, 8, generator=gen) * 0.2).bfloat16().to(DEV)
+    lora = (hp, B, 0.5) if with_lora else None
+    w = nvfp4.interleave(packed, scale) if il else (packed, scale)
+    got = mk._gemv(x, *w, gs, None, cfg, lora, il, silu_mul=True)
+    y = mk._gemv(x, *w, gs, None, cfg, lora, il)                                          # (1, N)
+    I = N // 2
+    assert got.shape == (1, I) and torch.equal(got, silu_mul_triton(y[:, :I], y[:, I:]))
+    ref = mk.reference_matmul(x, packed, scale, gs, None)
+    if with_lora:
+        ref = ref + 0.5 * (hp[0] + hp[1]).bfloat16().double() @ B.double().t()
+    assert_close(got, torch.nn.functional.silu(ref[:, :I]) * ref[:, I:], f"silu_mul N={N} K={K} {cfg}")
+
+
+def test_silu_mul_only_where_it_folds():
+    """silu_mul runs on the GEMV's rows only (folds_silu: M <= GEMV_MAX_M) and on N = 2I with I a
+    multiple of 16: a clear error otherwise, never a silent unfused result."""
+    gen = torch.Generator().manual_seed(5)
+    assert [m for m in range(1, 17) if mk.folds_silu(m)] == [1]
+    packed, scale, gs = random_weight(64, 128, gen)
+    with pytest.raises(ValueError, match="silu_mul"):
+        mk.nvfp4_matmul(torch.randn(2, 128).bfloat16().to(DEV), packed, scale, gs, silu_mul=True)
+    packed, scale, gs = random_weight(48, 128, gen)
+    with pytest.raises(ValueError, match="silu_mul"):
+        mk.nvfp4_matmul(torch.randn(1, 128).bfloat16().to(DEV), packed, scale, gs, silu_mul=True)
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256), (6, 16, 640)])
 @pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2), mk.MmaConfig(warps=1, tiles=4, split=1)])
 @pytest.mark.parametrize("has_bias", [False, True])

@@ -72,3 +72,31 @@ def test_stacked_projections_match_one_by_one(tiny_hf_dir, quant, monkeypatch):
         again = model(ids, pos)
     assert attn.stacked is None and len(calls) == 2 * model.config.num_layers - 1
     assert rel_err(again, trained) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_gpu_one_row_gets_silu_mul_from_the_gate_up_gemv(with_lora, monkeypatch):
+    """At one row (decode at batch 1) the stacked gate/up GEMV stores silu(gate)·up itself, after
+    the adapters' update folded in: the logits equal, bit for bit, the same forward with the
+    SiLU·mul kernel after the GEMV (marlin_kernel.folds_silu off), and every layer took it."""
+    import marlin_kernel as mk
+    from lora import LoRAConfig, apply_lora, lora_modules
+    from test_marlin_kernel import LaunchSpy
+    cfg = M.ModelConfig("Qwen2ForCausalLM", vocab_size=4096, hidden_size=1024, intermediate_size=4096,
+                        num_layers=3, num_heads=16, num_kv_heads=4)
+    model = M.build_model(cfg, "nvfp4", "cuda", seed=0)
+    if with_lora:
+        apply_lora(model, LoRAConfig(r=8, alpha=16))
+        with torch.no_grad():
+            for m in lora_modules(model).values():
+                m.lora_B.normal_(0, 0.05)
+    launched = []
+    monkeypatch.setattr(mk, "_nvfp4_gemv_kernel", LaunchSpy(mk._nvfp4_gemv_kernel, launched))
+    ids = torch.randint(0, 4096, (1, 1), device="cuda")
+    with torch.no_grad():
+        got = model(ids)
+        assert sum(kw["SILU"] for _, kw in launched) == cfg.num_layers
+        monkeypatch.setattr(mk, "folds_silu", lambda rows: False)
+        want = model(ids)
+    assert torch.equal(got, want)
