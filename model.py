@@ -82,7 +82,7 @@ from torch.utils.checkpoint import checkpoint
 import nvfp4
 from fused_ops import fused, rms_norm_triton, rope_triton, token_stride
 from hf_checkpoint import checkpoint_files, resolve
-from stacked_linear import GROUPS, group_of, project, project_silu_mul, stack_groups
+from stacked_linear import GROUPS, group_of, project, stack_groups
 
 SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -287,7 +287,7 @@ class MLP(nn.Module):
 
     def forward(self, x):  # (B, T, H) -> (B, T, H) through (B, T, I)
         if fused(x):       # the rollout path: SiLU·mul in the gate/up GEMV's epilogue where it can be
-            return self.down_proj(project_silu_mul(self, x))
+            return self.down_proj(project(self, GROUPS["mlp"], x, silu_mul=True))
         g, u = project(self, GROUPS["mlp"], x)
         return self.down_proj(F.silu(g) * u)
 

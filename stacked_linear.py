@@ -16,8 +16,8 @@ member's tensor a row slice of it (N_i = the member's out_features, K its in_fea
 So the state dict, the checkpoint keys, LoRA and the training forward see the members unchanged, one
 linear at a time. On the rollout path (fused_ops.fused(x)) `project` computes y = x·Wᵀ (..., Σ N_i)
 with one matmul and then each member's LoRA update on its column block (lora.LoRALinear.
-add_group_delta: two kernels for the whole group). For the MLP, `project_silu_mul` goes one step
-further at a decode row of batch 1: the gate/up GEMV stores silu(gate)·up itself
+add_group_delta: two kernels for the whole group). For the MLP, `project(..., silu_mul=True)` goes
+one step further at a decode row of batch 1: the gate/up GEMV stores silu(gate)·up itself
 (marlin_kernel.folds_silu), so neither the (1, 2I) product nor the SiLU·mul launch exists.
 
 NVFP4 members must share one global scale (the kernel applies one per matmul): model.py's loader
@@ -114,42 +114,34 @@ class StackedLinear:
 # Using it: the layers' projections, and stacking a loaded model
 
 
-def project(parent: nn.Module, names, x):
-    """[parent.<name>(x) for each name]: on the rollout path one matmul over the stacked weights,
-    then the members' LoRA updates (lora.LoRALinear.add_group_delta: two kernels for the group)."""
+def project(parent: nn.Module, names, x, silu_mul=False):
+    """[parent.<name>(x) for each name], or with silu_mul (gate/up) silu(gate(x))·up(x): on the
+    rollout path one matmul over the stacked weights, then the members' LoRA updates
+    (lora.LoRALinear.add_group_delta: two kernels for the group), then fused_ops.silu_mul_triton.
+    Where the stack's matmul finishes its rows itself (StackedLinear.folds_silu: the GEMV) and
+    every update is folded into it too, or there is none, its epilogue applies SiLU·mul instead."""
     mods = [getattr(parent, n) for n in names]
     stack = parent.stacked
     if stack is not None and fused(x):
         if stack.holds([getattr(m, "base_layer", m) for m in mods]):     # through a LoRA wrapper
             group = getattr(type(mods[0]), "add_group_delta", None)
-            with_lora = group(mods, x, lambda **kw: stack(x, **kw)) if group is not None else None  # (..., Σ N)
-            if with_lora is not None:
-                return with_lora.split(stack.sizes, -1)
-            y = stack(x)                                                  # (..., Σ N)
-            return [m.add_delta(x, o) if hasattr(m, "add_delta") else o for m, o in zip(mods, y.split(stack.sizes, -1))]
+            fold_silu = silu_mul and stack.folds_silu(x)
+            silu_done = []
+
+            def base(lora=None):        # the stack's matmul, given the update to fold in, or not
+                silu_done.append(fold_silu and (group is None or lora is not None))
+                return stack(x, lora, silu_mul=silu_done[-1])            # (..., Σ N), or (..., N/2)
+            with_lora = group(mods, x, base) if group is not None else None
+            y = base() if with_lora is None else with_lora
+            if silu_done[-1]:
+                return y
+            outs = y.split(stack.sizes, -1)
+            if with_lora is None:
+                outs = [m.add_delta(x, o) if hasattr(m, "add_delta") else o for m, o in zip(mods, outs)]
+            return silu_mul_triton(*outs) if silu_mul else outs
         parent.stacked = None                   # the members moved: use them one by one, free the stack
-    return [m(x) for m in mods]
-
-
-def project_silu_mul(mlp: nn.Module, x):
-    """silu(gate_proj(x))·up_proj(x) on the rollout path (fused(x)). Where the stacked gate/up
-    matmul finishes its rows itself (StackedLinear.folds_silu: the GEMV) and the adapters' update, if
-    any, is folded into it too (lora_kernels.fold_expand), the GEMV's epilogue applies SiLU·mul (one
-    launch fewer); else project, then fused_ops.silu_mul_triton."""
-    mods, stack = [mlp.gate_proj, mlp.up_proj], mlp.stacked
-    if stack is not None and stack.folds_silu(x) and stack.holds([getattr(m, "base_layer", m) for m in mods]):
-        group = getattr(type(mods[0]), "add_group_delta", None)
-        if group is None:                                                 # no adapters
-            return stack(x, silu_mul=True)
-        folded = []
-
-        def base(lora=None):           # the stack's matmul, given the update to fold in, or not
-            folded.append(lora is not None)
-            return stack(x, lora, silu_mul=folded[-1])
-        y = group(mods, x, base)
-        if y is not None:
-            return y if folded[-1] else silu_mul_triton(*y.split(stack.sizes, -1))
-    return silu_mul_triton(*project(mlp, GROUPS["mlp"], x))
+    outs = [m(x) for m in mods]
+    return silu_mul_triton(*outs) if silu_mul else outs
 
 
 def stack_groups(model: nn.Module) -> None:

@@ -35,7 +35,8 @@ def test_stacked_projections_match_one_by_one(tiny_hf_dir, quant, monkeypatch):
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
     calls, groups = [], []
     real_call, real_group = StackedLinear.__call__, LoRALinear.add_group_delta
-    monkeypatch.setattr(StackedLinear, "__call__", lambda self, x: calls.append(1) or real_call(self, x))
+    monkeypatch.setattr(StackedLinear, "__call__",
+                        lambda self, x, *a, **kw: calls.append(1) or real_call(self, x, *a, **kw))
     monkeypatch.setattr(LoRALinear, "add_group_delta",
                         staticmethod(lambda *a: groups.append(1) or real_group(*a)))
     # the sampling path on the CPU: Triton kernels in the interpreter (conftest); model.py's norm,
