@@ -75,14 +75,23 @@ OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / g
 # programmatic dependent launch, device side (the host side and why: marlin_kernel.pdl_launch)
 
 @triton.jit
-def pdl_start(USE_PDL: tl.constexpr):
+def pdl_start(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = True):
     """The first statement of every kernel launched with pdl_launch(): wait until the previous
     kernel has finished and its writes are visible, then let the next one be scheduled. In this
     order at most one kernel waits ahead; releasing first let every later kernel of a CUDA graph
     cascade onto the SMs and hold their slots while waiting (H100: batch-4 decode 724 tok/s
-    against 1124 without PDL)."""
+    against 1124 without PDL). RELEASE=False leaves the release to a later pdl_release: the
+    kernel after it then waits only through this one's tail (the M = 1 GEMV's reason: marlin_kernel)."""
     if USE_PDL:
         gdc_wait()
+        if RELEASE:
+            gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr):
+    """Let the next kernel be scheduled, in a kernel that began with pdl_start(USE_PDL, False)."""
+    if USE_PDL:
         gdc_launch_dependents()
 
 

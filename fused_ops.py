@@ -26,8 +26,8 @@ rotates them in place where the matmul left them, one program per (token, head),
 cos/sin (B, T, 1, D/2) fp32. SiLU·mul reads g and u rows with their own strides (the gate and up
 halves of one stacked output) and writes a fresh contiguous (..., n).
 
-`rope_head` is a device function shared with the rollout's RoPE + KV-store kernel, so decode's
-rotation gives the very bits of rope_triton.
+`rotate_halves` is a device function shared with the paged decode kernel (paged_attention.py), which
+rotates q and the new k itself at decode: its rotation gives the very bits of rope_triton.
 
 Tests: tests/test_fused_ops.py against the torch ops (CPU: Triton interpreter; GPU: CUDA);
 tests/test_model.py's GPU test runs the whole forward with and without them.
@@ -71,27 +71,27 @@ if triton is not None:
         tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, t, h, HQ, HALF: tl.constexpr):
-        """Head h of token t (a q head if h < HQ, else k head h - HQ), rotated as apply_rope does:
-        (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in fp32, rounded to the head's dtype.
-        -> (its address, the two rotated halves). Shared with rollout's RoPE + KV-store kernel."""
+    def rotate_halves(x1, x2, cos, sin):
+        """apply_rope's rotation of the two halves of a head (any shape that cos/sin broadcast to):
+        (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) in fp32, rounded back to x's dtype, each
+        as one explicit fma (so no compiler's contraction choice can differ between kernels). Shared
+        with the paged decode kernel (paged_attention.py), so decode's rotation gives these bits."""
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        return tl.fma(a, cos, -(b * sin)).to(x1.dtype), tl.fma(b, cos, a * sin).to(x1.dtype)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ,
+                     HALF: tl.constexpr, USE_PDL: tl.constexpr):
+        """Program (t, h) rotates head h of token t in place: a q head if h < HQ, else k head h - HQ."""
+        pdl_start(USE_PDL)
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         if h < HQ:
             src = q_ptr + t * stride_q + h * 2 * HALF
         else:
             src = k_ptr + t * stride_k + (h - HQ) * 2 * HALF
         offs = tl.arange(0, HALF)
         cos, sin = tl.load(cos_ptr + t * HALF + offs), tl.load(sin_ptr + t * HALF + offs)
-        x1 = tl.load(src + offs).to(tl.float32)
-        x2 = tl.load(src + HALF + offs).to(tl.float32)
-        return src, (x1 * cos - x2 * sin).to(src.dtype.element_ty), (x2 * cos + x1 * sin).to(src.dtype.element_ty)
-
-    @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, HQ,
-                     HALF: tl.constexpr, USE_PDL: tl.constexpr):
-        pdl_start(USE_PDL)
-        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        src, y1, y2 = rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, t, h, HQ, HALF)
-        offs = tl.arange(0, HALF)
+        y1, y2 = rotate_halves(tl.load(src + offs), tl.load(src + HALF + offs), cos, sin)
         tl.store(src + offs, y1)
         tl.store(src + HALF + offs, y2)
 

@@ -119,7 +119,15 @@ def interpreting() -> bool:
 # in a decode step of ~500 small kernels. Every kernel in such a chain must wait before reading:
 # a kernel that skipped the wait could overtake its predecessor.
 # pdl_start, the device side, is in fp4_decode.py.
+#
+# When is the next kernel scheduled? Every kernel releases it right after its own wait, except the
+# CUDA-core GEMV (M = 1) that is not the gate/up one: it releases after its main loop
+# (GEMV_LATE_RELEASE). The paged decode kernel comes right after the qkv GEMV; scheduled early, its
+# programs waited on the SMs through the whole GEMV and cost the decode step ~3% (H100, 7B batch 1,
+# same run: 369.0 / 367.0 tok/s against 379.9 / 380.1 released late; bench/NOTES.md v21). The down
+# GEMV after gate/up is better scheduled early (-0.5% late).
 PDL = True       # bench/rollout.py and bench/kernel.py switch it off to measure what it buys
+GEMV_LATE_RELEASE = True   # bench/ab.py's late= switch
 
 
 @functools.lru_cache(maxsize=None)
@@ -493,6 +501,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         M, N, K // 2, k_split // 2, R,
         x2.stride(0), packed.stride(0), sb.stride(0), out.shape[1], M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, SILU=silu_mul,
+        LATE_RELEASE=GEMV_LATE_RELEASE and not silu_mul,
         BM=triton.next_power_of_2(M), BN=cfg.bn, BK=bk, W=cfg.warps, IL=il, INTERPRET=interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)

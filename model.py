@@ -41,9 +41,9 @@ causal SDPA over its T tokens (training, scoring). Otherwise layer i calls
 with RoPE already applied at `positions`; the context stores k/v in its paged cache and attends over
 everything cached (rollout.py: packed prefill, paged decode). A context with `rope_in_store = True`
 (rollout's decode on the Triton backend) is called on the fused path (fused_ops.fused) as
-attend(i, q, k, v, rope=(cos, sin)) with q, k not yet rotated: one kernel rotates them as it writes
-k, v to the cache. The model never imports the sampler, and the same weights, LoRA adapters and AQN
-noise serve both paths.
+attend(i, q, k, v, rope=(cos, sin)) with q, k not yet rotated: the attention kernel rotates them,
+writes k, v to the cache and attends in one launch. The model never imports the sampler, and the
+same weights, LoRA adapters and AQN noise serve both paths.
 
 Training. `model.gradient_checkpointing = True` keeps only each layer's input and recomputes the
 layer in the backward pass (torch.utils.checkpoint, use_reentrant=False). The recomputation reads

@@ -17,8 +17,10 @@ scheduler.py's BlockManager). Slot -1 means "write nothing": the padding rows of
              into partitions (the Runner picks 32·B tokens, 16..512) merged by log-sum-exp
              (flash-decoding), so batch 1 still fills the GPU.
     RoPE:    decode on the Triton backend sets `rope_in_store`: the model then hands q, k
-             unrotated with cos/sin, and rope_store_kv_triton rotates q in place and k on its way
-             into the cache (RoPE and the KV store in one launch, with fused_ops.rope_head's math).
+             unrotated with cos/sin, and paged_attention_triton(rope=...) rotates q in registers
+             and k on its way into the cache, and attends, the new token's k and v taken from
+             registers (RoPE, the KV store and attention in one launch, with
+             fused_ops.rotate_halves's math).
 
 Split decode. One program per (sequence b, kv head h, partition p) runs the G = Hq / Hkv query
 heads that share h as one (G, D) tile (padded to 16 rows for the MMA) through an online softmax
@@ -40,8 +42,8 @@ operands are upcast to fp32 (the interpreter's bf16 tl.dot is wrong); fp32 cache
 Left out: attention from the cache during prefill (prefix caching and chunked prefill would need
 it), sliding windows, ALiBi, FP8 KV.
 Tests: tests/test_paged_attention.py (CPU: the kernels under TRITON_INTERPRET=1 against the torch
-reference, GQA, scattered block tables, empty rows, RoPE + store against model.apply_rope; GPU-marked:
-bf16 at 7B head shapes, and rope_store_kv_triton bit for bit against fused_ops.rope_triton + store).
+reference, GQA, scattered block tables, empty rows; with RoPE, the cache and the output against
+fused_ops.rope_triton + store + attention bit for bit; GPU-marked: bf16 at 7B head shapes).
 The engine tests in tests/test_rollout.py run them inside the sampler. Benchmark: bench/rollout.py
 --attention.
 """
@@ -53,7 +55,7 @@ try:
     import triton
     import triton.language as tl
     from fp4_decode import _last_split
-    from fused_ops import rope_head
+    from fused_ops import rotate_halves
     from marlin_kernel import interpreting, pdl_launch, pdl_start
 except ImportError:  # the torch reference path works without triton
     triton = None
@@ -121,32 +123,23 @@ if triton is not None:
             tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_store_kv_kernel(
-        q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v,   # q (B, Hq, D), k, v (B, Hkv, D): heads contiguous
-        cos_ptr, sin_ptr,                        # (B, D/2) fp32
-        k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv, D), contiguous
-        slot_ptr,                                # (B,) int32 or int64, -1 = skip
-        HQ, HKV, HALF: tl.constexpr, USE_PDL: tl.constexpr,
-    ):
-        """Program (b, h) rotates head h of row b (fused_ops.rope_head: apply_rope's math): a q head
-        (h < Hq) in place, a k head into k_cache[slot[b]], next to a copy of the v head in
-        v_cache[slot[b]] (slot -1: skipped)."""
-        pdl_start(USE_PDL)
-        b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        offs = tl.arange(0, HALF)
-        src, y1, y2 = rope_head(q_ptr, k_ptr, cos_ptr, sin_ptr, stride_q, stride_k, b, h, HQ, HALF)
-        if h < HQ:                               # q: rotated in place, for the attention kernel
-            tl.store(src + offs, y1)
-            tl.store(src + HALF + offs, y2)
-        else:                                    # k: rotated straight into the cache
-            slot = tl.load(slot_ptr + b)
-            if slot >= 0:
-                dst = (slot.to(tl.int64) * HKV + h - HQ) * 2 * HALF + offs
-                v_src = v_ptr + b * stride_v + (h - HQ) * 2 * HALF + offs
-                tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + dst, tl.load(v_src).to(v_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + dst + HALF, tl.load(v_src + HALF).to(v_cache_ptr.dtype.element_ty))
+    def _load_rotated(src, mask, cos_ptr, sin_ptr, D: tl.constexpr):
+        """Rows src (..., 1) of D elements, rotated as apply_rope does (fused_ops.rotate_halves'
+        math, so the bits of rope_triton): element d pairs with d ± D/2, loaded a second time."""
+        d = tl.arange(0, D)
+        x = tl.load(src + d, mask=mask, other=0.0)
+        partner = tl.load(src + (d + D // 2) % D, mask=mask, other=0.0)
+        cos, sin = tl.load(cos_ptr + d % (D // 2)), tl.load(sin_ptr + d % (D // 2))
+        first, _ = rotate_halves(x, partner, cos, sin)          # d < D/2: x1·cos - x2·sin
+        _, second = rotate_halves(partner, x, cos, sin)         # d >= D/2: x2·cos + x1·sin
+        return tl.where(d < D // 2, first, second)
+
+    @triton.jit
+    def _load_new_kv(k_src, v_src, cos_ptr, sin_ptr, D: tl.constexpr):
+        """The new token's k (rotated, as q) and v of one kv head, at k_src, v_src: (1, D) rows."""
+        one = tl.zeros((1, 1), tl.int32)                                  # one row of D
+        k = _load_rotated(k_src + one, one == 0, cos_ptr, sin_ptr, D)
+        return k, tl.load(v_src + one + tl.arange(0, D)[None, :])
 
     @triton.jit
     def _merge_partitions(part_out_ptr, part_lse_ptr, out_ptr, head0, num_parts, n_parts,
@@ -186,13 +179,21 @@ if triton is not None:
         ctx_len_ptr,                             # (B,) int32
         part_out_ptr, part_lse_ptr,              # (B, Hq, P, D) fp32, (B, Hq, P) fp32
         count_ptr, out_ptr,                      # (B, Hkv) int32, 0 between calls; out (B, Hq, D)
+        new_k_ptr, new_v_ptr, stride_nk, stride_nv,   # with ROPE: this step's k, v (B, Hkv, D), k unrotated
+        cos_ptr, sin_ptr, slot_ptr,              # (B, D/2) fp32 at the new position; (B,) slots, -1 = skip
         scale, num_parts,
         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr,
         BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, P_CHUNK: tl.constexpr,
-        MERGE: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+        MERGE: tl.constexpr, ROPE: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """One program = (sequence b, kv head h, partition p): the G query heads of h attend to
         positions [p*PARTITION, min((p+1)*PARTITION, ctx)) with an online softmax.
+
+        with ROPE: q is rotated in registers and position ctx - 1 (the new token) is not read from
+        the cache: every program loads its k (rotated) and v with q, and the program of its
+        partition (n_parts - 1) stores them in the cache slot for later steps and adds them to its
+        softmax from registers after its tiles (H100, batch 1: 0.9 us over attention alone, where
+        the RoPE + store kernel before it cost 1.5; bench/NOTES.md v20)
 
         for each tile j of TILE positions (gathered from TILE / BS cache blocks) of the partition:
             s = q @ K_j^T * scale             (G, TILE), masked beyond the partition
@@ -210,6 +211,7 @@ if triton is not None:
         # not leave a count that never reaches n_parts, shared by every later call
         n_parts = tl.minimum((ctx + PARTITION - 1) // PARTITION, num_parts)
         start = p * PARTITION
+        HALF: tl.constexpr = D // 2
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D)
         g_mask = offs_g < G
@@ -217,14 +219,19 @@ if triton is not None:
         if start < ctx:
             # ---- the G query heads that share kv head h, padded to a dot-friendly G_PAD
             offs_n = tl.arange(0, TILE)
-            q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                        mask=g_mask[:, None], other=0.0)                        # (G_PAD, D)
+            q_src = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh        # (G_PAD, 1)
+            if ROPE:   # q rotated, and the new token's k (rotated) and v, loaded first: nothing waits late
+                q = _load_rotated(q_src, g_mask[:, None], cos_ptr + b * HALF, sin_ptr + b * HALF, D)
+                k_new, v_new = _load_new_kv(new_k_ptr + b * stride_nk + h * D, new_v_ptr + b * stride_nv + h * D,
+                                            cos_ptr + b * HALF, sin_ptr + b * HALF, D)   # (1, D) each
+            else:
+                q = tl.load(q_src + offs_d[None, :], mask=g_mask[:, None], other=0.0)   # (G_PAD, D)
             if FP32_DOT:  # the interpreter's bf16 tl.dot is wrong; fp32 caches want full fp32
                 q = q.to(tl.float32)
             m = tl.full([G_PAD], float("-inf"), tl.float32)
             l = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
-            end = tl.minimum(start + PARTITION, ctx)
+            end = tl.minimum(start + PARTITION, ctx - 1 if ROPE else ctx)   # ROPE: the new token comes last
             # ---- walk the partition TILE positions (TILE / BS cache blocks) at a time
             for tok0 in range(start, end, TILE):
                 pos = tok0 + offs_n                                                # (TILE,)
@@ -247,6 +254,20 @@ if triton is not None:
                     acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
                 else:
                     acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+                m = m_new
+            if ROPE and p == n_parts - 1:        # the new token: into the cache, and from registers
+                slot = tl.load(slot_ptr + b)
+                if slot >= 0:                    # -1: a padding row, nothing written
+                    dst = (slot.to(tl.int64) * HKV + h) * D + offs_d[None, :]
+                    tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty))
+                    tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty))
+                s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale        # (G_PAD,)
+                m_new = tl.maximum(m, s)
+                alpha = tl.exp(m - m_new)
+                pr = tl.exp(s - m_new)
+                l = l * alpha + pr
+                pv = pr if FP32_DOT else pr.to(v_new.dtype).to(tl.float32)   # as the tiles' dot rounds it
+                acc = acc * alpha[:, None] + pv[:, None] * v_new.to(tl.float32)
                 m = m_new
             if MERGE and n_parts == 1:           # the whole context in one partition: done
                 tl.store(out_ptr + head[:, None] * D + offs_d[None, :],
@@ -306,31 +327,24 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
                            ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), **pdl_launch(k.device))
 
 
-def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slots):
-    """Decode: q (B, Hq, D) rotated in place (returned; a copy if its heads are not contiguous),
-    k (B, Hkv, D) rotated into the cache and v stored beside it as store_kv_ref does; cos/sin
-    (B, D/2) fp32 at each row's position. One launch for fused_ops.rope_triton + store_kv_triton."""
-    B, Hq, D = q.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype in (torch.int32, torch.int64)
-    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D else t.contiguous() for t in (q, k, v))
-    _rope_store_kv_kernel[(B, Hq + k.shape[1])](
-        q, k, v, q.stride(0), k.stride(0), v.stride(0), cos.contiguous(), sin.contiguous(),
-        k_cache, v_cache, slots, Hq, k.shape[1], HALF=D // 2, **pdl_launch(q.device))
-    return q
-
-
 MERGE_MAX_PARTS = 8   # up to this many partitions the attention kernel merges them itself
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, counts,
-                           partition_size=256, tile=128, merge_in_kernel=None, warps=4):
+                           partition_size=256, tile=128, merge_in_kernel=None, warps=4, rope=None):
     """Same contract as paged_attention_ref. num_parts * partition_size >= every context length;
     it is fixed per engine (not per step) so that a captured CUDA graph stays valid. counts: (>= B,
     Hkv) int32 zeros, reused by every call (the kernel leaves it zero again). Each program reads
     `tile` positions (a power of 2, several cache blocks) per step: bigger loads, fewer steps.
     merge_in_kernel (default: num_parts <= MERGE_MAX_PARTS): the last program of each (row, kv head)
     merges the partitions (one launch); else a second kernel merges them, one program per q head
-    (faster when there are many partitions: H100, bench/NOTES.md v9)."""
+    (faster when there are many partitions: H100, bench/NOTES.md v9).
+
+    rope: None (q comes rotated, k and v are in the cache), or decode's (k, v, cos, sin, slots):
+    q and k (B, Hkv, D) unrotated, cos/sin (B, D/2) fp32 at the new token's position ctx - 1, and
+    its slots (B,) (-1: write nothing). The kernel rotates q (apply_rope's math), stores the
+    rotated k and v as store_kv_ref would, and takes the new token's k and v from registers:
+    RoPE, the KV store and attention in one launch."""
     B, Hq, D = q.shape
     _, BS, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -346,12 +360,20 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
     part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
+    if rope is not None:
+        k, v, cos, sin, slots = rope
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError("rope: the caches must be contiguous and slots int32 or int64")
+        k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D else t.contiguous() for t in (k, v))
+        rope_args = (k, v, k.stride(0), v.stride(0), cos.contiguous(), sin.contiguous(), slots)
+    else:
+        rope_args = (q, q, 0, 0, q, q, q)                               # unused
     _paged_decode_kernel[(B, Hkv, num_parts)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
-        context_lens, part_out, part_lse, counts, out, scale, num_parts,
+        context_lens, part_out, part_lse, counts, out, *rope_args, scale, num_parts,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), G_M=triton.next_power_of_2(G), D=D, BS=BS,
         PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
-        P_CHUNK=min(MERGE_MAX_PARTS, triton.next_power_of_2(num_parts)), MERGE=merge,
+        P_CHUNK=min(MERGE_MAX_PARTS, triton.next_power_of_2(num_parts)), MERGE=merge, ROPE=rope is not None,
         FP32_DOT=interpreting() or k_cache.dtype == torch.float32, num_warps=warps, **pdl_launch(q.device))
     if not merge:
         _paged_decode_merge_kernel[(B, Hq)](

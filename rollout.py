@@ -21,8 +21,8 @@ paged_attention.py describes the slots. The model never sees it: each layer call
 `attn_ctx.attend(layer, q, k, v)` with RoPE already applied, and the context object
 (PrefillContext / DecodeContext below, passed explicitly, no module globals) stores k, v in the
 cache and returns the attention output. Decode on the Triton backend sets `rope_in_store`: the
-model then hands it q, k unrotated with cos/sin, and one kernel rotates q in place and k on its
-way into the cache (RoPE and the KV store in one launch).
+model then hands it q, k unrotated with cos/sin, and the attention kernel rotates them, stores
+the new k and v in the cache and attends (RoPE, the KV store and attention in one launch).
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_attention import (causal_attention, paged_attention_ref, paged_attention_triton,
-                             rope_store_kv_triton, store_kv_ref, store_kv_triton)
+                             store_kv_ref, store_kv_triton)
 from paged_attention import triton   # None where the kernels cannot be built: the torch path only
 from sampling import sample
 from scheduler import BlockManager, Scheduler, Sequence
@@ -134,14 +134,12 @@ class DecodeContext:
         """rope: None when q, k come rotated, else their (cos, sin) (B, 1, 1, D/2)."""
         r = self.runner
         k_cache, v_cache = r.k_cache[layer], r.v_cache[layer]
+        args = (q[:, 0], k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
         if rope is None:
             r.store_kv(k_cache, v_cache, k[:, 0], v[:, 0], self.slots)
-            q = q[:, 0]
-        else:
-            cos, sin = (t[:, 0, 0] for t in rope)                   # (B, D/2)
-            q = rope_store_kv_triton(q[:, 0], k[:, 0], v[:, 0], cos, sin, k_cache, v_cache, self.slots)
-        out = r.paged_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
-        return out[:, None]
+            return r.paged_attention(*args)[:, None]
+        cos, sin = (t[:, 0, 0] for t in rope)                       # (B, D/2)
+        return r.paged_attention(*args, rope=(k[:, 0], v[:, 0], cos, sin, self.slots))[:, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +172,7 @@ class Runner:
         self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
         self.graphs, self.graph_pool, self._static = {}, None, None
 
-    def _paged_attention_triton(self, q, *args):
+    def _paged_attention_triton(self, q, *args, rope=None):
         # split the context finer for small batches so that batch 1 still fills the GPU, into at most
         # 64 partitions (more than 8: a merge kernel, see paged_attention.py); a partition count
         # fixed per batch size keeps captured CUDA graphs valid for every context length
@@ -189,7 +187,7 @@ class Runner:
             self.attn_counts = torch.zeros(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,
                                            dtype=torch.int32, device=self.device)
         return paged_attention_triton(q, *args, num_parts=-(-self.max_model_len // part), counts=self.attn_counts,
-                                      partition_size=part)
+                                      partition_size=part, rope=rope)
 
     # ---- cache
     def bytes_per_block(self):

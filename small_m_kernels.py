@@ -49,7 +49,7 @@ import triton.language as tl
 
 from fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
                         _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
-                        _tiled_offsets, pdl_start, silu_mul)
+                        _tiled_offsets, pdl_release, pdl_start, silu_mul)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -156,6 +156,7 @@ def _nvfp4_gemv_kernel(
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
     SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (M, I)
+    LATE_RELEASE: tl.constexpr,  # let the next kernel be scheduled after the main loop (pdl_release)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program
     as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
@@ -165,7 +166,7 @@ def _nvfp4_gemv_kernel(
     With SILU (no split), a program takes BN/2 gate rows and the same up rows, interleaved in
     its tile (columns 2j, 2j + 1: gate row j, up row I + j), and stores silu(gate)·up: the
     SiLU·mul kernel's work, without its launch or the (M, 2I) round trip."""
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, not LATE_RELEASE)
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
@@ -200,6 +201,8 @@ def _nvfp4_gemv_kernel(
             acc3 = _gemv_row(acc3, lo, hi, s, x2_ptr + (3 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
 
     # ---- epilogue: rows of y (or fp32 partial sums for the split-K reduce)
+    if LATE_RELEASE:
+        pdl_release(USE_PDL)
     out_ptr += pid_k * stride_os
     u0 = None                                            # LoRA updates of the rows finished here
     u1 = None

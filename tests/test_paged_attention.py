@@ -7,8 +7,7 @@ import os
 import pytest
 import torch
 
-from paged_attention import (paged_attention_ref, paged_attention_triton, rope_store_kv_triton,
-                             store_kv_ref, store_kv_triton)
+from paged_attention import paged_attention_ref, paged_attention_triton, store_kv_ref, store_kv_triton
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels (TRITON_INTERPRET=1 on CPU) against the torch reference
@@ -88,32 +87,50 @@ def test_store_kv_triton_matches_reference():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_kv_triton_matches_rope_then_store(dtype):
-    """Decode's one kernel for RoPE + KV store: q rotated in place, k rotated into the cache, v
-    beside it, slot -1 skipped, against model.apply_rope + store_kv_ref. q, k, v are column slices
-    of one row per sequence, as the stacked q/k/v matmul leaves them."""
+@pytest.mark.parametrize("partition, merge", [(16, True), (16, False), (64, None)])
+def test_attention_with_rope_equals_rope_then_store_then_attention(dtype, partition, merge):
+    """Decode's one launch, paged_attention_triton(rope=...): q rotated in registers, k rotated
+    into its slot and v stored beside it by the program whose partition holds the new token,
+    which adds them to its softmax from registers. Against fused_ops.rope_triton, store_kv_triton
+    and the kernel without rope: the same cache bits, and the output within a rounding or two (the
+    new token's score is summed in another order); against model.apply_rope + the torch reference
+    within tolerance. q, k, v are column slices of one row per sequence, as the stacked q/k/v
+    matmul leaves them, and stay untouched; row 3 is CUDA-graph padding (context 0, slot -1)."""
+    from fused_ops import rope_triton
     from model import apply_rope
-    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     dev = "cuda" if torch.cuda.is_available() else "cpu"        # on CPU: the Triton interpreter
-    B, Hq, Hkv, D = 5, 6, 2, 16
-    qkv = torch.randn(B, (Hq + 2 * Hkv) * D, generator=g).to(dev, dtype)
-    q, k, v = (t.view(B, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))   # (B, H*, D)
-    angles = torch.rand(B, D // 2, generator=g).to(dev) * 300
-    cos, sin = angles.cos(), angles.sin()                                               # (B, D/2)
-    slots = torch.tensor([5, -1, 17, 31, 0], device=dev)
-    caches = [torch.randn(4, 8, Hkv, D, generator=g).to(dev, dtype) for _ in range(2)]
-    want = [c.clone() for c in caches]
-    want_q, want_k = (apply_rope(x[:, None], cos[:, None, None], sin[:, None, None])[:, 0] for x in (q, k))
-    store_kv_ref(want[0], want[1], want_k, v, slots)
-    k_v_before = qkv[:, Hq * D:].clone()
-    out = rope_store_kv_triton(q, k, v, cos, sin, caches[0], caches[1], slots)
-    # fp32: the same fp32 math; bf16: one rounding step apart (the interpreter truncates to bf16)
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2e-2)
-    assert out.data_ptr() == q.data_ptr(), "q must be rotated in place"
-    torch.testing.assert_close(q, want_q, **tol)
-    torch.testing.assert_close(caches[0], want[0], **tol)
-    assert torch.equal(caches[1], want[1]), "v is copied as is, to the slots only"
-    assert torch.equal(qkv[:, Hq * D:], k_v_before), "k and v themselves stay unrotated"
+    seed = int.from_bytes(os.urandom(4), "little")
+    B, Hq, Hkv, D, bs = 5, 6, 2, 16, 16
+    ctx = [1, 17, 40, 0, 140]
+    _, kc, vc, tables, lens = _random_paged(B, Hq, Hkv, D, bs, 48, ctx, dtype, dev, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(B, 1, (Hq + 2 * Hkv) * D, generator=g).to(dev, dtype)
+    q, k, v = (t.view(B, 1, -1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], -1))     # (B, 1, H*, D)
+    angles = torch.rand(B, 1, 1, D // 2, generator=g).to(dev) * 300
+    cos, sin = angles.cos(), angles.sin()                                                  # (B, 1, 1, D/2)
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs if n else -1 for b, n in enumerate(ctx)],
+                         device=dev)
+    kw = dict(num_parts=-(-160 // partition), partition_size=partition, merge_in_kernel=merge)
+    counts = torch.zeros(B, Hkv, dtype=torch.int32, device=dev)
+
+    want_q, want_k = rope_triton(q.clone(), k.clone(), cos, sin)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    store_kv_triton(want_kc, want_vc, want_k[:, 0], v[:, 0], slots)
+    want = paged_attention_triton(want_q[:, 0], want_kc, want_vc, tables, lens, 0.25, counts=counts, **kw)
+    before = qkv.clone()
+    got = paged_attention_triton(q[:, 0], kc, vc, tables, lens, 0.25, counts=counts, **kw,
+                                 rope=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc), "the cache differs from rope + store"
+    rel, abs_ = (1e-5, 1e-6) if dtype == torch.float32 else (2 ** -7, 2 ** -8)   # |v| ~ 1
+    assert ((got.float() - want.float()).abs() <= rel * want.float().abs() + abs_).all()
+    assert torch.equal(qkv, before) and torch.all(counts == 0) and torch.all(got[3] == 0)
+
+    ref_q, ref_k = (apply_rope(x.float(), cos, sin)[:, 0] for x in (q, k))
+    ref_kc, ref_vc = kc.float(), vc.float()
+    store_kv_ref(ref_kc, ref_vc, ref_k, v[:, 0].float(), slots)
+    ref = paged_attention_ref(ref_q, ref_kc, ref_vc, tables, lens, 0.25)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got.float() - ref).abs().max() < tol
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,15 +158,23 @@ def test_gpu_kernels_match_reference_bf16():
     store_kv_ref(a, b, k, v, slots)
     store_kv_triton(kc, vc, k, v, slots)
     assert torch.equal(a, kc) and torch.equal(b, vc)
-    # decode's RoPE + store kernel gives the very bits of fused_ops.rope_triton, then store_kv_triton
+    # decode's RoPE + store + attention in one launch gives the bits of rope_triton, store and
+    # attention, at the 7B head layout with 64 partitions of 16 and 8 of 128
     from fused_ops import rope_triton
-    qkv = torch.randn(9, 1, 36 * 128, device="cuda", dtype=torch.bfloat16)
-    q, k, v = (t.view(9, 1, -1, 128) for t in qkv.split([28 * 128, 4 * 128, 4 * 128], -1))
-    angles = torch.rand(9, 1, 1, 64, device="cuda") * 3000
+    lens = torch.tensor([1, 255, 256, 257, 1000, 0, 37], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([int(tables[b, (n - 1) // 16]) * 16 + (n - 1) % 16 if n else -1
+                          for b, n in enumerate(lens.tolist())], device="cuda")
+    qkv = torch.randn(7, 1, 36 * 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.view(7, 1, -1, 128) for t in qkv.split([28 * 128, 4 * 128, 4 * 128], -1))
+    angles = torch.rand(7, 1, 1, 64, device="cuda") * 3000
     cos, sin = angles.cos(), angles.sin()
     want_q, want_k = rope_triton(q.clone(), k.clone(), cos, sin)
-    unfused = kc.clone(), vc.clone()
-    store_kv_triton(*unfused, want_k[:, 0], v[:, 0], slots)
-    got_q = rope_store_kv_triton(q[:, 0], k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], kc, vc, slots)
-    assert torch.equal(got_q, want_q[:, 0]) and torch.equal(kc, unfused[0])
-    assert torch.equal(vc, unfused[1])
+    for part, num_parts in ((16, 64), (128, 8)):
+        want_kc, want_vc = kc.clone(), vc.clone()
+        store_kv_triton(want_kc, want_vc, want_k[:, 0], v[:, 0], slots)
+        want = paged_attention_triton(want_q[:, 0], want_kc, want_vc, tables, lens, 128 ** -0.5, num_parts=num_parts,
+                                      counts=counts, partition_size=part)
+        got = paged_attention_triton(q[:, 0], kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts,
+                                     partition_size=part, rope=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
+        assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+        assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 2 ** -8).all()

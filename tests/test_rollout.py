@@ -206,21 +206,22 @@ def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
 @pytest.mark.interpreter
 def test_decode_with_rope_in_the_kv_store_matches_the_torch_backend(tiny_hf_dir, monkeypatch):
     """The rollout path's kernels on the CPU (fused ops on, Triton interpreter): every decode
-    layer hands RoPE to DecodeContext's one kernel; tokens and logprobs equal the torch backend's
-    with torch ops (fp32)."""
+    layer hands RoPE to the attention kernel (one launch rotates, stores k, v and attends); tokens
+    and logprobs equal the torch backend's with torch ops (fp32)."""
     import model as M
     import stacked_linear
     model = _load(tiny_hf_dir("llama")[0])
     prompts = _prompts([14, 30], seed=5)
     params = SamplingParams(temperature=0, max_tokens=6, n=2, stop_token_ids=())
     ref = LLMEngine(model, block_size=16, attn_backend="torch").generate(prompts, params)
-    calls, real = [], rollout.rope_store_kv_triton
-    monkeypatch.setattr(rollout, "rope_store_kv_triton", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], rollout.paged_attention_triton
+    monkeypatch.setattr(rollout, "paged_attention_triton",
+                        lambda *a, rope=None, **kw: calls.append(rope is not None) or real(*a, rope=rope, **kw))
     for module in (M, stacked_linear):             # each reads its own binding of fused_ops.fused
         monkeypatch.setattr(module, "fused", lambda x: not torch.is_grad_enabled())
     engine = LLMEngine(model, block_size=16, attn_backend="triton")
     out = engine.generate(prompts, params)
-    assert len(calls) == engine.stats["decode_steps"] * model.config.num_layers > 0
+    assert calls.count(True) == len(calls) == engine.stats["decode_steps"] * model.config.num_layers > 0
     for rc, oc in zip(ref, out):
         for r, o in zip(rc, oc):
             assert o.token_ids == r.token_ids
