@@ -32,7 +32,9 @@ dependent launch (where it pays: lora_kernels.pdl_for) do the update in place in
 (lora_kernels.py: shrink x Aᵀ, expand into y); on an NVFP4 base the shrink runs before the base
 matmul where that measured faster (lora_kernels.early_shrink), and where the GEMV or the swapped tiles
 compute y (marlin_kernel.folds_lora) the NVFP4 kernel adds the update itself as it stores y
-(lora_kernels.fold_expand: one launch per adapter group).
+(lora_kernels.fold_expand: one launch per adapter group). Beyond 16 rows (the GRPO batch) the
+shrink stays F.linear, and where the NVFP4 matmul splits K the kernel that sums its partials adds
+s·h Bᵀ instead of the addmm (lora_kernels.fold_in_reduce: qkv, o and down; _update).
 
 Names follow PEFT, so adapters move between this code and the Hugging Face stack:
 
@@ -140,6 +142,15 @@ def _delta_kernels(x2, A, B, y, scale, base):
     return lora_kernels.lora_expand_(hp, B, y.reshape(-1, y.shape[-1]), scale, pdl).view(y.shape)
 
 
+def _update(y, h, B, scale, base):
+    """y + scale · h Bᵀ where y may be a function computing the base output (given lora=, see
+    LoRALinear.add_delta): folded into its split-K reduce where lora_kernels.fold_in_reduce says
+    so (no addmm launch), else _add_update after it."""
+    if callable(y) and lora_kernels.fold_in_reduce(base, h, B):
+        return y(lora=(h.reshape(-1, h.shape[-1]), B.contiguous(), float(scale)))
+    return _add_update(y() if callable(y) else y, h, B, scale)
+
+
 def _add_update(y, h, B, scale):
     """y + scale · h Bᵀ (y (..., out), h (..., r), B (out, r)) as one addmm. Without autograd, on a
     y whose rows are one view (2-D, or contiguous), in place: y is the base's fresh output, as on the
@@ -198,8 +209,7 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
         if _decode_kernels(x2) and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
             return _delta_kernels(x2, A, B, y, self.scaling, self.base_layer)
-        y = y() if callable(y) else y
-        return _add_update(y, F.linear(self.lora_dropout(x), A), B, self.scaling)  # h: (..., r)
+        return _update(y, F.linear(self.lora_dropout(x), A), B, self.scaling, self.base_layer)  # h: (..., r)
 
     @staticmethod
     def add_group_delta(mods, x: torch.Tensor, y):
@@ -231,8 +241,7 @@ class LoRALinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
         if _decode_kernels(x2):
             return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer)
-        y = y() if callable(y) else y
-        return _add_update(y, F.linear(x, A), B, first.scaling)                   # h: (..., Σr)
+        return _update(y, F.linear(x, A), B, first.scaling, first.base_layer)    # h: (..., Σr)
 
     def _cast(self, dtype):
         """A, B in the activation dtype: bf16 matmuls, fp32 gradients (the cast's backward upcasts).

@@ -40,7 +40,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from marlin_kernel import folds_lora, fragment_rows, interpreting, pdl_launch, pdl_start
+    from marlin_kernel import folds_lora, fragment_rows, interpreting, pdl_launch, pdl_start, reduce_folds_lora
 except ImportError:  # lora.py's torch path needs no triton
     triton = None
 
@@ -79,6 +79,16 @@ def fold_expand(base, x2) -> bool:
     stores a tile of y adds s·h·Bᵀ first (fp4_decode._lora_update), one launch per adapter group fewer."""
     return (FOLD_EXPAND and hasattr(base, "weight_packed") and x2.dtype == torch.bfloat16
             and folds_lora(*x2.shape))
+
+
+def fold_in_reduce(base, h, B) -> bool:
+    """Let the base matmul's split-K reduce add s·h·Bᵀ (h = x Aᵀ bf16 from F.linear, B (N, r))
+    instead of lora.py's in-place addmm after it? Beyond MAX_M rows (lora.py's torch path), without
+    autograd, on an NVFP4 base whose register-A launch splits K (marlin_kernel.reduce_folds_lora:
+    the GRPO batch's qkv, o and down; gate/up does not split)."""
+    return (triton is not None and hasattr(base, "weight_packed") and h.is_cuda and h.dtype == torch.bfloat16
+            and not torch.is_grad_enabled() and h.numel() // h.shape[-1] > MAX_M
+            and reduce_folds_lora(h.numel() // h.shape[-1], B.shape[0], base.in_features, h.device, base.interleaved))
 
 
 if triton is not None:

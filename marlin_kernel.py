@@ -83,7 +83,8 @@ import triton
 import register_a_kernel as rak
 from fp4_decode import pdl_start  # noqa: F401 (public here: fused_ops, paged_attention, lora_kernels)
 from small_m_kernels import _nvfp4_gemv_kernel, _nvfp4_mma_kernel
-from tile_kernels import _nvfp4_dequant_kernel, _nvfp4_mm_dx_kernel, _nvfp4_mm_kernel, _splitk_reduce_kernel
+from tile_kernels import (_nvfp4_dequant_kernel, _nvfp4_mm_dx_kernel, _nvfp4_mm_kernel, _splitk_reduce_kernel,
+                          _splitk_reduce_lora_kernel)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -128,6 +129,7 @@ def interpreting() -> bool:
 # GEMV after gate/up is better scheduled early (-0.5% late).
 PDL = True       # bench/rollout.py and bench/kernel.py switch it off to measure what it buys
 GEMV_LATE_RELEASE = True   # bench/ab.py's late= switch
+REDUCE_FOLDS_LORA = True   # see reduce_folds_lora (bench/ab.py's lora_reduce= switch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -411,9 +413,21 @@ def _split_targets(out, tiles, split, reduce):
     return (out, counts), dict(PARTIAL=split > 1, REDUCE=reduce, NSPLIT=split if reduce else 1)
 
 
-def _reduce(part, global_scale, bias, out):
-    """out = sum of the partials (scaled, + bias); nothing to do if the launch wrote out itself."""
+def _reduce(part, global_scale, bias, out, lora=None):
+    """out = sum of the partials (scaled, + bias); nothing to do if the launch wrote out itself.
+    lora = (h, B, s), h (M, R) bf16: also out += s·h·Bᵀ (tile_kernels._splitk_reduce_lora_kernel)."""
     if part is out:
+        return out
+    if lora is not None:
+        h, B, s = lora
+        # 16 x 128 tiles: as many programs as the flat reduce has blocks of 1024 (H100, 7B GRPO batch
+        # with adapters: 13,967 / 13,989 tok/s, against 13,797 / 13,740 at 32 x 64 and 13,614 / 13,732
+        # at 16 x 64; 64 x 64 lost to the addmm, bench/NOTES.md v21)
+        (M, N), BM, BN = out.shape, 16, 128
+        _splitk_reduce_lora_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+            part, global_scale, bias if bias is not None else out, out, h, B, s, M, N, h.shape[1], part.shape[0],
+            HAS_BIAS=bias is not None, BM=BM, BN=BN, LR=max(16, triton.next_power_of_2(h.shape[1])),
+            INTERPRET=interpreting(), **pdl_launch(out.device))
         return out
     numel = out.numel()
     BLOCK = 1024
@@ -536,9 +550,20 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
-def _wgmma(x, packed, scale, global_scale, bias, cfg):
+def _wgmma_split(M, N, K, cfg, device):
+    """(split, windows per split) of a register-A launch: split-K up to one wave of programs (as
+    many as fit on the SMs at once by shared memory: the ring of x tiles, words and scales), each
+    >= 4 windows of 128 k; more waves measured slower (NOTES v17)."""
+    nwin = K // 128
+    tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt)
+    wave = _num_sms(device) * max(1, SMEM_PER_SM // (rak.ring_bytes(cfg.bn, cfg.bt, cfg.stages) + 1024))
+    return _split(cfg.split or max(1, min(nwin // 4, wave // tiles)), tiles, nwin, 1, 0)
+
+
+def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
     """y = x·Wᵀ (+bias) with the register-A wgmma kernel: W interleaved, K a multiple of 128, sm_90
-    with triton 3.6 (wgmma_rows). x is first permuted into the operand's k order (one pass)."""
+    with triton 3.6 (wgmma_rows). x is first permuted into the operand's k order (one pass). lora =
+    (h, B, s) (h bf16 (M, R)): the split-K reduce also adds s·h·Bᵀ (reduce_folds_lora)."""
     M, K = x.shape
     N = packed.shape[0]
     if K % 128:
@@ -548,12 +573,9 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg):
         return out
     nwin = K // 128
     grid_nm = (triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bt))
-    tiles = grid_nm[0] * grid_nm[1]
-    # split-K up to one wave of programs (as many as fit on the SMs at once by shared memory: the
-    # ring of x tiles, words and scales), each >= 4 windows; more waves measured slower (NOTES v17)
-    wave = _num_sms(x.device) * max(1, SMEM_PER_SM // (rak.ring_bytes(cfg.bn, cfg.bt, cfg.stages) + 1024))
-    split = cfg.split or max(1, min(nwin // 4, wave // tiles))
-    split, chunk = _split(split, tiles, nwin, 1, 0)
+    split, chunk = _wgmma_split(M, N, K, cfg, x.device)
+    if lora is not None and split == 1:
+        raise ValueError("a LoRA update folds into the register-A route only where it splits K (reduce_folds_lora)")
     part = _partials(split, out)
     xp = rak.fragment_order(x, pdl_launch(x.device))
     rak._nvfp4_wgmma_kernel[(*grid_nm, split)](
@@ -561,7 +583,7 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg):
         part, M, N, nwin, chunk, xp.stride(0), N, M * N,
         LW=rak.word_layout(cfg.bn, cfg.warps), LS=rak.scale_layout(cfg.bn, cfg.warps), BN=cfg.bn, BT=cfg.bt,
         S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=cfg.warps, **pdl_launch(x.device))
-    return _reduce(part, global_scale, bias, out)
+    return _reduce(part, global_scale, bias, out, lora)
 
 
 def _matmul_dx(dy, packed, scale, global_scale, cfg, il=False):
@@ -622,11 +644,33 @@ def folds_lora(M: int, K: int) -> bool:
     return REDUCE_IN_KERNEL and M <= 16 and not fragment_rows(M, K)
 
 
+def reduce_folds_lora(M: int, N: int, K: int, device, interleaved: bool) -> bool:
+    """Can nvfp4_matmul take a LoRA update in the h form (h = x Aᵀ bf16 (M, R), as F.linear gives
+    it) at M rows? Where the register-A kernel runs with split-K: the reduce kernel that sums its
+    partials adds s·h·Bᵀ too (tile_kernels._splitk_reduce_lora_kernel), and the in-place addmm that
+    lora.py would run after the matmul is not needed (the GRPO batch's qkv, o and down)."""
+    return (REDUCE_FOLDS_LORA and wgmma_rows(M, N, K, device, interleaved)
+            and _wgmma_split(M, N, K, wgmma_config(M), device)[0] > 1)
+
+
 def folds_silu(M: int) -> bool:
     """Can nvfp4_matmul apply SiLU·mul to a stacked gate/up product itself (silu_mul=True)? Where
     the CUDA-core GEMV runs, whose programs finish their rows in one pass: the gate rows and the
     same up rows go to one program, which stores silu(gate)·up (the SiLU·mul kernel's launch saved)."""
     return M <= GEMV_MAX_M
+
+
+def _check_lora_h(lora, M, N, K, device, interleaved):
+    h, B, s = lora
+    if h.dtype != torch.bfloat16 or tuple(h.shape[:1]) != (M,) or not h.is_contiguous():
+        raise ValueError(f"lora: h must be a contiguous bf16 ({M}, R), got {h.dtype} {tuple(h.shape)}")
+    if B.dtype != torch.bfloat16 or tuple(B.shape) != (N, h.shape[1]) or not B.is_contiguous():
+        raise ValueError(f"lora: B must be a contiguous bf16 ({N}, {h.shape[1]}), got {B.dtype} {tuple(B.shape)}")
+    if h.device != device or B.device != device or not isinstance(s, float):
+        raise ValueError("lora: h and B on the activations' device, and a float scale")
+    if not reduce_folds_lora(M, N, K, device, interleaved):
+        raise ValueError(f"lora in the h form folds only where the register-A kernel splits K "
+                         f"(reduce_folds_lora), not at M={M}, N={N}, K={K}")
 
 
 def _check_lora(lora, M, N, K, device):
@@ -645,7 +689,9 @@ def _check_lora(lora, M, N, K, device):
 def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False, silu_mul=False):
     """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16), fp32 accumulation.
     lora = (hp, B, s), where folds_lora(M, K): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the LoRA update of
-    lora_kernels.lora_expand_ (hp (split, M, R) fp32 from lora_kernels.lora_shrink, B (N, R) bf16).
+    lora_kernels.lora_expand_ (hp (split, M, R) fp32 from lora_kernels.lora_shrink, B (N, R) bf16);
+    or lora = (h, B, s) with h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by
+    the reduce kernel of the register-A route (lora.py's addmm, without its launch).
     interleaved: packed and scale hold nvfp4.interleave's layout (K a multiple of 128).
     silu_mul, where folds_silu(M): W stacks gate and up (N = 2I rows), and the result is
     silu(y[:, :I])·y[:, I:] (M, I), the bits of fused_ops.silu_mul_triton on the two halves of y."""
@@ -658,6 +704,9 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleav
         if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
             raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
                              f"{bias.dtype} {tuple(bias.shape)}")
+    if lora is not None and lora[0].dim() == 2:    # the h form: reduce_folds_lora
+        _check_lora_h(lora, x.shape[0], N, K, x.device, interleaved)
+        return _wgmma(x, packed, scale, global_scale, bias, wgmma_config(x.shape[0]), lora)
     if lora is not None:       # folds_lora: the GEMV or the swapped tiles below, never _mma or dequant
         _check_lora(lora, x.shape[0], N, K, x.device)
     elif wgmma_rows(x.shape[0], N, K, x.device, interleaved):

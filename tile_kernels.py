@@ -27,7 +27,9 @@ last (counted by an atomic per tile in a zeroed int32 buffer, which it sets back
 up in order with the epilogue (scale, bias, cast): one launch, and the same bits as the reduce
 kernel (fp4_decode._last_split / _sum_splits, shared with small_m_kernels.py). Otherwise
 _splitk_reduce_kernel does it: deterministic, no atomics. It also serves the fragment kernel's
-split launches at M > 4 (small_m_kernels.py).
+split launches at M > 4 (small_m_kernels.py) and the register-A kernel's (register_a_kernel.py);
+_splitk_reduce_lora_kernel is the same sum in 2-D tiles that also adds a LoRA update s·h·Bᵀ
+(one MMA of the tile's rows of h and B) where lora.py would run an addmm after it.
 
 From M = 512 on (M = 128 for weights under 20M elements) the fused kernel reaches only ~45% of
 cuBLAS, so _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS multiplies
@@ -45,7 +47,9 @@ Test: tests/test_tile_kernels.py through marlin_kernel's wrappers
 test_medium_m_unswapped_kernel_matches_float64, test_large_m_dequantize_then_matmul_path);
 tests/test_marlin_kernel.py's test_forward_matches_float64 and test_real_shapes_gpu run them on the
 routes that reach them; the folded LoRA update: tests/test_small_m_kernels.py
-(test_kernels_fold_the_lora_update). Benchmark: python bench/kernel.py (--sweep, --medium-variants).
+(test_kernels_fold_the_lora_update), the reduce's: tests/test_tile_kernels.py
+(test_split_k_reduce_adds_the_lora_update) and tests/test_lora.py's GPU test at the GRPO rows.
+Benchmark: python bench/kernel.py (--sweep, --medium-variants).
 """
 import triton
 import triton.language as tl
@@ -235,6 +239,32 @@ def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
     for s in range(SPLIT):
         acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, _finish(acc, gs_ptr, bias_ptr, offs % C, C, HAS_BIAS, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr, lora_scale, M, N, R, SPLIT,
+                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LR: tl.constexpr,
+                               INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+    """_splitk_reduce_kernel for a (BM, BN) tile of out (M, N), plus a LoRA update: out = bf16(y +
+    s · h Bᵀ) with y the reduce's bf16 result, h (M, R) and B (N, R) bf16 (R <= LR), the update an
+    fp32 MMA added before the one rounding (the in-place addmm it replaces, lora.py's _add_update,
+    rounded the sum less exactly: off by more than a bf16 step on ~1% of 7B o_proj's outputs)."""
+    pdl_start(USE_PDL)
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs = offs_m[:, None] * N + offs_n[None, :]                                   # (BM, BN)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    r = tl.arange(0, LR)
+    h = tl.load(h_ptr + offs_m[:, None] * R + r[None, :], mask=(offs_m < M)[:, None] & (r < R)[None, :], other=0.0)
+    b = tl.load(b_ptr + offs_n[:, None] * R + r[None, :], mask=(offs_n < N)[:, None] & (r < R)[None, :], other=0.0)
+    if INTERPRET:   # the interpreter's bf16 dot is wrong
+        h, b = h.to(tl.float32), b.to(tl.float32)
+    update = lora_scale * tl.dot(h, tl.trans(b))                                  # (BM, BN) fp32
+    y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
+    tl.store(out_ptr + offs, _add_update(y, update, INTERPRET), mask=mask)
 
 
 @triton.jit

@@ -21,6 +21,8 @@ defaults, which are what ships):
     lora_pdl_nvfp4=0|1    lora_kernels.PDL_BESIDE_NVFP4: PDL for them on an NVFP4 base too
     lora_early=0|1        lora_kernels.EARLY_SHRINK: x Aᵀ before the base matmul where early_shrink says
     lora_fold=0|1         lora_kernels.FOLD_EXPAND: the update added by the NVFP4 GEMV where fold_expand says
+    lora_reduce=0|1       marlin_kernel.REDUCE_FOLDS_LORA: beyond 16 rows, the update added by the register-A
+                          route's split-K reduce where lora_kernels.fold_in_reduce says
     sampler=triton|torch  sampling.py's GPU path (torch: the ~10-op reference path)
     wgmma=N               marlin_kernel.WGMMA_MAX_M: the register-A wgmma kernel up to M = N rows
                           (0: never; the tile kernels instead)
@@ -66,6 +68,7 @@ SWITCHES = {
     "lora_pdl_nvfp4": (lora_kernels, "PDL_BESIDE_NVFP4", lambda v: bool(int(v))),
     "lora_early": (lora_kernels, "EARLY_SHRINK", lambda v: bool(int(v))),
     "lora_fold": (lora_kernels, "FOLD_EXPAND", lambda v: bool(int(v))),
+    "lora_reduce": (marlin_kernel, "REDUCE_FOLDS_LORA", lambda v: bool(int(v))),
     "sampler": (sampling, "triton", lambda v: sampling.triton if v == "triton" else None),
     "wgmma": (marlin_kernel, "WGMMA_MAX_M", int),
     "wgmma_min": (marlin_kernel, "WGMMA_MIN_M", int),

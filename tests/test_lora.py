@@ -469,3 +469,35 @@ def test_update_without_autograd_is_in_place_on_fresh_outputs(mode):
     out = _add_update(y, h, B, 0.5)
     assert out is not y and out.grad_fn is not None
     check_close(out.detach(), want, 1e-5, "autograd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [64, 128])
+def test_gpu_grpo_rows_fold_the_update_into_the_split_k_reduce(M, monkeypatch):
+    """At the GRPO batch the register-A route (7B o_proj's shape) splits K, and its reduce kernel adds
+    s·h·Bᵀ (lora_kernels.fold_in_reduce): no addmm after the matmul, and it ran (a spy on
+    marlin_kernel._reduce). Against float64 on the same base output and h: within one bf16 step
+    everywhere (the update is added in fp32 and rounded once; the addmm path it replaces missed by
+    more than a step on ~1% of these outputs, H100)."""
+    import torch.nn.functional as F
+    import marlin_kernel as mk
+    from nvfp4 import NVFP4Linear
+    torch.manual_seed(0)
+    base = NVFP4Linear.from_weight(torch.randn(3584, 3584, device="cuda") * 0.02).interleave_()
+    m = LoRALinear(base, r=32, alpha=64)
+    with torch.no_grad():
+        m.lora_B.normal_(0, 0.02)
+    x = torch.randn(M, 3584, device="cuda", dtype=torch.bfloat16)
+    if not mk.reduce_folds_lora(M, 3584, 3584, x.device, True):
+        pytest.skip("the register-A route does not run here (sm_90 with triton 3.6)")
+    seen, real = [], mk._reduce
+    monkeypatch.setattr(mk, "_reduce", lambda *a: seen.append(len(a) > 4 and a[4] is not None) or real(*a))
+    with torch.inference_mode():
+        got = m(x)
+        A, B = m._cast(x.dtype)
+        want = base(x).double() + m.scaling * F.linear(x, A).double() @ B.double().t()
+    assert seen == [True, False]
+    err = (got.double() - want).abs()
+    step = 2.0 ** -7 * torch.maximum(got.double().abs(), want.abs())      # one bf16 step of the larger
+    assert (err <= step + 1e-6).all(), f"M={M}: {(err > step + 1e-6).sum().item()} elements off"
+    assert (got.double() - base(x).double()).abs().max() > 0.1, "the update is not zero"

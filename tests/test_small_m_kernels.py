@@ -103,6 +103,8 @@ def test_lora_update_only_where_it_folds(monkeypatch):
         mk.nvfp4_matmul(x1, packed, scale, gs, lora=(hp.bfloat16(), B, 1.0))
     with pytest.raises(ValueError, match="B must be"):
         mk.nvfp4_matmul(x1, packed, scale, gs, lora=(hp, B[:16], 1.0))
+    with pytest.raises(ValueError, match="reduce_folds_lora"):     # the h form: the register-A route only
+        mk.nvfp4_matmul(x1, packed, scale, gs, lora=(hp[0].bfloat16(), B, 1.0))
     monkeypatch.setattr(mk, "REDUCE_IN_KERNEL", False)
     assert not mk.folds_lora(1, 64)
     with pytest.raises(ValueError, match="REDUCE_IN_KERNEL|folds_lora"):

@@ -76,3 +76,22 @@ def test_large_m_dequantize_then_matmul_path(has_bias, monkeypatch, poisoned):
                  x.double() @ W.t() + (bias.double() if has_bias else 0), "fwd large-M path")
     dy = torch.randn(M, N, generator=gen).bfloat16().to(DEV)
     assert_close(mk.nvfp4_matmul_dx(dy, packed, scale, gs), dy.double() @ W, "dx large-M path")
+
+
+@pytest.mark.parametrize("M,N,R,split,has_bias", [(5, 48, 16, 3, True), (70, 130, 96, 2, False), (1, 16, 7, 4, True)])
+def test_split_k_reduce_adds_the_lora_update(M, N, R, split, has_bias, poisoned):
+    """_reduce with lora = (h, B, s) (h bf16, the register-A route's fold, reduce_folds_lora): the
+    sum of the fp32 partials rounded to y as without the update, then bf16(y + s·h·Bᵀ) against
+    float64; tiles past M and N (70 x 130 in 16 x 128 tiles) and a rank that is not a power of two."""
+    gen = torch.Generator().manual_seed(M * 31 + N + R)
+    part = torch.randn(split, M, N, generator=gen).to(DEV)
+    gs = torch.tensor([0.37], device=DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    h = torch.randn(M, R, generator=gen).bfloat16().to(DEV)
+    B = (torch.randn(N, R, generator=gen) * 0.1).bfloat16().to(DEV)
+    plain = mk._reduce(part, gs, bias, torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
+    got = mk._reduce(part, gs, bias, torch.empty(M, N, device=DEV, dtype=torch.bfloat16), (h, B, 0.5))
+    base = part.double().sum(0) * 128 / gs.double() + (bias.double() if has_bias else 0)
+    assert ((plain.double() - base).abs() <= 2.0 ** -8 * base.abs() + 1e-30).all()     # y: one rounding
+    want = plain.double() + 0.5 * h.double() @ B.double().t()
+    assert ((got.double() - want).abs() <= 2.0 ** -8 * want.abs() + 1e-6).all(), (got.double() - want).abs().max()
