@@ -57,8 +57,10 @@ def pdl_for(base) -> bool:
     has weight_packed): at the <= MAX_M rows the kernels take, the matmul before them sums its own
     split-K partials (the GEMV, the fragment kernel at M <= 4, the swapped tiles), and there PDL
     made batch 1 9% slower than cuBLAS, and batch 16 8% slower than the same kernels without PDL
-    (bench/NOTES.md v9, v10; the cause is not known). The pattern so far: a PDL launch right after a kernel whose last
-    programs sum its partials costs; after the separate reduce kernel it paid (+8.8% at 16 rows)."""
+    (bench/NOTES.md v9, v10). The pattern: a PDL launch right after a kernel whose last programs sum
+    its partials costs; after the separate reduce kernel it paid (+8.8% at 16 rows). v21 found a
+    likely mechanism (a kernel scheduled early waits on the SMs through the whole kernel before it;
+    marlin_kernel's PDL comment), not yet re-tried here."""
     return PDL_BESIDE_NVFP4 or not hasattr(base, "weight_packed")
 
 
