@@ -88,9 +88,10 @@ def fold_in_reduce(base, h, B) -> bool:
     instead of lora.py's in-place addmm after it? Beyond MAX_M rows (lora.py's torch path), without
     autograd, on an NVFP4 base whose register-A launch splits K (marlin_kernel.reduce_folds_lora:
     the GRPO batch's qkv, o and down; gate/up does not split)."""
+    rows = h.numel() // h.shape[-1]
     return (triton is not None and hasattr(base, "weight_packed") and h.is_cuda and h.dtype == torch.bfloat16
-            and not torch.is_grad_enabled() and h.numel() // h.shape[-1] > MAX_M
-            and reduce_folds_lora(h.numel() // h.shape[-1], B.shape[0], base.in_features, h.device, base.interleaved))
+            and not torch.is_grad_enabled() and rows > MAX_M
+            and reduce_folds_lora(rows, B.shape[0], base.in_features, h.device, base.interleaved))
 
 
 if triton is not None:

@@ -660,30 +660,28 @@ def folds_silu(M: int) -> bool:
     return M <= GEMV_MAX_M
 
 
-def _check_lora_h(lora, M, N, K, device, interleaved):
-    h, B, s = lora
-    if h.dtype != torch.bfloat16 or tuple(h.shape[:1]) != (M,) or not h.is_contiguous():
-        raise ValueError(f"lora: h must be a contiguous bf16 ({M}, R), got {h.dtype} {tuple(h.shape)}")
-    if B.dtype != torch.bfloat16 or tuple(B.shape) != (N, h.shape[1]) or not B.is_contiguous():
-        raise ValueError(f"lora: B must be a contiguous bf16 ({N}, {h.shape[1]}), got {B.dtype} {tuple(B.shape)}")
-    if h.device != device or B.device != device or not isinstance(s, float):
-        raise ValueError("lora: h and B on the activations' device, and a float scale")
-    if not reduce_folds_lora(M, N, K, device, interleaved):
+def _check_lora(lora, M, N, K, device, interleaved):
+    """Check a LoRA update in either of nvfp4_matmul's forms, and where it folds; -> True for the
+    h form (h (M, R) bf16), False for the partials form (hp (split, M, R) fp32)."""
+    first, B, s = lora
+    h_form = first.dim() == 2
+    if h_form:
+        if first.dtype != torch.bfloat16 or first.shape[0] != M or not first.is_contiguous():
+            raise ValueError(f"lora: h must be a contiguous bf16 ({M}, R), got {first.dtype} {tuple(first.shape)}")
+    elif first.dtype != torch.float32 or first.dim() != 3 or first.shape[1] != M or not first.is_contiguous():
+        raise ValueError(f"lora: hp must be contiguous fp32 K-chunk partials (split, {M}, R), got "
+                         f"{first.dtype} {tuple(first.shape)}")
+    R = first.shape[-1]
+    if B.dtype != torch.bfloat16 or tuple(B.shape) != (N, R) or not B.is_contiguous():
+        raise ValueError(f"lora: B must be a contiguous bf16 ({N}, {R}), got {B.dtype} {tuple(B.shape)}")
+    if first.device != device or B.device != device or not isinstance(s, float):
+        raise ValueError(f"lora: {'h' if h_form else 'hp'} and B on the activations' device, and a float scale")
+    if h_form and not reduce_folds_lora(M, N, K, device, interleaved):
         raise ValueError(f"lora in the h form folds only where the register-A kernel splits K "
                          f"(reduce_folds_lora), not at M={M}, N={N}, K={K}")
-
-
-def _check_lora(lora, M, N, K, device):
-    hp, B, s = lora
-    if hp.dtype != torch.float32 or hp.dim() != 3 or hp.shape[1] != M or not hp.is_contiguous():
-        raise ValueError(f"lora: hp must be contiguous fp32 K-chunk partials (split, {M}, R), got "
-                         f"{hp.dtype} {tuple(hp.shape)}")
-    if B.dtype != torch.bfloat16 or tuple(B.shape) != (N, hp.shape[2]) or not B.is_contiguous():
-        raise ValueError(f"lora: B must be a contiguous bf16 ({N}, {hp.shape[2]}), got {B.dtype} {tuple(B.shape)}")
-    if hp.device != device or B.device != device or not isinstance(s, float):
-        raise ValueError("lora: hp and B on the activations' device, and a float scale")
-    if not folds_lora(M, K):
+    if not h_form and not folds_lora(M, K):
         raise ValueError(f"lora: the update folds into the matmul only where folds_lora holds, not at M = {M}, K = {K}")
+    return h_form
 
 
 def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False, silu_mul=False):
@@ -704,11 +702,9 @@ def nvfp4_matmul(x, packed, scale, global_scale, bias=None, lora=None, interleav
         if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
             raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
                              f"{bias.dtype} {tuple(bias.shape)}")
-    if lora is not None and lora[0].dim() == 2:    # the h form: reduce_folds_lora
-        _check_lora_h(lora, x.shape[0], N, K, x.device, interleaved)
-        return _wgmma(x, packed, scale, global_scale, bias, wgmma_config(x.shape[0]), lora)
     if lora is not None:       # folds_lora: the GEMV or the swapped tiles below, never _mma or dequant
-        _check_lora(lora, x.shape[0], N, K, x.device)
+        if _check_lora(lora, x.shape[0], N, K, x.device, interleaved):     # the h form: reduce_folds_lora
+            return _wgmma(x, packed, scale, global_scale, bias, wgmma_config(x.shape[0]), lora)
     elif wgmma_rows(x.shape[0], N, K, x.device, interleaved):
         return _wgmma(x, packed, scale, global_scale, bias, wgmma_config(x.shape[0]))
     elif use_dequant(x.shape[0], N, K):
