@@ -81,7 +81,11 @@ def pdl_start(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = True):
     order at most one kernel waits ahead; releasing first let every later kernel of a CUDA graph
     cascade onto the SMs and hold their slots while waiting (H100: batch-4 decode 724 tok/s
     against 1124 without PDL). RELEASE=False leaves the release to a later pdl_release: the
-    kernel after it then waits only through this one's tail (the M = 1 GEMV's reason: marlin_kernel)."""
+    kernel after it then waits only through this one's tail (the M = 1 GEMV's reason: marlin_kernel).
+
+    A kernel may load before pdl_start what was written two or more launches back (EARLY_LOADS in
+    marlin_kernel): the kernel before it let it be scheduled only after its own wait, when every
+    kernel before that one had finished. Its own predecessor's output must be read after."""
     if USE_PDL:
         gdc_wait()
         if RELEASE:

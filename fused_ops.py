@@ -37,6 +37,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    import marlin_kernel
     from fp4_decode import silu_mul
     from marlin_kernel import pdl_launch, pdl_start
 except ImportError:  # model.py's torch path needs no triton
@@ -54,21 +55,30 @@ def fused(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps,
-                         HAS_RES: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
-        pdl_start(USE_PDL)
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps, HAS_RES: tl.constexpr,
+                         BLOCK_C: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_C)
         mask = offs < C
+        if EARLY:       # the weight and the residual stream before the wait (rms_norm_triton)
+            w, r = _norm_inputs(w_ptr, res_ptr + row * C, offs, mask, HAS_RES)
+        pdl_start(USE_PDL)
+        if not EARLY:
+            w, r = _norm_inputs(w_ptr, res_ptr + row * C, offs, mask, HAS_RES)
         x = tl.load(x_ptr + row * C + offs, mask=mask, other=0.0)
         if HAS_RES:     # x + residual, rounded to the activation dtype as torch's add does
-            x = (x.to(tl.float32) + tl.load(res_ptr + row * C + offs, mask=mask, other=0.0).to(tl.float32))
-            x = x.to(sum_ptr.dtype.element_ty)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
             tl.store(sum_ptr + row * C + offs, x, mask=mask)
         h = x.to(tl.float32)
         h = h * tl.rsqrt(tl.sum(h * h, axis=0) / C + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_inputs(w_ptr, res_row, offs, mask, HAS_RES: tl.constexpr):
+        """-> the norm's weight and its row of the residual (the weight again without one)."""
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        r = tl.load(res_row + offs, mask=mask, other=0.0) if HAS_RES else w
+        return w, r
 
     @triton.jit
     def rotate_halves(x1, x2, cos, sin):
@@ -112,7 +122,10 @@ if triton is not None:
 
 
 def rms_norm_triton(x, weight, eps, residual=None):
-    """RMSNorm.forward in one kernel per row: x (..., C) contiguous, weight (C,) fp32."""
+    """RMSNorm.forward in one kernel per row: x (..., C) contiguous, weight (C,) fp32. Under PDL
+    (marlin_kernel.EARLY_LOADS) the kernel reads weight and residual before waiting on the kernel
+    launched before it, so neither may be that kernel's output: x may (in a decoder layer x is the
+    block's output and residual the stream, written two or more launches back)."""
     C = x.shape[-1]
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -120,7 +133,8 @@ def rms_norm_triton(x, weight, eps, residual=None):
     block = triton.next_power_of_2(C)
     _rms_norm_kernel[(x.numel() // C,)](x, residual.contiguous() if residual is not None else x, weight,
                                         out, total, C, eps, HAS_RES=residual is not None, BLOCK_C=block,
-                                        **pdl_launch(x.device), num_warps=min(16, max(1, block // 256)))
+                                        EARLY=marlin_kernel.EARLY_LOADS, **pdl_launch(x.device),
+                                        num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, total)
 
 

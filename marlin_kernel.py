@@ -128,6 +128,9 @@ def interpreting() -> bool:
 # same run: 369.0 / 367.0 tok/s against 379.9 / 380.1 released late; bench/NOTES.md v21). The down
 # GEMV after gate/up is better scheduled early (-0.5% late).
 PDL = True       # bench/rollout.py and bench/kernel.py switch it off to measure what it buys
+# Loads of what the kernel before does not write, issued before pdl_start's wait (paged attention's
+# first cache tile, RMSNorm's weight and residual; see fp4_decode.pdl_start): bench/ab.py's early=
+EARLY_LOADS = True
 GEMV_LATE_RELEASE = True   # bench/ab.py's late= switch
 REDUCE_FOLDS_LORA = True   # see reduce_folds_lora (bench/ab.py's lora_reduce= switch)
 

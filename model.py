@@ -221,7 +221,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))  # fp32: AQN noise must be representable
 
     def forward(self, x, residual=None):
-        """(..., C) -> norm(x) in x.dtype; with residual: (norm(x + residual), x + residual)."""
+        """(..., C) -> norm(x) in x.dtype; with residual: (norm(x + residual), x + residual).
+        The fused kernel may read residual before the kernel that ran just before it has finished
+        (rms_norm_triton): residual is the stream, never the output of the op just before."""
         if fused(x):
             return rms_norm_triton(x, self.weight, self.eps, residual)
         if residual is not None:

@@ -56,6 +56,7 @@ try:
     import triton.language as tl
     from fp4_decode import _last_split
     from fused_ops import rotate_halves
+    import marlin_kernel
     from marlin_kernel import interpreting, pdl_launch, pdl_start
 except ImportError:  # the torch reference path works without triton
     triton = None
@@ -172,6 +173,38 @@ if triton is not None:
                  mask=(offs_g < G)[:, None])
 
     @triton.jit
+    def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, tok0, end, h, HKV: tl.constexpr, D: tl.constexpr,
+                 BS: tl.constexpr, TILE: tl.constexpr):
+        """K, V (TILE, D) of positions tok0 .. tok0 + TILE - 1 of one kv head, gathered through the
+        block table row bt_row; positions >= end are masked (valid) and read as zeros."""
+        pos = tok0 + tl.arange(0, TILE)                                          # (TILE,)
+        valid = pos < end
+        block = tl.load(bt_row + pos // BS, mask=valid, other=0).to(tl.int64)
+        kv_off = ((block * BS + pos % BS)[:, None] * HKV + h) * D + tl.arange(0, D)[None, :]  # (TILE, D)
+        k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+        return k, v, valid
+
+    @triton.jit
+    def _attend_tile(q, k, v, valid, m, l, acc, scale, FP32_DOT: tl.constexpr):
+        """One online-softmax step of q (G, D) over a tile k, v (TILE, D) with at least one valid
+        position: -> the running max m, denominator l and output acc."""
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (G_PAD, TILE)
+        else:
+            s = tl.dot(q, tl.trans(k))                                   # bf16 MMA
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        pr = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(pr, 1)
+        if FP32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        return m_new, l, acc
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr, stride_qb, stride_qh,             # q (B, Hq, D), last dim contiguous
         k_cache_ptr, v_cache_ptr,                # (num_blocks, BS, Hkv, D), contiguous
@@ -184,7 +217,8 @@ if triton is not None:
         scale, num_parts,
         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr,
         BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, P_CHUNK: tl.constexpr,
-        MERGE: tl.constexpr, ROPE: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+        MERGE: tl.constexpr, ROPE: tl.constexpr, FP32_DOT: tl.constexpr, EARLY: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         """One program = (sequence b, kv head h, partition p): the G query heads of h attend to
         positions [p*PARTITION, min((p+1)*PARTITION, ctx)) with an online softmax.
@@ -202,15 +236,22 @@ if triton is not None:
         out = acc / l if the context has one partition, else the program that finishes last for
         (b, h) (an atomic count) merges them all.
         """
-        pdl_start(USE_PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         p = tl.program_id(2)
+        # ---- loaded before waiting on the kernel before (pdl_start): the context length, and with
+        # EARLY the first tile's block table entries and older K/V, all written before this layer
+        # began; their latency then passes under that kernel's tail
         ctx = tl.load(ctx_len_ptr + b)
         # a context past num_parts * PARTITION breaks the contract (its tail is left out), but must
         # not leave a count that never reaches n_parts, shared by every later call
         n_parts = tl.minimum((ctx + PARTITION - 1) // PARTITION, num_parts)
         start = p * PARTITION
+        end = tl.minimum(start + PARTITION, ctx - 1 if ROPE else ctx)   # ROPE: the new token comes last
+        bt_row = block_table_ptr + b * stride_bt
+        if EARLY:
+            k0, v0, valid0 = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, h, HKV, D, BS, TILE)
+        pdl_start(USE_PDL)
         HALF: tl.constexpr = D // 2
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, D)
@@ -218,7 +259,6 @@ if triton is not None:
         head = b * HKV * G + h * G + offs_g                                      # (G_PAD,) rows of out
         if start < ctx:
             # ---- the G query heads that share kv head h, padded to a dot-friendly G_PAD
-            offs_n = tl.arange(0, TILE)
             q_src = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh        # (G_PAD, 1)
             if ROPE:   # q rotated, and the new token's k (rotated) and v, loaded first: nothing waits late
                 q = _load_rotated(q_src, g_mask[:, None], cos_ptr + b * HALF, sin_ptr + b * HALF, D)
@@ -231,30 +271,15 @@ if triton is not None:
             m = tl.full([G_PAD], float("-inf"), tl.float32)
             l = tl.zeros([G_PAD], tl.float32)
             acc = tl.zeros([G_PAD, D], tl.float32)
-            end = tl.minimum(start + PARTITION, ctx - 1 if ROPE else ctx)   # ROPE: the new token comes last
             # ---- walk the partition TILE positions (TILE / BS cache blocks) at a time
-            for tok0 in range(start, end, TILE):
-                pos = tok0 + offs_n                                                # (TILE,)
-                valid = pos < end
-                block = tl.load(block_table_ptr + b * stride_bt + pos // BS, mask=valid, other=0).to(tl.int64)
-                kv_off = ((block * BS + pos % BS)[:, None] * HKV + h) * D + offs_d[None, :]  # (TILE, D)
-                k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
-                v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
-                if FP32_DOT:
-                    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")  # (G_PAD, TILE)
-                else:
-                    s = tl.dot(q, tl.trans(k))                                   # bf16 MMA
-                s = s * scale
-                s = tl.where(valid[None, :], s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp(m - m_new)
-                pr = tl.exp(s - m_new[:, None])
-                l = l * alpha + tl.sum(pr, 1)
-                if FP32_DOT:
-                    acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-                m = m_new
+            first = start
+            if EARLY:
+                if start < end:
+                    m, l, acc = _attend_tile(q, k0, v0, valid0, m, l, acc, scale, FP32_DOT)
+                first = start + TILE
+            for tok0 in range(first, end, TILE):
+                k, v, valid = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, tok0, end, h, HKV, D, BS, TILE)
+                m, l, acc = _attend_tile(q, k, v, valid, m, l, acc, scale, FP32_DOT)
             if ROPE and p == n_parts - 1:        # the new token: into the cache, and from registers
                 slot = tl.load(slot_ptr + b)
                 if slot >= 0:                    # -1: a padding row, nothing written
@@ -296,10 +321,10 @@ if triton is not None:
         NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """out = sum_p e^(lse_p - M) out_p / sum_p e^(lse_p - M) over the partitions that exist."""
-        pdl_start(USE_PDL)
         b = tl.program_id(0)
         hq = tl.program_id(1)
-        ctx = tl.load(ctx_len_ptr + b)
+        ctx = tl.load(ctx_len_ptr + b)      # written before the layer began: loaded before the wait
+        pdl_start(USE_PDL)
         n_parts = tl.minimum((ctx + PARTITION - 1) // PARTITION, NUM_PARTS)
         offs_p = tl.arange(0, P_PAD)
         offs_d = tl.arange(0, D)
@@ -328,6 +353,8 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
 
 
 MERGE_MAX_PARTS = 8   # up to this many partitions the attention kernel merges them itself
+EARLY_MAX_TILE = 64   # the first tile loaded before the PDL wait up to this many positions (a
+                      # 128-position tile would hold 128 more registers through q's loads)
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, counts,
@@ -357,6 +384,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         raise ValueError(f"counts must be contiguous int32 zeros of shape (>= {B}, {Hkv}), got "
                          f"{counts.dtype} {tuple(counts.shape)}")
     merge = num_parts <= MERGE_MAX_PARTS if merge_in_kernel is None else merge_in_kernel
+    tile = max(BS, min(tile, 1 << (partition_size.bit_length() - 1)))
     part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
@@ -372,9 +400,9 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
         context_lens, part_out, part_lse, counts, out, *rope_args, scale, num_parts,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), G_M=triton.next_power_of_2(G), D=D, BS=BS,
-        PARTITION=partition_size, TILE=max(BS, min(tile, 1 << (partition_size.bit_length() - 1))),
-        P_CHUNK=min(MERGE_MAX_PARTS, triton.next_power_of_2(num_parts)), MERGE=merge, ROPE=rope is not None,
-        FP32_DOT=interpreting() or k_cache.dtype == torch.float32, num_warps=warps, **pdl_launch(q.device))
+        PARTITION=partition_size, TILE=tile, P_CHUNK=min(MERGE_MAX_PARTS, triton.next_power_of_2(num_parts)),
+        MERGE=merge, ROPE=rope is not None, FP32_DOT=interpreting() or k_cache.dtype == torch.float32,
+        EARLY=marlin_kernel.EARLY_LOADS and tile <= EARLY_MAX_TILE, num_warps=warps, **pdl_launch(q.device))
     if not merge:
         _paged_decode_merge_kernel[(B, Hq)](
             part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,

@@ -14,8 +14,11 @@ from fused_ops import rms_norm_triton, rope_triton, silu_mul_triton, token_strid
 from model import RMSNorm, apply_rope
 
 
+@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_kernels_match_the_torch_ops(dtype):
+def test_fused_kernels_match_the_torch_ops(dtype, early, monkeypatch):
+    import marlin_kernel                  # the norm's weight and residual loaded before the PDL wait or after
+    monkeypatch.setattr(marlin_kernel, "EARLY_LOADS", early)
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     dev = "cuda" if torch.cuda.is_available() else "cpu"   # on CPU: the Triton interpreter
     x, r = (torch.randn(3, 5, 96, generator=g).to(dev, dtype) for _ in range(2))  # C=96: masked tail

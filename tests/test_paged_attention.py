@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import marlin_kernel
 from paged_attention import paged_attention_ref, paged_attention_triton, store_kv_ref, store_kv_triton
 
 # ----------------------------------------------------------------------------------------------
@@ -26,12 +27,16 @@ def _random_paged(B, Hq, Hkv, D, bs, num_blocks, ctx_lens, dtype, device="cpu", 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("partition, tile, merge", [(32, 16, True), (32, 64, False), (64, 64, None),
-                                                   (48, 64, True), (16, 16, True), (16, 16, False)])
-def test_paged_attention_triton_matches_reference(dtype, partition, tile, merge):
+                                                   (48, 64, True), (16, 16, True), (16, 16, False),
+                                                   (256, 128, None)])
+@pytest.mark.parametrize("early", [True, False])
+def test_paged_attention_triton_matches_reference(dtype, partition, tile, merge, early, monkeypatch):
     # GQA 6/2 (G=3, padded to 16), contexts spanning 1..9 partitions, one empty row; tiles of one
     # block, of several blocks, and (48, 64 -> 32) not dividing the partition; partitions merged by
     # the last program of each (row, kv head) (8 at a time: 9 partitions of 16 take two passes), which
-    # leaves the counts at zero, or by the merge kernel
+    # leaves the counts at zero, or by the merge kernel; the first tile loaded before the PDL wait
+    # (early, tiles up to EARLY_MAX_TILE) or in the loop
+    monkeypatch.setattr(marlin_kernel, "EARLY_LOADS", early)
     ctx = [1, 17, 40, 0, 140]
     q, kc, vc, tables, lens = _random_paged(5, 6, 2, 16, 16, 48, ctx, dtype)
     ref = paged_attention_ref(q, kc, vc, tables, lens, 0.25)
