@@ -353,6 +353,7 @@ def store_kv_triton(k_cache, v_cache, k, v, slots):
 
 
 MERGE_MAX_PARTS = 8   # up to this many partitions the attention kernel merges them itself
+MERGE_CHUNK = 8       # partitions the in-kernel merge reads per pass (7B: an (8, 8, 128) fp32 tile, 64 values a thread)
 EARLY_MAX_TILE = 64   # the first tile loaded before the PDL wait up to this many positions (a
                       # 128-position tile would hold 128 more registers through q's loads)
 
@@ -400,7 +401,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scal
         q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
         context_lens, part_out, part_lse, counts, out, *rope_args, scale, num_parts,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), G_M=triton.next_power_of_2(G), D=D, BS=BS,
-        PARTITION=partition_size, TILE=tile, P_CHUNK=min(MERGE_MAX_PARTS, triton.next_power_of_2(num_parts)),
+        PARTITION=partition_size, TILE=tile, P_CHUNK=min(MERGE_CHUNK, triton.next_power_of_2(num_parts)),
         MERGE=merge, ROPE=rope is not None, FP32_DOT=interpreting() or k_cache.dtype == torch.float32,
         EARLY=marlin_kernel.EARLY_LOADS and tile <= EARLY_MAX_TILE, num_warps=warps, **pdl_launch(q.device))
     if not merge:

@@ -231,7 +231,10 @@ def _nvfp4_mm_dx_kernel(
 def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
                           USE_PDL: tl.constexpr):
-    """out (R, C) bf16 = sum_s part[s] (R, C) fp32 · 2^7/global_scale (+ bias (C,))."""
+    """out (R, C) bf16 = sum_s part[s] (R, C) fp32 · 2^7/global_scale (+ bias (C,)), the sums of
+    fp4_decode._sum_splits. Its own loop over a runtime SPLIT: calling _sum_splits (unrolled .cg
+    loads, SPLIT a constexpr), here and in the LoRA variant below, measured -1% at the GRPO batch
+    (H100, bench/NOTES.md v22)."""
     pdl_start(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel

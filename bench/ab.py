@@ -17,6 +17,7 @@ defaults, which are what ships):
     reduce=0|1            marlin_kernel.REDUCE_IN_KERNEL: split-K summed by the last split in-kernel
     merge=N               paged_attention.MERGE_MAX_PARTS: up to N partitions merged in the attention
                           kernel (0: always the merge kernel)
+    mchunk=N              paged_attention.MERGE_CHUNK: partitions per pass of that in-kernel merge
     part=N                rollout.PARTITION_TOKENS: decode attention partitions of N·B positions
                           (16..512, at least max_model_len/64)
     lora_kernels=0|1      lora_kernels.py's decode update (0: lora.py's cuBLAS GEMM + addmm)
@@ -66,6 +67,7 @@ SWITCHES = {
     "early": (marlin_kernel, "EARLY_LOADS", lambda v: bool(int(v))),
     "reduce": (marlin_kernel, "REDUCE_IN_KERNEL", lambda v: bool(int(v))),
     "merge": (paged_attention, "MERGE_MAX_PARTS", int),
+    "mchunk": (paged_attention, "MERGE_CHUNK", int),
     "part": (rollout, "PARTITION_TOKENS", int),
     "lora_kernels": (lora, "_decode_kernels", lambda v: lora._decode_kernels if int(v) else (lambda x2: False)),
     "lora_pdl_nvfp4": (lora_kernels, "PDL_BESIDE_NVFP4", lambda v: bool(int(v))),
