@@ -269,12 +269,20 @@ def _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R, LSPLI
                       LR: tl.constexpr, INTERPRET: tl.constexpr):
     """_lora_update for a (BM, BN) tile (BM >= 16 rows offs_m, BN columns offs_n) as one MMA,
     h (BM, LR) · B (BN, LR)ᵀ: the expand kernel's own product (fp32 under the interpreter)."""
-    r = tl.arange(0, LR)
     h = _lora_h(hp_ptr, offs_m[:, None], M, R, LSPLIT, LR, INTERPRET)                 # (BM, LR)
+    return _lora_mma(h, lb_ptr, lora_scale, offs_n, N, R, LR, INTERPRET)
+
+
+@triton.jit
+def _lora_mma(h, lb_ptr, lora_scale, offs_n, N, R, LR: tl.constexpr, INTERPRET: tl.constexpr):
+    """s · h · B[offs_n]ᵀ (BM, BN) fp32 for h (BM, LR) holding bf16 values (zero past R) and B (N, R)
+    bf16: one MMA on bf16 operands (fp32 under the interpreter, whose bf16 dot is wrong). Shared
+    with tile_kernels._splitk_reduce_lora_kernel."""
+    r = tl.arange(0, LR)
     b = tl.load(lb_ptr + offs_n[:, None] * R + r[None, :], mask=(offs_n[:, None] < N) & (r[None, :] < R),
                 other=0.0)                                                            # (BN, LR)
     if INTERPRET:
-        d = tl.dot(h, tl.trans(b.to(tl.float32)), input_precision="ieee")
+        d = tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
     else:
         d = tl.dot(h.to(tl.bfloat16), tl.trans(b))
     return lora_scale * d

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _add_update, _e2m1x2_to_f32, _e4m3_to_f32,
-                        _finish, _last_split, _lora_update_tile, _sum_splits, _tiled_offsets,
+                        _finish, _last_split, _lora_mma, _lora_update_tile, _sum_splits, _tiled_offsets,
                         _to_bf16, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
@@ -262,10 +262,7 @@ def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr
         acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
     r = tl.arange(0, LR)
     h = tl.load(h_ptr + offs_m[:, None] * R + r[None, :], mask=(offs_m < M)[:, None] & (r < R)[None, :], other=0.0)
-    b = tl.load(b_ptr + offs_n[:, None] * R + r[None, :], mask=(offs_n < N)[:, None] & (r < R)[None, :], other=0.0)
-    if INTERPRET:   # the interpreter's bf16 dot is wrong
-        h, b = h.to(tl.float32), b.to(tl.float32)
-    update = lora_scale * tl.dot(h, tl.trans(b))                                  # (BM, BN) fp32
+    update = _lora_mma(h, b_ptr, lora_scale, offs_n, N, R, LR, INTERPRET)         # (BM, BN) fp32
     y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
     tl.store(out_ptr + offs, _add_update(y, update, INTERPRET), mask=mask)
 
