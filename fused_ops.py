@@ -1,10 +1,12 @@
-"""Fused inference kernels for the decoder's small ops: add + RMSNorm, RoPE on q and k, SiLU·mul.
+"""Fused inference kernels for the decoder's small ops: add + RMSNorm, RoPE on q and k, SiLU·mul;
+and the lm_head's GEMV at decode (1-2 rows).
 
 Why. A decode step runs every layer on one token per sequence, so the torch ops of model.py (about 7
 small kernels per norm, 8 per RoPE call) cost more GPU time than the 4-bit matmuls at batch 1. On
 CUDA without autograd (rollout: `fused(x)`) one Triton kernel does each; the math is the same fp32
 math (only the order of the norm's sum differs). Training keeps torch ops, so autograd never sees
-these kernels. On Hopper each is launched with programmatic dependent launch (marlin_kernel.pdl_start).
+these kernels. On Hopper each is launched with programmatic dependent launch (marlin_kernel.pdl_start),
+but the GEMV, which follows a CUDA graph's replay.
 `FUSED = False` turns them all off (bench/rollout.py's *-unfused engines measure what they buy).
 
 The ops, with the torch reference each one matches (model.py):
@@ -13,6 +15,7 @@ The ops, with the torch reference each one matches (model.py):
     rms_norm_triton(x, w, eps, r)    s = x + r (rounded to x.dtype); (norm(s), s)
     rope_triton(q, k, cos, sin)      (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin)   apply_rope, in place
     silu_mul_triton(g, u)            silu(g)·u, silu rounded to the dtype first       F.silu(g) * u
+    gemv_triton(x, w)                x·Wᵀ for 1-2 rows of x, fp32 sums (rollout's lm_head) F.linear(x, w)
 
 Residual adds (vLLM's fused add + RMSNorm). A decoder layer hands the next norm the pair (MLP(m), h')
 instead of their sum (model.py's docstring); the norm kernel adds them, writes the sum rounded to the
@@ -116,6 +119,30 @@ if triton is not None:
         u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0)
         tl.store(out_ptr + row * n + offs, silu_mul(g, u), mask=mask)
 
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """y[m, rows] = x[m] · W[rows]ᵀ for M <= BM <= 2 rows of x: BN rows of W a program, BK of
+        k a step; fp32 products summed per (row, k lane), then across the lanes at the end. A
+        second row of x past M is wrapped, computed and never stored."""
+        rows = tl.program_id(0) * BN + tl.arange(0, BN)
+        w_rows = w_ptr + (rows % N).to(tl.int64)[:, None] * stride_wn              # (BN, 1)
+        acc0 = tl.zeros((BN, BK), dtype=tl.float32)
+        acc1 = tl.zeros((BN, BK), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            kmask = cols < K
+            # W is read once a call: let it leave L2 first
+            w = tl.load(w_rows + cols[None, :], mask=kmask[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)                 # (BN, BK)
+            acc0 += w * tl.load(x_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            if BM > 1:
+                acc1 += w * tl.load(x_ptr + (1 % M) * stride_xm + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        mask = rows < N
+        tl.store(y_ptr + rows, tl.sum(acc0, 1).to(y_ptr.dtype.element_ty), mask=mask)
+        if BM > 1 and 1 < M:
+            tl.store(y_ptr + stride_ym + rows, tl.sum(acc1, 1).to(y_ptr.dtype.element_ty), mask=mask)
+
 
 # ----------------------------------------------------------------------------------------------
 # Wrappers: check the layout, allocate, launch
@@ -167,3 +194,28 @@ def silu_mul_triton(g, u):
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK_N=1024,
                                                           **pdl_launch(g.device))
     return out
+
+
+GEMV_MAX_M = 2                  # gemv_triton takes 1 or 2 rows (rollout's lm_head at batch 1 and 2)
+GEMV_CONFIGS = {1: (8, 512), 2: (8, 256)}     # M -> (BN, BK): H100 (bench/rollout.py --lm-head)
+
+
+def gemv_triton(x, w):
+    """F.linear(x, w) for a few rows: x (M, K) with M <= GEMV_MAX_M, w (N, K), both bf16 (or both
+    fp32), fp32 sums; y (M, N) in x's dtype. The sampler's lm_head at batch 1-2 is such a product:
+    152k x 3.5k bf16 weights read once against one or two rows, which this streams at ~3.1 TB/s on
+    the H100 where cuBLAS moves ~2.9 (7B: 349 against 380 µs at M = 1, 367 against 380 at M = 2;
+    at 3-4 rows the per-row accumulators cost more than they save: bench/NOTES.md v23)."""
+    M, K = x.shape
+    if M > GEMV_MAX_M or w.shape[1] != K or w.dtype != x.dtype or w.stride(1) != 1:
+        raise ValueError(f"gemv_triton: x (M <= {GEMV_MAX_M}, K) and w (N, K) of one dtype, w's rows "
+                         f"contiguous; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    x = x.contiguous()
+    N = w.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M == 0:
+        return y
+    bn, bk = GEMV_CONFIGS[M]
+    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                        BM=M, BN=bn, BK=bk, num_warps=4)
+    return y

@@ -26,10 +26,13 @@ the new k and v in the cache and attends (RoPE, the KV store and attention in on
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
+    logits:  the lm_head of 1-2 rows on CUDA is fused_ops.gemv_triton (a GEMV that streams the
+             1 GB bf16 weight of a 7B model faster than cuBLAS at M <= 2); more rows: F.linear.
     decode:  one token per sequence (B, 1); attention reads K/V through the block tables
              (Triton kernel on GPU, torch reference on CPU); split over the context into
              partitions (32·B tokens, 16..512) merged by log-sum-exp (flash-decoding), so batch 1
-             still fills the GPU. CUDA graphs: one per batch-size bucket, padded rows write nothing.
+             still fills the GPU. CUDA graphs: one per batch-size bucket, padded rows write nothing;
+             a graph also fills in the tokens of the step in flight (_fill_tokens_kernel).
 
 GRPO sharing. The n samples of one prompt are prefilled once and share the prompt's KV blocks,
 copied on write (scheduler.py). Sampling records each token's logprob under the sampling
@@ -62,6 +65,7 @@ import torch
 from paged_attention import (causal_attention, paged_attention_ref, paged_attention_triton,
                              store_kv_ref, store_kv_triton)
 from paged_attention import triton   # None where the kernels cannot be built: the torch path only
+from fused_ops import GEMV_MAX_M, fused, gemv_triton
 from sampling import sample
 from scheduler import BlockManager, Scheduler, Sequence
 
@@ -145,6 +149,7 @@ class DecodeContext:
 # ----------------------------------------------------------------------------------------------
 # Runner: the KV cache, packed prefill, paged decode, CUDA graphs
 
+LM_HEAD_GEMV = True     # bench/ab.py's lm_gemv= switch: the lm_head of <= GEMV_MAX_M rows by gemv_triton
 PARTITION_TOKENS = 32   # decode attention splits the context into partitions of this many positions per row
 
 
@@ -223,7 +228,12 @@ class Runner:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _logits(self, hidden):
-        return self.model.lm_head(hidden)          # in the model's dtype: sample() reads it as is
+        """(rows, H) -> (rows, V) in the model's dtype: sample() reads it as is."""
+        head = self.model.lm_head
+        if LM_HEAD_GEMV and type(head) is torch.nn.Linear and head.bias is None and fused(hidden) \
+                and hidden.shape[0] <= GEMV_MAX_M:
+            return gemv_triton(hidden, head.weight)
+        return head(hidden)
 
     # ---- prefill: one packed row of all new tokens
     @torch.inference_mode()
@@ -262,10 +272,16 @@ class Runner:
 
     @staticmethod
     def _fill_tokens(meta, prev_tokens):
-        """meta[0] = prev_tokens[meta[4]] where meta[4] >= 0: tokens that never visited the host."""
-        if prev_tokens is not None:
-            src = meta[4].long()
-            meta[0].copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)].to(meta.dtype), meta[0]))
+        """meta[0] = prev_tokens[meta[4]] where meta[4] >= 0: tokens that never visited the host.
+        On CUDA one Triton kernel (_fill_tokens_kernel); the torch ops are its reference."""
+        if prev_tokens is None:
+            return
+        if meta.is_cuda and triton is not None:
+            B = meta.shape[1]
+            _fill_tokens_kernel[(triton.cdiv(B, 512),)](meta, prev_tokens, meta.stride(0), B, BLOCK=512)
+            return
+        src = meta[4].long()
+        meta[0].copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)].to(meta.dtype), meta[0]))
 
     @torch.inference_mode()
     def decode(self, seqs, src_rows, prev_tokens=None):
@@ -274,49 +290,71 @@ class Runner:
         if self.cuda_graphs and B <= self.BUCKETS[-1]:
             return self._logits(self._decode_graph(seqs, src_rows, prev_tokens)[:B])
         meta, tables = (t.to(self.device, non_blocking=True) for t in self._decode_inputs(seqs, B, src_rows))
-        self._fill_tokens(meta, prev_tokens)
-        return self._logits(self._run_decode(meta, tables)[:, 0])
+        return self._logits(self._run_decode(meta, tables, prev_tokens)[:, 0])
 
-    def _run_decode(self, meta, tables):
-        """meta (5, B), tables (B, width) on the device -> final hidden states (B, 1, H)."""
+    def _run_decode(self, meta, tables, prev_tokens):
+        """meta (5, B), tables (B, width) on the device, prev_tokens: the step in flight's tokens
+        (or None) -> final hidden states (B, 1, H)."""
+        self._fill_tokens(meta, prev_tokens)
         ctx = DecodeContext(self, meta[2], tables, meta[3])
         return self.model(meta[0][:, None], meta[1][:, None], attn_ctx=ctx, return_hidden=True)
 
     # ---- CUDA graphs: one per batch-size bucket, captured lazily, sharing one memory pool
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
-    def _static_buffers(self):
+    def _static_buffers(self, prev_rows=0):
+        """[meta (5, n), tables (n, width), prev (>= prev_rows,)]: what the graphs read by address.
+        prev holds the step in flight's tokens, which the graph itself fills into meta[0]; a longer
+        step than it has room for (a large prefill) replaces it and drops the graphs that read it."""
+        n, d = self.BUCKETS[-1], self.device
         if self._static is None:
-            n, d = self.BUCKETS[-1], self.device
-            self._static = (torch.zeros(5, n, dtype=torch.int32, device=d),
-                            torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d))
+            self._static = [torch.zeros(5, n, dtype=torch.int32, device=d),
+                            torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d),
+                            torch.zeros(n, dtype=torch.int64, device=d)]
+        if self._static[2].shape[0] < prev_rows:
+            self.graphs, self.graph_pool = {}, None
+            self._static[2] = torch.zeros(prev_rows, dtype=torch.int64, device=d)
         return self._static
 
     def _capture(self, bucket):
-        meta, tables = (t[..., :bucket] if i == 0 else t[:bucket] for i, t in enumerate(self._static_buffers()))
+        static_meta, static_tables, static_prev = self._static_buffers()
+        meta, tables = static_meta[:, :bucket], static_tables[:bucket]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._run_decode(meta, tables)   # warm-up: autotuning and lazy inits happen outside capture
+        with torch.cuda.stream(stream):      # warm-up: autotuning and lazy inits happen outside capture
+            self._run_decode(meta, tables, static_prev)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = self._run_decode(meta, tables)                                    # (bucket, 1, H)
+            out = self._run_decode(meta, tables, static_prev)                       # (bucket, 1, H)
         self.graph_pool = graph.pool()
         self.graphs[bucket] = (graph, out[:, 0])
 
     def _decode_graph(self, seqs, src_rows, prev_tokens):
         bucket = next(b for b in self.BUCKETS if b >= len(seqs))
         meta, tables = self._decode_inputs(seqs, bucket, src_rows)
-        static_meta, static_tables = self._static_buffers()
+        static_meta, static_tables, static_prev = self._static_buffers(0 if prev_tokens is None else len(prev_tokens))
         static_meta[:, :bucket].copy_(meta, non_blocking=True)          # two host->device copies
         static_tables[:bucket, :tables.shape[1]].copy_(tables, non_blocking=True)
-        self._fill_tokens(static_meta[:, :bucket], prev_tokens)
+        if prev_tokens is not None:              # without a step in flight meta[4] is all -1
+            static_prev[:len(prev_tokens)].copy_(prev_tokens)
         if bucket not in self.graphs:
             self._capture(bucket)
         graph, out = self.graphs[bucket]
         graph.replay()
         return out
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _fill_tokens_kernel(meta_ptr, prev_ptr, stride_meta, B, BLOCK: tl.constexpr):
+        """meta[0, i] = prev[meta[4, i]] for the rows i < B with meta[4, i] >= 0 (Runner._fill_tokens)."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        src = tl.load(meta_ptr + 4 * stride_meta + i, mask=i < B, other=-1)
+        token = tl.load(prev_ptr + tl.maximum(src, 0), mask=src >= 0, other=0)
+        tl.store(meta_ptr + i, token.to(tl.int32), mask=src >= 0)
 
 
 # ----------------------------------------------------------------------------------------------

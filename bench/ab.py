@@ -27,6 +27,8 @@ defaults, which are what ships):
     lora_reduce=0|1       marlin_kernel.REDUCE_FOLDS_LORA: beyond 16 rows, the update added by the register-A
                           route's split-K reduce where lora_kernels.fold_in_reduce says
     sampler=triton|torch  sampling.py's GPU path (torch: the ~10-op reference path)
+    lm_gemv=0|1           rollout.LM_HEAD_GEMV: the lm_head of <= 2 rows by fused_ops.gemv_triton
+                          (0: nn.Linear, i.e. cuBLAS)
     wgmma=N               marlin_kernel.WGMMA_MAX_M: the register-A wgmma kernel up to M = N rows
                           (0: never; the tile kernels instead)
     wgmma_min=N           marlin_kernel.WGMMA_MIN_M: ... from M = N + 1 rows (16: above the fragment kernel)
@@ -75,6 +77,7 @@ SWITCHES = {
     "lora_fold": (lora_kernels, "FOLD_EXPAND", lambda v: bool(int(v))),
     "lora_reduce": (marlin_kernel, "REDUCE_FOLDS_LORA", lambda v: bool(int(v))),
     "sampler": (sampling, "triton", lambda v: sampling.triton if v == "triton" else None),
+    "lm_gemv": (rollout, "LM_HEAD_GEMV", lambda v: bool(int(v))),
     "wgmma": (marlin_kernel, "WGMMA_MAX_M", int),
     "wgmma_min": (marlin_kernel, "WGMMA_MIN_M", int),
     "wgmma_small": (marlin_kernel, "WGMMA_SMALL", lambda v: bool(int(v))),

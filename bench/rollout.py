@@ -27,6 +27,7 @@ backward). TTFT therefore includes prefill and the first decode graph's capture.
     python bench/rollout.py --models tiny --engines ours-nvfp4,ours-bf16   # a 1-minute smoke test
     python bench/rollout.py --engines ours-nvfp4 --profile    # + per-kernel GPU time, OUT/profile.txt
     python bench/rollout.py --attention --out DIR             # paged attention alone, per tile size
+    python bench/rollout.py --lm-head --out DIR               # the lm_head alone: gemv_triton vs cuBLAS
 Each model is built, measured and freed in turn; results merge into the JSON by (model, engine,
 workload), so separate invocations (e.g. under a 10-minute limit) add up to one table.
 """
@@ -198,6 +199,36 @@ def attention(path):
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
+def lm_head(path, sweep=((8, 256), (8, 512), (16, 256), (16, 512), (32, 256))):
+    """The sampler's lm_head alone (bf16, vocabulary 152,064 x hidden 3584 / 5120): cuBLAS
+    (F.linear, what nn.Linear runs) against fused_ops.gemv_triton at 1 and 2 rows, each (BN, BK) of
+    the sweep, CUDA-graph timing in one run: µs and weight TB/s. The weight (1.1 / 1.6 GB) is far
+    larger than the L2, so every call streams it from HBM."""
+    import triton
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    rows = []
+    for name, H in (("7b", 3584), ("32b", 5120)):
+        w = (torch.randn(152064, H, device="cuda") * 0.02).bfloat16()
+        for M in (1, 2):
+            x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+            runs = {"cublas": functools.partial(torch.nn.functional.linear, x, w)}
+            saved = dict(fused_ops.GEMV_CONFIGS)
+            for bn, bk in sweep:
+                fused_ops.GEMV_CONFIGS[M] = (bn, bk)
+                runs[f"gemv {bn}x{bk}"] = functools.partial(fused_ops.gemv_triton, x, w)
+                us = triton.testing.do_bench_cudagraph(runs[f"gemv {bn}x{bk}"]) * 1e3
+                rows.append(dict(model=name, M=M, kernel=f"gemv {bn}x{bk}", us=us, tb_s=w.numel() * 2 / us / 1e6))
+                print(f"  lm_head {name} M={M} {rows[-1]['kernel']}: {us:.1f} us, {rows[-1]['tb_s']:.2f} TB/s", flush=True)
+            fused_ops.GEMV_CONFIGS.update(saved)
+            us = triton.testing.do_bench_cudagraph(runs["cublas"]) * 1e3
+            rows.append(dict(model=name, M=M, kernel="cublas", us=us, tb_s=w.numel() * 2 / us / 1e6))
+            print(f"  lm_head {name} M={M} cublas: {us:.1f} us, {rows[-1]['tb_s']:.2f} TB/s", flush=True)
+        del w
+        torch.cuda.empty_cache()
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
 def measure(model_name, engine_name, workloads, max_model_len, profile_path=None, profile_batches=(1, 16, 128)):
     cfg = CONFIGS[model_name]
     quant = "nvfp4" if engine_name.startswith("ours-nvfp4") else "bf16"
@@ -268,12 +299,15 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also write per-kernel GPU time to OUT/profile.txt")
     ap.add_argument("--profile-batches", default="1,16,128", help="batch sizes --profile runs")
     ap.add_argument("--attention", action="store_true", help="only time paged attention per tile size (OUT/attention.json)")
+    ap.add_argument("--lm-head", action="store_true", help="only time the lm_head, gemv_triton vs cuBLAS (OUT/lm_head.json)")
     args = ap.parse_args()
     print(vars(args))
     if not torch.cuda.is_available():
         sys.exit("bench/rollout.py needs a CUDA GPU")
     if args.attention:
         return attention(os.path.join(args.out, "attention.json"))
+    if args.lm_head:
+        return lm_head(os.path.join(args.out, "lm_head.json"))
     path = os.path.join(args.out, "rollout.json")
     old = json.load(open(path))["rows"] if os.path.exists(path) else []
     rows = []

@@ -1,5 +1,6 @@
 """fused_ops.py: the Triton add + RMSNorm, RoPE and SiLU·mul kernels against the torch ops that
-training uses (model.RMSNorm's torch path, model.apply_rope, F.silu(g) * u).
+training uses (model.RMSNorm's torch path, model.apply_rope, F.silu(g) * u); the few-row GEMV (the
+sampler's lm_head) against float64.
 
 On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1), on a GPU on
 CUDA; fresh random inputs each run, with masked tails and the strided layouts the stacked q/k/v and
@@ -10,7 +11,7 @@ import os
 import pytest
 import torch
 
-from fused_ops import rms_norm_triton, rope_triton, silu_mul_triton, token_stride
+from fused_ops import gemv_triton, rms_norm_triton, rope_triton, silu_mul_triton, token_stride
 from model import RMSNorm, apply_rope
 
 
@@ -61,3 +62,47 @@ def test_fused_kernels_match_the_torch_ops(dtype, early, monkeypatch):
     gu = torch.randn(2, 3, 3000, generator=g).to(dev, dtype)
     a, b = gu[..., :1500], gu[..., 1500:]
     torch.testing.assert_close(silu_mul_triton(a, b), torch.nn.functional.silu(a) * b, **two_roundings)
+
+
+def _check_gemv(M, N, K, dtype, dev, g):
+    """gemv_triton against float64: within one rounding to the output dtype plus the fp32 sum's
+    error bound (K·2^-24 of Σ|x·w|), every element written (the output is fresh each call)."""
+    x = torch.randn(M, K, generator=g).to(dev, dtype)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(dev, dtype)
+    y = gemv_triton(x, w)
+    assert y.shape == (M, N) and y.dtype == dtype
+    ref = x.double() @ w.double().t()
+    # one rounding to the dtype (the interpreter truncates fp32 -> bf16 instead: one full step)
+    step = 2 ** -23 if dtype == torch.float32 else 2 ** -8 if dev == "cuda" else 2 ** -7
+    bound = ref.abs() * step + K * 2 ** -24 * (x.double().abs() @ w.double().abs().t())
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), f"M={M} {dtype}: worst {(err / bound).max():.2f} of the bound"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv_matches_float64(M, dtype):
+    """One and two rows, N not a multiple of the 8-row programs, K with a tail in both step widths
+    (512 at M = 1, 256 at M = 2)."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    _check_gemv(M, 75, 600, dtype, "cuda" if torch.cuda.is_available() else "cpu", g)
+
+
+def test_gemv_rejects_what_it_does_not_take():
+    x, w = torch.randn(3, 64), torch.randn(16, 64)
+    with pytest.raises(ValueError, match="M <= 2"):
+        gemv_triton(x, w)
+    with pytest.raises(ValueError, match="one dtype"):
+        gemv_triton(x[:1], w.bfloat16())
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv_triton(x[:1], torch.randn(64, 16).t())
+    assert gemv_triton(x[:0], w).shape == (0, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemv_lm_head_shape_gpu():
+    """The 7B lm_head's K (3584) against a 32k-row weight, bf16, M = 1 and 2, on CUDA."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for M in (1, 2):
+        _check_gemv(M, 32768, 3584, torch.bfloat16, "cuda", g)

@@ -204,6 +204,27 @@ def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
 
 
 @pytest.mark.interpreter
+def test_fill_tokens_kernel_matches_the_torch_ops():
+    """The CUDA path of Runner._fill_tokens (one Triton kernel, run here by the interpreter) on the
+    strided slice the graphs fill (meta[:, :bucket] of the 512-wide static buffer): row i's token
+    becomes prev[src] where src = meta[4, i] >= 0, every other entry stays."""
+    g = torch.Generator().manual_seed(int.from_bytes(random.randbytes(4), "little"))
+    wide = torch.randint(0, 1000, (5, 512), generator=g, dtype=torch.int32)
+    wide[4] = torch.randint(-1, 20, (512,), generator=g, dtype=torch.int32)
+    prev = torch.randint(0, 150000, (20,), generator=g)
+    want = wide.clone()
+    for i in range(37):
+        if want[4, i] >= 0:
+            want[0, i] = prev[want[4, i]]
+    ref = wide.clone()
+    rollout.Runner._fill_tokens(ref[:, :37], prev)                     # the torch ops (CPU tensors)
+    got = wide.clone()
+    meta = got[:, :37]
+    rollout._fill_tokens_kernel[(1,)](meta, prev, meta.stride(0), 37, BLOCK=64)
+    assert torch.equal(ref, want) and torch.equal(got, want)
+
+
+@pytest.mark.interpreter
 def test_decode_with_rope_in_the_kv_store_matches_the_torch_backend(tiny_hf_dir, monkeypatch):
     """The rollout path's kernels on the CPU (fused ops on, Triton interpreter): every decode
     layer hands RoPE to the attention kernel (one launch rotates, stores k, v and attends); tokens
@@ -263,18 +284,23 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit(tiny_hf_dir, monkeypat
 
 
 @pytest.mark.gpu
-def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir):
-    """The Triton path (fp32 dots) inside the engine, with and without CUDA graphs."""
+def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
+    """The Triton path (fp32 dots) inside the engine, with and without CUDA graphs, at batch 8 and
+    at batch 1 (where fused_ops.gemv_triton computes the lm_head)."""
+    import fused_ops
     path, hf = tiny_hf_dir("qwen2")
     hf = hf.cuda()
     model = _load(path, device="cuda")
-    prompts = _prompts([3, 11, 20, 6])
-    for graphs in (False, True):
-        out = LLMEngine(model, cuda_graphs=graphs).generate(
-            prompts, SamplingParams(temperature=0, max_tokens=24, n=2, stop_token_ids=()))
-        for p, comps in zip(prompts, out):
-            ref = _hf_greedy(hf, p, 24)
-            assert all(c.token_ids == ref for c in comps), f"graphs={graphs}: {comps[0].token_ids} vs {ref}"
+    gemv_rows = []
+    monkeypatch.setattr(rollout, "gemv_triton", lambda x, w: gemv_rows.append(x.shape[0]) or fused_ops.gemv_triton(x, w))
+    for prompts, n in ((_prompts([3, 11, 20, 6]), 2), (_prompts([9]), 1)):
+        for graphs in (False, True):
+            out = LLMEngine(model, cuda_graphs=graphs).generate(
+                prompts, SamplingParams(temperature=0, max_tokens=24, n=n, stop_token_ids=()))
+            for p, comps in zip(prompts, out):
+                ref = _hf_greedy(hf, p, 24)
+                assert all(c.token_ids == ref for c in comps), f"graphs={graphs}: {comps[0].token_ids} vs {ref}"
+    assert gemv_rows and set(gemv_rows) == {1}
 
 
 @pytest.mark.gpu
