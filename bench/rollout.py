@@ -211,18 +211,18 @@ def lm_head(path, sweep=((8, 256), (8, 512), (16, 256), (16, 512), (32, 256))):
         w = (torch.randn(152064, H, device="cuda") * 0.02).bfloat16()
         for M in (1, 2):
             x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-            runs = {"cublas": functools.partial(torch.nn.functional.linear, x, w)}
-            saved = dict(fused_ops.GEMV_CONFIGS)
+
+            def timed(kernel, fn):
+                us = triton.testing.do_bench_cudagraph(fn) * 1e3
+                rows.append(dict(model=name, M=M, kernel=kernel, us=us, tb_s=w.numel() * 2 / us / 1e6))
+                print(f"  lm_head {name} M={M} {kernel}: {us:.1f} us, {rows[-1]['tb_s']:.2f} TB/s", flush=True)
+
+            shipped = fused_ops.GEMV_CONFIGS[M]
             for bn, bk in sweep:
                 fused_ops.GEMV_CONFIGS[M] = (bn, bk)
-                runs[f"gemv {bn}x{bk}"] = functools.partial(fused_ops.gemv_triton, x, w)
-                us = triton.testing.do_bench_cudagraph(runs[f"gemv {bn}x{bk}"]) * 1e3
-                rows.append(dict(model=name, M=M, kernel=f"gemv {bn}x{bk}", us=us, tb_s=w.numel() * 2 / us / 1e6))
-                print(f"  lm_head {name} M={M} {rows[-1]['kernel']}: {us:.1f} us, {rows[-1]['tb_s']:.2f} TB/s", flush=True)
-            fused_ops.GEMV_CONFIGS.update(saved)
-            us = triton.testing.do_bench_cudagraph(runs["cublas"]) * 1e3
-            rows.append(dict(model=name, M=M, kernel="cublas", us=us, tb_s=w.numel() * 2 / us / 1e6))
-            print(f"  lm_head {name} M={M} cublas: {us:.1f} us, {rows[-1]['tb_s']:.2f} TB/s", flush=True)
+                timed(f"gemv {bn}x{bk}", functools.partial(fused_ops.gemv_triton, x, w))
+            fused_ops.GEMV_CONFIGS[M] = shipped
+            timed("cublas", functools.partial(torch.nn.functional.linear, x, w))
         del w
         torch.cuda.empty_cache()
     with open(path, "w") as f:
