@@ -1,12 +1,11 @@
-"""Fused inference kernels for the decoder's small ops: add + RMSNorm, RoPE on q and k, SiLU·mul;
-and the lm_head's GEMV at decode (1-2 rows).
+"""Fused inference kernels for the decoder's small ops: add + RMSNorm, RoPE on q and k, SiLU·mul,
+the embedding gather with the RoPE angles; and the lm_head's GEMV at decode (1-2 rows).
 
 Why. A decode step runs every layer on one token per sequence, so the torch ops of model.py (about 7
 small kernels per norm, 8 per RoPE call) cost more GPU time than the 4-bit matmuls at batch 1. On
 CUDA without autograd (rollout: `fused(x)`) one Triton kernel does each; the math is the same fp32
 math (only the order of the norm's sum differs). Training keeps torch ops, so autograd never sees
-these kernels. On Hopper each is launched with programmatic dependent launch (marlin_kernel.pdl_start),
-but the GEMV, which follows a CUDA graph's replay.
+these kernels. On Hopper each is launched with programmatic dependent launch (marlin_kernel.pdl_start).
 `FUSED = False` turns them all off (bench/rollout.py's *-unfused engines measure what they buy).
 
 The ops, with the torch reference each one matches (model.py):
@@ -15,6 +14,8 @@ The ops, with the torch reference each one matches (model.py):
     rms_norm_triton(x, w, eps, r)    s = x + r (rounded to x.dtype); (norm(s), s)
     rope_triton(q, k, cos, sin)      (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin)   apply_rope, in place
     silu_mul_triton(g, u)            silu(g)·u, silu rounded to the dtype first       F.silu(g) * u
+    embed_rope_triton(ids, p, E, θ)  E[ids]; cos, sin of p·θ (fp32, libdevice = CUDA's cosf) the first
+                                     lines of CausalLM.forward (5 kernels: gather, cast, mul, cos, sin)
     gemv_triton(x, w)                x·Wᵀ for 1-2 rows of x, fp32 sums (rollout's lm_head) F.linear(x, w)
 
 Residual adds (vLLM's fused add + RMSNorm). A decoder layer hands the next norm the pair (MLP(m), h')
@@ -43,6 +44,7 @@ try:
     import marlin_kernel
     from fp4_decode import silu_mul
     from marlin_kernel import pdl_launch, pdl_start
+    from triton.language.extra import libdevice
 except ImportError:  # model.py's torch path needs no triton
     triton = None
 
@@ -109,6 +111,28 @@ if triton is not None:
         tl.store(src + HALF + offs, y2)
 
     @triton.jit
+    def _embed_rope_kernel(ids_ptr, pos_ptr, emb_ptr, inv_freq_ptr, x_ptr, cos_ptr, sin_ptr, V, H, stride_e,
+                           HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+        """Program t: x[t] = E[ids[t]] (zeros for an id outside [0, V): no read out of bounds),
+        cos[t], sin[t] = cos, sin(float(pos[t]) · inv_freq), the fp32 math of torch's ops."""
+        pdl_start(USE_PDL)
+        t = tl.program_id(0).to(tl.int64)
+        tok = tl.load(ids_ptr + t).to(tl.int64)
+        offs = tl.arange(0, BLOCK_H)
+        inside = (offs < H) & (offs * 0 + tok >= 0) & (offs * 0 + tok < V)           # (BLOCK_H,)
+        row = tl.load(emb_ptr + tok * stride_e + offs, mask=inside, other=0.0)
+        tl.store(x_ptr + t * H + offs, row, mask=offs < H)
+        j = tl.arange(0, BLOCK_D)
+        angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=j < HALF, other=0.0)
+        if INTERPRET:   # numpy's cos / sin (the interpreter has no libdevice)
+            cos, sin = tl.cos(angle), tl.sin(angle)
+        else:
+            cos, sin = libdevice.cos(angle), libdevice.sin(angle)
+        tl.store(cos_ptr + t * HALF + j, cos, mask=j < HALF)
+        tl.store(sin_ptr + t * HALF + j, sin, mask=j < HALF)
+
+    @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, stride_g, stride_u,
                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
         pdl_start(USE_PDL)
@@ -121,10 +145,11 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr):
         """y[m, rows] = x[m] · W[rows]ᵀ for M <= BM <= 2 rows of x: BN rows of W a program, BK of
         k a step; fp32 products summed per (row, k lane), then across the lanes at the end. A
         second row of x past M is wrapped, computed and never stored."""
+        pdl_start(USE_PDL)
         rows = tl.program_id(0) * BN + tl.arange(0, BN)
         w_rows = w_ptr + (rows % N).to(tl.int64)[:, None] * stride_wn              # (BN, 1)
         acc0 = tl.zeros((BN, BK), dtype=tl.float32)
@@ -196,6 +221,25 @@ def silu_mul_triton(g, u):
     return out
 
 
+def embed_rope_triton(ids, positions, weight, inv_freq):
+    """ids, positions (B, T) integer, weight (V, H), inv_freq (D/2,) fp32 -> x = weight[ids] (B, T, H)
+    and cos, sin (B, T, 1, D/2) fp32 of the angles positions·inv_freq."""
+    B, T = ids.shape
+    V, H = weight.shape
+    half = inv_freq.numel()
+    if positions.shape != ids.shape or weight.stride(1) != 1 or inv_freq.dtype != torch.float32:
+        raise ValueError(f"embed_rope_triton: ids, positions of one (B, T) shape, weight rows contiguous, "
+                         f"inv_freq fp32; got {tuple(ids.shape)}, {tuple(positions.shape)}, {inv_freq.dtype}")
+    x = torch.empty(B, T, H, device=ids.device, dtype=weight.dtype)
+    cos, sin = (torch.empty(B, T, 1, half, device=ids.device, dtype=torch.float32) for _ in range(2))
+    if B * T:
+        _embed_rope_kernel[(B * T,)](ids.reshape(-1), positions.reshape(-1), weight, inv_freq.contiguous(), x,
+                                     cos, sin, V, H, weight.stride(0), half, BLOCK_H=triton.next_power_of_2(H),
+                                     BLOCK_D=triton.next_power_of_2(half), INTERPRET=marlin_kernel.interpreting(),
+                                     **pdl_launch(ids.device), num_warps=4)
+    return x, cos, sin
+
+
 GEMV_MAX_M = 2                  # gemv_triton takes 1 or 2 rows (rollout's lm_head at batch 1 and 2)
 GEMV_CONFIGS = {1: (8, 512), 2: (8, 256)}     # M -> (BN, BK): H100 (bench/rollout.py --lm-head)
 
@@ -217,5 +261,5 @@ def gemv_triton(x, w):
         return y
     bn, bk = GEMV_CONFIGS[M]
     _gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                        BM=M, BN=bn, BK=bk, num_warps=4)
+                                        BM=M, BN=bn, BK=bk, **pdl_launch(x.device), num_warps=4)
     return y

@@ -80,7 +80,7 @@ from safetensors import safe_open
 from torch.utils.checkpoint import checkpoint
 
 import nvfp4
-from fused_ops import fused, rms_norm_triton, rope_triton, token_stride
+from fused_ops import embed_rope_triton, fused, rms_norm_triton, rope_triton, token_stride
 from hf_checkpoint import checkpoint_files, resolve
 from stacked_linear import GROUPS, group_of, project, stack_groups
 
@@ -357,9 +357,13 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        angles = positions[..., None].float() * self.inv_freq          # (B, T, D/2) fp32
-        cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # (B, T, 1, D/2): broadcast over heads
-        x, residual = self.model.embed_tokens(input_ids), None         # (B, T, H); Block: the pair
+        if fused(input_ids) and type(self.model.embed_tokens) is nn.Embedding:   # one kernel for the five below
+            x, cos, sin = embed_rope_triton(input_ids, positions, self.model.embed_tokens.weight, self.inv_freq)
+        else:
+            angles = positions[..., None].float() * self.inv_freq          # (B, T, D/2) fp32
+            cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # (B, T, 1, D/2): broadcast over heads
+            x = self.model.embed_tokens(input_ids)                          # (B, T, H)
+        residual = None                                                     # Block: the pair (x, residual)
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # add the pair here: the checkpoint then keeps one tensor per layer, not two

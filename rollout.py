@@ -32,7 +32,11 @@ the new k and v in the cache and attends (RoPE, the KV store and attention in on
              (Triton kernel on GPU, torch reference on CPU); split over the context into
              partitions (32·B tokens, 16..512) merged by log-sum-exp (flash-decoding), so batch 1
              still fills the GPU. CUDA graphs: one per batch-size bucket, padded rows write nothing;
-             a graph also fills in the tokens of the step in flight (_fill_tokens_kernel).
+             a graph also fills in the tokens of the step in flight (_fill_tokens_kernel), and
+             where sampling is the Triton path (no top-k / top-p) it runs the lm_head and the
+             sampler too (one graph per temperature), keyed by the Runner's seed tensor, which the
+             sampler advances in place: a step is then two small copies in, one replay and one
+             copy of the step's record (tokens and logprobs in one buffer) out.
 
 GRPO sharing. The n samples of one prompt are prefilled once and share the prompt's KV blocks,
 copied on write (scheduler.py). Sampling records each token's logprob under the sampling
@@ -66,7 +70,7 @@ from paged_attention import (causal_attention, paged_attention_ref, paged_attent
                              store_kv_ref, store_kv_triton)
 from paged_attention import triton   # None where the kernels cannot be built: the torch path only
 from fused_ops import GEMV_MAX_M, fused, gemv_triton
-from sampling import sample
+from sampling import sample, uses_kernels
 from scheduler import BlockManager, Scheduler, Sequence
 
 
@@ -176,6 +180,11 @@ class Runner:
         self.k_cache = self.v_cache = None
         self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
         self.graphs, self.graph_pool, self._static = {}, None, None
+        self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the Triton sampler's Philox key
+
+    def reseed(self, generator=None):
+        """A new Philox key for the Triton sampler (each sampling step then advances it by one)."""
+        self.seed.random_(0, 2 ** 62, generator=generator)
 
     def _paged_attention_triton(self, q, *args, rope=None):
         # split the context finer for small batches so that batch 1 still fills the GPU, into at most
@@ -235,6 +244,16 @@ class Runner:
             return gemv_triton(hidden, head.weight)
         return head(hidden)
 
+    def sample(self, logits, params, generator, record=None):
+        """logits (B, V) -> the step's record (split_record): the sampled tokens and their logprobs
+        in its first B rows. record: a buffer of >= B rows to fill (default: a new one of B rows)."""
+        B = logits.shape[0]
+        if record is None:
+            record = torch.empty(12 * B, dtype=torch.uint8, device=logits.device)
+        tokens, logprobs = split_record(record)
+        sample(logits, params, generator, seed=self.seed, out=(tokens[:B], logprobs[:B]))
+        return record
+
     # ---- prefill: one packed row of all new tokens
     @torch.inference_mode()
     def prefill(self, groups):
@@ -284,13 +303,14 @@ class Runner:
         meta[0].copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)].to(meta.dtype), meta[0]))
 
     @torch.inference_mode()
-    def decode(self, seqs, src_rows, prev_tokens=None):
-        """-> logits (B, V) for the next token of each sequence; src_rows/prev_tokens: see above."""
+    def decode(self, seqs, src_rows, prev_tokens, params, generator):
+        """-> the step's record (split_record), the next token of each sequence in its first B rows;
+        src_rows/prev_tokens: see above; params, generator: as in sample()."""
         B = len(seqs)
         if self.cuda_graphs and B <= self.BUCKETS[-1]:
-            return self._logits(self._decode_graph(seqs, src_rows, prev_tokens)[:B])
+            return self._decode_graph(seqs, src_rows, prev_tokens, params, generator)
         meta, tables = (t.to(self.device, non_blocking=True) for t in self._decode_inputs(seqs, B, src_rows))
-        return self._logits(self._run_decode(meta, tables, prev_tokens)[:, 0])
+        return self.sample(self._logits(self._run_decode(meta, tables, prev_tokens)[:, 0]), params, generator)
 
     def _run_decode(self, meta, tables, prev_tokens):
         """meta (5, B), tables (B, width) on the device, prev_tokens: the step in flight's tokens
@@ -299,50 +319,76 @@ class Runner:
         ctx = DecodeContext(self, meta[2], tables, meta[3])
         return self.model(meta[0][:, None], meta[1][:, None], attn_ctx=ctx, return_hidden=True)
 
-    # ---- CUDA graphs: one per batch-size bucket, captured lazily, sharing one memory pool
+    # ---- CUDA graphs: one per batch-size bucket (and temperature), captured lazily, sharing one pool
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
     def _static_buffers(self, prev_rows=0):
-        """[meta (5, n), tables (n, width), prev (>= prev_rows,)]: what the graphs read by address.
-        prev holds the step in flight's tokens, which the graph itself fills into meta[0]; a longer
-        step than it has room for (a large prefill) replaces it and drops the graphs that read it."""
+        """[meta (5·n,), tables (n, width), record (12·n',)]: what the graphs read and write by address.
+        A graph of b rows reads meta[:5·b] as (5, b), contiguous, so that its host copy is one plain
+        copy (a strided view of a (5, n) tensor took a copy kernel as well). The record
+        (split_record) receives the graphs' samples; its tokens are also the step in flight's
+        tokens, which the next graph fills into meta[0]. A step with more rows than it holds (a
+        large prefill) replaces it and drops the graphs that use it."""
         n, d = self.BUCKETS[-1], self.device
         if self._static is None:
-            self._static = [torch.zeros(5, n, dtype=torch.int32, device=d),
+            self._static = [torch.zeros(5 * n, dtype=torch.int32, device=d),
                             torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d),
-                            torch.zeros(n, dtype=torch.int64, device=d)]
-        if self._static[2].shape[0] < prev_rows:
+                            torch.zeros(12 * n, dtype=torch.uint8, device=d)]
+        if self._static[2].numel() < 12 * prev_rows:
             self.graphs, self.graph_pool = {}, None
-            self._static[2] = torch.zeros(prev_rows, dtype=torch.int64, device=d)
+            self._static[2] = torch.zeros(12 * prev_rows, dtype=torch.uint8, device=d)
         return self._static
 
-    def _capture(self, bucket):
-        static_meta, static_tables, static_prev = self._static_buffers()
-        meta, tables = static_meta[:, :bucket], static_tables[:bucket]
+    def _capture(self, bucket, params):
+        """A graph of the decode step for `bucket` rows: up to the final hidden states (params None),
+        or through the lm_head and the Triton sampler at params.temperature into the static record."""
+        static_meta, static_tables, record = self._static_buffers()
+        meta, tables = static_meta[:5 * bucket].view(5, bucket), static_tables[:bucket]
+        prev = split_record(record)[0]
+
+        def step():
+            hidden = self._run_decode(meta, tables, prev)[:, 0]                      # (bucket, H)
+            return hidden if params is None else self.sample(self._logits(hidden), params, None, record)
+
+        saved = record.clone(), self.seed.clone()    # the warm-up samples: put back what it overwrites
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):      # warm-up: autotuning and lazy inits happen outside capture
-            self._run_decode(meta, tables, static_prev)
+            step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = self._run_decode(meta, tables, static_prev)                       # (bucket, 1, H)
+            out = step()
         self.graph_pool = graph.pool()
-        self.graphs[bucket] = (graph, out[:, 0])
+        record.copy_(saved[0])
+        self.seed.copy_(saved[1])
+        return graph, out
 
-    def _decode_graph(self, seqs, src_rows, prev_tokens):
-        bucket = next(b for b in self.BUCKETS if b >= len(seqs))
+    def _decode_graph(self, seqs, src_rows, prev_tokens, params, generator):
+        B = len(seqs)
+        bucket = next(b for b in self.BUCKETS if b >= B)
         meta, tables = self._decode_inputs(seqs, bucket, src_rows)
-        static_meta, static_tables, static_prev = self._static_buffers(0 if prev_tokens is None else len(prev_tokens))
-        static_meta[:, :bucket].copy_(meta, non_blocking=True)          # two host->device copies
+        static_meta, static_tables, record = self._static_buffers(0 if prev_tokens is None else len(prev_tokens))
+        static_meta[:5 * bucket].view(5, bucket).copy_(meta, non_blocking=True)   # two host->device copies
         static_tables[:bucket, :tables.shape[1]].copy_(tables, non_blocking=True)
-        if prev_tokens is not None:              # without a step in flight meta[4] is all -1
-            static_prev[:len(prev_tokens)].copy_(prev_tokens)
-        if bucket not in self.graphs:
-            self._capture(bucket)
-        graph, out = self.graphs[bucket]
+        prev = split_record(record)[0]
+        if prev_tokens is not None and prev_tokens.data_ptr() != prev.data_ptr():
+            prev[:len(prev_tokens)].copy_(prev_tokens)   # not from a graph: a prefill or an eager step
+        # the lm_head and the sampler join the graph where sampling is the Triton path
+        in_graph = uses_kernels(params, (bucket, self.model.config.vocab_size), self.device)
+        key = (bucket, params.temperature) if in_graph else (bucket, None)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, params if in_graph else None)
+        graph, out = self.graphs[key]
         graph.replay()
-        return out
+        return out if in_graph else self.sample(self._logits(out[:B]), params, generator)
+
+
+def split_record(record):
+    """A step's record (12·n,) uint8 -> its views tokens (n,) int64, logprobs (n,) fp32: one buffer
+    holds both, so that one copy takes a step's samples to the host."""
+    n = record.numel() // 12
+    return record[:8 * n].view(torch.int64), record[8 * n:].view(torch.float32)
 
 
 if triton is not None:
@@ -434,18 +480,16 @@ class LLMEngine:
             assert pending is None, "a prefill reads every token on the host: drain the step in flight first"
             seqs = [s for g in batch for s in g]
             logits = r.prefill(batch)                                        # (groups, V)
-            logits = logits[[i for i, g in enumerate(batch) for _ in g]]     # a row per sample
+            record = r.sample(logits[[i for i, g in enumerate(batch) for _ in g]], params, gen)
         else:
             seqs = batch
             r.copy_blocks(copies)
             rows = {id(s): i for i, s in enumerate(pending["seqs"])} if pending else {}
             src = [rows[id(s)] if s.token_ids[-1] < 0 else -1 for s in seqs]
-            logits = r.decode(seqs, src, pending["tokens"] if pending else None)   # (B, V)
-        tokens, logprobs = sample(logits, params, gen)
-        out = torch.stack([tokens.double(), logprobs.double()])                  # (2, B)
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
-        host.copy_(out, non_blocking=True)
-        event = torch.cuda.Event() if out.is_cuda else None
+            record = r.decode(seqs, src, pending["tokens"] if pending else None, params, gen)
+        host = torch.empty(record.shape, dtype=record.dtype, pin_memory=record.is_cuda)
+        host.copy_(record, non_blocking=True)
+        event = torch.cuda.Event() if record.is_cuda else None
         if event is not None:
             event.record()
         index = []
@@ -453,15 +497,16 @@ class LLMEngine:
             index.append(len(seq))
             seq.token_ids.append(-1)
             seq.logprobs.append(float("nan"))
-        return dict(seqs=seqs, index=index, tokens=tokens, host=host, event=event)
+        return dict(seqs=seqs, index=index, tokens=split_record(record)[0], host=host, event=event)
 
     def _apply(self, step, sched, stop, done):
         """Wait for a launched step's tokens; fill the placeholders; finish sequences that sampled a
         stop token or reached max_tokens, dropping whatever was sampled after that."""
         if step["event"] is not None:
             step["event"].synchronize()
-        host = step["host"]
-        for seq, i, tok, lp in zip(step["seqs"], step["index"], host[0].long().tolist(), host[1].tolist()):
+        B = len(step["seqs"])
+        tokens, logprobs = (t[:B].tolist() for t in split_record(step["host"]))
+        for seq, i, tok, lp in zip(step["seqs"], step["index"], tokens, logprobs):
             if seq.finish_reason:        # finished by an earlier step: this row was a spare
                 continue
             seq.token_ids[i], seq.logprobs[i - seq.num_prompt_tokens] = tok, lp
@@ -500,6 +545,7 @@ class LLMEngine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=r.device).manual_seed(params.seed)
+        r.reseed(gen)
         was_training = self.model.training
         self.model.eval()                                  # LoRA dropout off while sampling
         done, steps, ttft = [], {"prefill": 0, "decode": 0}, None

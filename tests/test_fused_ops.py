@@ -1,6 +1,6 @@
 """fused_ops.py: the Triton add + RMSNorm, RoPE and SiLU·mul kernels against the torch ops that
-training uses (model.RMSNorm's torch path, model.apply_rope, F.silu(g) * u); the few-row GEMV (the
-sampler's lm_head) against float64.
+training uses (model.RMSNorm's torch path, model.apply_rope, F.silu(g) * u, the embedding and
+angle ops of CausalLM.forward); the few-row GEMV (the sampler's lm_head) against float64.
 
 On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1), on a GPU on
 CUDA; fresh random inputs each run, with masked tails and the strided layouts the stacked q/k/v and
@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from fused_ops import gemv_triton, rms_norm_triton, rope_triton, silu_mul_triton, token_stride
-from model import RMSNorm, apply_rope
+from fused_ops import embed_rope_triton, gemv_triton, rms_norm_triton, rope_triton, silu_mul_triton, token_stride
+from model import ModelConfig, RMSNorm, apply_rope, rope_inv_freq
 
 
 @pytest.mark.parametrize("early", [True, False])
@@ -77,6 +77,30 @@ def _check_gemv(M, N, K, dtype, dev, g):
     bound = ref.abs() * step + K * 2 ** -24 * (x.double().abs() @ w.double().abs().t())
     err = (y.double() - ref).abs()
     assert (err <= bound).all(), f"M={M} {dtype}: worst {(err / bound).max():.2f} of the bound"
+
+
+def test_embed_rope_matches_the_torch_ops():
+    """The gather and the RoPE angles of CausalLM.forward's torch path: x = E[ids] bit for bit;
+    cos / sin of float(p)·θ (int32 decode positions and int64 prefill ones, up to 32k) bit for bit
+    on the GPU (libdevice is CUDA's cosf), within an fp32 ulp under the interpreter (numpy's cos);
+    head_dim 96 (D/2 = 48, not a power of two) masks its tail; an id outside the vocabulary
+    reads zeros, not past the table."""
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for head_dim in (64, 96):
+        cfg = ModelConfig("Qwen2ForCausalLM", 300, 72, 128, 1, 2, 1, head_dim=head_dim, rope_theta=1e6)
+        inv_freq = rope_inv_freq(cfg).to(dev)
+        emb = torch.randn(300, 72, generator=g).to(dev, torch.bfloat16)
+        for dtype in (torch.int32, torch.int64):
+            ids = torch.randint(0, 300, (3, 5), generator=g).to(dev, dtype)
+            pos = torch.randint(0, 32768, (3, 5), generator=g).to(dev, dtype)
+            x, cos, sin = embed_rope_triton(ids, pos, emb, inv_freq)
+            angles = pos[..., None].float() * inv_freq
+            assert torch.equal(x, emb[ids.long()]) and cos.shape == sin.shape == (3, 5, 1, head_dim // 2)
+            check = torch.equal if dev == "cuda" else lambda a, b: torch.allclose(a, b, rtol=0, atol=2e-7)
+            assert check(cos[:, :, 0], angles.cos()) and check(sin[:, :, 0], angles.sin())
+    ids[0, 0] = 300
+    assert torch.equal(embed_rope_triton(ids, pos, emb, inv_freq)[0][0, 0], torch.zeros(72, dtype=emb.dtype, device=dev))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -206,22 +206,24 @@ def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
 @pytest.mark.interpreter
 def test_fill_tokens_kernel_matches_the_torch_ops():
     """The CUDA path of Runner._fill_tokens (one Triton kernel, run here by the interpreter) on the
-    strided slice the graphs fill (meta[:, :bucket] of the 512-wide static buffer): row i's token
-    becomes prev[src] where src = meta[4, i] >= 0, every other entry stays."""
+    view the graphs fill (meta (5, bucket) at the front of the flat static buffer) and on a strided
+    slice (rows 512 apart): row i's token becomes prev[src] where src = meta[4, i] >= 0, every other
+    entry, inside the view or past it, stays."""
     g = torch.Generator().manual_seed(int.from_bytes(random.randbytes(4), "little"))
-    wide = torch.randint(0, 1000, (5, 512), generator=g, dtype=torch.int32)
-    wide[4] = torch.randint(-1, 20, (512,), generator=g, dtype=torch.int32)
     prev = torch.randint(0, 150000, (20,), generator=g)
-    want = wide.clone()
-    for i in range(37):
-        if want[4, i] >= 0:
-            want[0, i] = prev[want[4, i]]
-    ref = wide.clone()
-    rollout.Runner._fill_tokens(ref[:, :37], prev)                     # the torch ops (CPU tensors)
-    got = wide.clone()
-    meta = got[:, :37]
-    rollout._fill_tokens_kernel[(1,)](meta, prev, meta.stride(0), 37, BLOCK=64)
-    assert torch.equal(ref, want) and torch.equal(got, want)
+    for view in (lambda t: t.view(-1)[:5 * 37].view(5, 37), lambda t: t[:, :37]):
+        wide = torch.randint(0, 1000, (5, 512), generator=g, dtype=torch.int32)
+        view(wide)[4] = torch.randint(-1, 20, (37,), generator=g, dtype=torch.int32)
+        want = wide.clone()
+        for i in range(37):
+            if view(want)[4, i] >= 0:
+                view(want)[0, i] = prev[view(want)[4, i]]
+        ref = wide.clone()
+        rollout.Runner._fill_tokens(view(ref), prev)                    # the torch ops (CPU tensors)
+        got = wide.clone()
+        meta = view(got)
+        rollout._fill_tokens_kernel[(1,)](meta, prev, meta.stride(0), 37, BLOCK=64)
+        assert torch.equal(ref, want) and torch.equal(got, want) and not torch.equal(want, wide)
 
 
 @pytest.mark.interpreter
@@ -336,3 +338,27 @@ def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora
                 errs.append((ref - torch.tensor(c.logprobs)).abs())
         errs = torch.cat(errs)
         assert errs.max() < 5e-2 and errs.mean() < 1e-2, f"round {round}: max {errs.max():.2e} mean {errs.mean():.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
+    """At temperature 1 without top-k/top-p the lm_head and the Triton sampler run inside the decode
+    graph, keyed by the Runner's seed tensor (advanced one per step, the capture's warm-up undone):
+    the same seed gives the same tokens and logprobs in the call that captures the graphs, in a call
+    that replays them, and in a second engine; another seed gives others. With top-p the graph stops
+    at the hidden states and sampling runs outside it (key temperature None), reproducible too."""
+    model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
+    prompts = _prompts([5, 40, 17], seed=7)
+
+    def run(engine, seed, top_p=1.0):
+        out = engine.generate(prompts, SamplingParams(max_tokens=30, n=3, seed=seed, top_p=top_p,
+                                                      stop_token_ids=()))
+        return [(c.token_ids, c.logprobs) for comps in out for c in comps]
+
+    engine = LLMEngine(model)
+    first = run(engine, 11)
+    assert {k[1] for k in engine.runner.graphs} == {1.0}
+    assert run(engine, 11) == first and run(LLMEngine(model), 11) == first
+    assert run(engine, 12) != first
+    nucleus = run(engine, 11, top_p=0.9)
+    assert None in {k[1] for k in engine.runner.graphs} and run(engine, 11, top_p=0.9) == nucleus

@@ -90,13 +90,38 @@ def test_sample_triton_draws_from_the_softmax_across_chunks():
     assert torch.equal(again, tok[:50])
 
 
+@pytest.mark.interpreter
+def test_sample_triton_seed_tensor_advances_and_out_buffers():
+    """seed=: the key a CUDA graph reads by address. A call with key k draws what the generator path
+    draws when its generator yields k, and leaves k + 1 behind, so the next call draws with k + 1;
+    out= receives the results (here views of one buffer, as the engine's step record). Bad seed /
+    out: ValueError."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 40, generator=g)
+    k = int(torch.randint(2 ** 62, (1,), generator=torch.Generator().manual_seed(9)))
+    want = [sample_triton(x, 0.8, torch.Generator().manual_seed(9), chunk=16)]
+    seed = torch.tensor([k])
+    buf = torch.zeros(6 * 12, dtype=torch.uint8)
+    out = buf[:48].view(torch.int64), buf[48:].view(torch.float32)
+    tok, lp = sample_triton(x, 0.8, seed=seed, out=out, chunk=16)
+    assert tok.data_ptr() == buf.data_ptr() and int(seed) == k + 1
+    assert torch.equal(tok, want[0][0]) and torch.equal(lp, want[0][1])
+    again = sample_triton(x, 0.8, seed=seed, chunk=16)
+    fresh = sample_triton(x, 0.8, seed=torch.tensor([k + 1]), chunk=16)
+    assert torch.equal(again[0], fresh[0]) and not torch.equal(again[0], tok) and int(seed) == k + 2
+    with pytest.raises(ValueError, match="seed must be"):
+        sample_triton(x, 0.8, seed=torch.tensor([7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must be"):
+        sample_triton(x, 0.8, seed=seed, out=(out[0][:5], out[1][:5]))
+
+
 @pytest.mark.gpu
 def test_gpu_sample_dispatches_to_triton_and_matches_the_softmax(monkeypatch):
     """On CUDA, sample() without top-k/top-p runs the kernels: 200,000 draws over 6 logits and 4,096
-    over a Qwen2.5-size vocabulary (bf16, 38 chunks) follow softmax(z / T); logprobs vs float64."""
+    over a Qwen2.5-size vocabulary (bf16, 75 chunks of 2,048) follow softmax(z / T); logprobs vs float64."""
     import sampling
     calls = []
-    monkeypatch.setattr(sampling, "sample_triton", lambda *a: calls.append(1) or sample_triton(*a))
+    monkeypatch.setattr(sampling, "sample_triton", lambda *a, **k: calls.append(1) or sample_triton(*a, **k))
     z = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0], device="cuda")
     tok, lp = sample(z.expand(200_000, -1), SamplingParams(temperature=0.7, seed=0),
                      torch.Generator(device="cuda").manual_seed(0))
@@ -114,3 +139,6 @@ def test_gpu_sample_dispatches_to_triton_and_matches_the_softmax(monkeypatch):
     _draws_match(bucket, torch.cat([p[top], 1 - p[top].sum()[None]]).cpu())
     torch.testing.assert_close(lp.double(), p.log()[tok], rtol=0, atol=1e-4)
     assert len(calls) == 2
+    nan = torch.full((2, 152064), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tok, _ = sample_triton(nan, 1.0)       # a row of NaNs still picks a token inside the vocabulary
+    assert ((tok >= 0) & (tok < 152064)).all()
