@@ -120,7 +120,8 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         tok = tl.load(ids_ptr + t).to(tl.int64)
         offs = tl.arange(0, BLOCK_H)
-        inside = (offs < H) & (offs * 0 + tok >= 0) & (offs * 0 + tok < V)           # (BLOCK_H,)
+        tok_b = offs * 0 + tok                  # the id broadcast to the block (the interpreter takes
+        inside = (offs < H) & (tok_b >= 0) & (tok_b < V)    # no scalar in a mask): (BLOCK_H,)
         row = tl.load(emb_ptr + tok * stride_e + offs, mask=inside, other=0.0)
         tl.store(x_ptr + t * H + offs, row, mask=offs < H)
         j = tl.arange(0, BLOCK_D)
