@@ -357,8 +357,10 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        if fused(input_ids) and type(self.model.embed_tokens) is nn.Embedding:   # one kernel for the five below
-            x, cos, sin = embed_rope_triton(input_ids, positions, self.model.embed_tokens.weight, self.inv_freq)
+        if (fused(input_ids) and type(self.model.embed_tokens) is nn.Embedding and self.inv_freq.dtype == torch.float32
+                and positions.shape == input_ids.shape):   # one kernel for the five below (ids inside the
+            x, cos, sin = embed_rope_triton(input_ids, positions,   # vocabulary: one outside reads zeros)
+                                            self.model.embed_tokens.weight, self.inv_freq)
         else:
             angles = positions[..., None].float() * self.inv_freq          # (B, T, D/2) fp32
             cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]  # (B, T, 1, D/2): broadcast over heads

@@ -35,8 +35,9 @@ the new k and v in the cache and attends (RoPE, the KV store and attention in on
              a graph also fills in the tokens of the step in flight (_fill_tokens_kernel), and
              where sampling is the Triton path (no top-k / top-p) it runs the lm_head and the
              sampler too (one graph per temperature), keyed by the Runner's seed tensor, which the
-             sampler advances in place: a step is then two small copies in, one replay and one
-             copy of the step's record (tokens and logprobs in one buffer) out.
+             sampler advances in place: a step is then two small copies in (three after a
+             prefill), one replay and one copy of the step's record (tokens and logprobs in one
+             buffer) out.
 
 GRPO sharing. The n samples of one prompt are prefilled once and share the prompt's KV blocks,
 copied on write (scheduler.py). Sampling records each token's logprob under the sampling
@@ -248,8 +249,7 @@ class Runner:
         """logits (B, V) -> the step's record (split_record): the sampled tokens and their logprobs
         in its first B rows. record: a buffer of >= B rows to fill (default: a new one of B rows)."""
         B = logits.shape[0]
-        if record is None:
-            record = torch.empty(12 * B, dtype=torch.uint8, device=logits.device)
+        record = new_record(B, logits.device) if record is None else record
         tokens, logprobs = split_record(record)
         sample(logits, params, generator, seed=self.seed, out=(tokens[:B], logprobs[:B]))
         return record
@@ -333,10 +333,10 @@ class Runner:
         if self._static is None:
             self._static = [torch.zeros(5 * n, dtype=torch.int32, device=d),
                             torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d),
-                            torch.zeros(12 * n, dtype=torch.uint8, device=d)]
-        if self._static[2].numel() < 12 * prev_rows:
+                            new_record(n, d)]
+        if len(split_record(self._static[2])[0]) < prev_rows:
             self.graphs, self.graph_pool = {}, None
-            self._static[2] = torch.zeros(12 * prev_rows, dtype=torch.uint8, device=d)
+            self._static[2] = new_record(prev_rows, d)
         return self._static
 
     def _capture(self, bucket, params):
@@ -375,7 +375,7 @@ class Runner:
         if prev_tokens is not None and prev_tokens.data_ptr() != prev.data_ptr():
             prev[:len(prev_tokens)].copy_(prev_tokens)   # not from a graph: a prefill or an eager step
         # the lm_head and the sampler join the graph where sampling is the Triton path
-        in_graph = uses_kernels(params, (bucket, self.model.config.vocab_size), self.device)
+        in_graph = uses_kernels(params, (bucket, self.model.lm_head.out_features), self.device)
         key = (bucket, params.temperature) if in_graph else (bucket, None)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, params if in_graph else None)
@@ -384,9 +384,14 @@ class Runner:
         return out if in_graph else self.sample(self._logits(out[:B]), params, generator)
 
 
+def new_record(rows, device):
+    """A step's record: one uint8 buffer of 12 bytes a row holding the sampled tokens (int64) and
+    then their logprobs (fp32), so that one copy takes a step's samples to the host."""
+    return torch.empty(12 * rows, dtype=torch.uint8, device=device)
+
+
 def split_record(record):
-    """A step's record (12·n,) uint8 -> its views tokens (n,) int64, logprobs (n,) fp32: one buffer
-    holds both, so that one copy takes a step's samples to the host."""
+    """A record (12·n,) uint8 -> its views tokens (n,) int64, logprobs (n,) fp32."""
     n = record.numel() // 12
     return record[:8 * n].view(torch.int64), record[8 * n:].view(torch.float32)
 
@@ -474,7 +479,8 @@ class LLMEngine:
     def _launch(self, kind, batch, copies, pending, params, gen):
         """Queue one step on the GPU: forward, sampling, and an asynchronous copy of the tokens and
         logprobs to the host. Each sequence gets a placeholder token (-1) at once, so the scheduler
-        sees its true length while the value is still on the GPU. -> the step record."""
+        sees its true length while the value is still on the GPU. -> the step: a dict of its
+        sequences, their token slots, the record's tokens on the device, its host copy, an event."""
         r = self.runner
         if kind == "prefill":
             assert pending is None, "a prefill reads every token on the host: drain the step in flight first"

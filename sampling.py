@@ -150,7 +150,8 @@ if triton is not None:
         seed_ptr, C_PAD: tl.constexpr, ADVANCE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         """token[b] = idx of the chunk with the best score; logp[b] = z[token] - log-sum-exp of z.
-        ADVANCE: program 0 adds one to the seed (the chunk kernel, launched before, has read it)."""
+        ADVANCE: program 0 adds one to the seed. After pdl_start's wait, so the whole chunk kernel has
+        read it: the store must stay below the wait."""
         pdl_start(USE_PDL)
         b = tl.program_id(0)
         if ADVANCE:
@@ -189,6 +190,12 @@ def sample_triton(logits, temperature, generator=None, chunk=None, seed=None, ou
     num_chunks = triton.cdiv(V, chunk)
     stat = torch.empty(B, num_chunks, 3, device=dev, dtype=torch.float32)
     idx = torch.empty(B, num_chunks, device=dev, dtype=torch.int32)
+    if out is None:
+        out = torch.empty(B, device=dev, dtype=torch.int64), torch.empty(B, device=dev, dtype=torch.float32)
+    tokens, logprobs = out
+    if not (tokens.shape == logprobs.shape == (B,) and tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+            and tokens.device == logprobs.device == dev and tokens.stride(0) == logprobs.stride(0) == 1):
+        raise ValueError(f"sample_triton: out must be ({B},) int64 and ({B},) fp32 tensors on {dev}, stride 1")
     advance = seed is not None
     if seed is None:
         seed = torch.randint(2 ** 62, (1,), device=dev, generator=generator)  # a 64-bit Philox key
@@ -198,12 +205,6 @@ def sample_triton(logits, temperature, generator=None, chunk=None, seed=None, ou
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     _sample_chunk_kernel[(B, num_chunks)](logits, logits.stride(0), V, inv_t, seed, stat, idx, num_chunks,
                                           CHUNK=chunk, GREEDY=temperature == 0, **pdl_launch(dev))
-    if out is None:
-        out = torch.empty(B, device=dev, dtype=torch.int64), torch.empty(B, device=dev, dtype=torch.float32)
-    tokens, logprobs = out
-    if not (tokens.shape == logprobs.shape == (B,) and tokens.dtype == torch.int64
-            and logprobs.dtype == torch.float32 and tokens.device == logprobs.device == dev):
-        raise ValueError(f"sample_triton: out must be ({B},) int64 and ({B},) fp32 tensors on {dev}")
     _sample_pick_kernel[(B,)](logits, logits.stride(0), inv_t, stat, idx, num_chunks, tokens, logprobs, V,
                               seed, C_PAD=triton.next_power_of_2(num_chunks), ADVANCE=advance, **pdl_launch(dev))
     return tokens, logprobs

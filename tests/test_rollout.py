@@ -345,20 +345,25 @@ def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
     """At temperature 1 without top-k/top-p the lm_head and the Triton sampler run inside the decode
     graph, keyed by the Runner's seed tensor (advanced one per step, the capture's warm-up undone):
     the same seed gives the same tokens and logprobs in the call that captures the graphs, in a call
-    that replays them, and in a second engine; another seed gives others. With top-p the graph stops
-    at the hidden states and sampling runs outside it (key temperature None), reproducible too."""
+    that replays them, and in a second engine that captured its graphs in another order (another
+    seed first); another seed gives others. Stop tokens end sequences at different steps, so the
+    batch moves down the buckets and graphs are captured while a graph step's tokens are in flight.
+    With top-p the graph stops at the hidden states and sampling runs outside it (key temperature
+    None), reproducible too."""
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
-    prompts = _prompts([5, 40, 17], seed=7)
+    prompts = _prompts([5, 40, 17, 9], seed=7)
 
     def run(engine, seed, top_p=1.0):
-        out = engine.generate(prompts, SamplingParams(max_tokens=30, n=3, seed=seed, top_p=top_p,
-                                                      stop_token_ids=()))
+        out = engine.generate(prompts, SamplingParams(max_tokens=80, n=4, seed=seed, top_p=top_p,
+                                                      stop_token_ids=(3, 7, 11, 19)))
         return [(c.token_ids, c.logprobs) for comps in out for c in comps]
 
     engine = LLMEngine(model)
     first = run(engine, 11)
-    assert {k[1] for k in engine.runner.graphs} == {1.0}
-    assert run(engine, 11) == first and run(LLMEngine(model), 11) == first
-    assert run(engine, 12) != first
+    assert {k[1] for k in engine.runner.graphs} == {1.0} and len(engine.runner.graphs) > 1
+    assert len({len(t) for t, _ in first}) > 1, "the sequences should stop at different steps"
+    other = LLMEngine(model)
+    assert run(other, 12) != first
+    assert run(engine, 11) == first and run(other, 11) == first
     nucleus = run(engine, 11, top_p=0.9)
     assert None in {k[1] for k in engine.runner.graphs} and run(engine, 11, top_p=0.9) == nucleus
