@@ -19,7 +19,7 @@ their underscore names):
     fp4_decode.py       the in-kernel number format: E2M1 / E4M3 bit decoding (PTX and its plain-tl
                         emulation for the interpreter), the epilogue, pdl_start
     small_m_kernels.py  _nvfp4_gemv_kernel (CUDA cores) and _nvfp4_mma_kernel (mma.sync fragments)
-    register_a_kernel.py  _nvfp4_wgmma_kernel (Gluon: wgmma on weights decoded into its A registers)
+    register_a_kernel.py  _wgmma_ring_kernel, _wgmma_ws_kernel (Gluon: wgmma on weights decoded into its A registers)
                         and the permutation of x it reads
     tile_kernels.py     _nvfp4_mm_kernel (wgmma, swapped or not), _nvfp4_mm_dx_kernel,
                         _splitk_reduce_kernel, _nvfp4_dequant_kernel
@@ -104,6 +104,7 @@ WGMMA_NARROW_MAX_M = 128 # ... and to this M only on weights of <= 20M elements 
 WGMMA_NARROW = 20_000_000  # dequantize + cuBLAS wins above
 SMEM_PER_SM = 228 * 1024 # H100 shared memory per SM (1 KB of it reserved per program)
 GLUON_TRITON = "3.6."    # the Triton release register_a_kernel.py's Gluon is written for
+WS_MIN_BT = 64           # from this many tokens a program the register-A kernel is the warp-specialized one
 
 
 def interpreting() -> bool:
@@ -559,7 +560,10 @@ def _wgmma_split(M, N, K, cfg, device):
     >= 4 windows of 128 k; more waves measured slower (NOTES v17)."""
     nwin = K // 128
     tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt)
-    wave = _num_sms(device) * max(1, SMEM_PER_SM // (rak.ring_bytes(cfg.bn, cfg.bt, cfg.stages) + 1024))
+    per_sm = SMEM_PER_SM // (rak.ring_bytes(cfg.bn, cfg.bt, cfg.stages) + 1024)
+    if cfg.bt >= WS_MIN_BT:      # and by registers: the producer's warp takes a warpgroup's worth
+        per_sm = min(per_sm, 65536 // (rak.MAX_REGS[cfg.warps] * 32 * (cfg.warps + 4)))
+    wave = _num_sms(device) * max(1, per_sm)
     return _split(cfg.split or max(1, min(nwin // 4, wave // tiles)), tiles, nwin, 1, 0)
 
 
@@ -580,12 +584,20 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
     if lora is not None and split == 1:
         raise ValueError("a LoRA update folds into the register-A route only where it splits K (reduce_folds_lora)")
     part = _partials(split, out)
-    xp = rak.fragment_order(x, pdl_launch(x.device))
-    rak._nvfp4_wgmma_kernel[(*grid_nm, split)](
-        xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, bias if bias is not None else out,
-        part, M, N, nwin, chunk, xp.stride(0), N, M * N,
-        LW=rak.word_layout(cfg.bn, cfg.warps), LS=rak.scale_layout(cfg.bn, cfg.warps), BN=cfg.bn, BT=cfg.bt,
-        S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=cfg.warps, **pdl_launch(x.device))
+    ws = cfg.bt >= WS_MIN_BT
+    xp = rak.fragment_order(x, pdl_launch(x.device), grid_nm[1] * cfg.bt if ws else 0)
+    meta = dict(LW=rak.word_layout(cfg.bn, cfg.warps), LS=rak.scale_layout(cfg.bn, cfg.warps), BN=cfg.bn,
+                BT=cfg.bt, S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=cfg.warps,
+                **pdl_launch(x.device))
+    b = bias if bias is not None else out
+    if ws:
+        rak._wgmma_ws_kernel[(*grid_nm, split)](
+            *rak.descriptors(xp, packed, scale, cfg.bn, cfg.bt), global_scale, b, part, M, N, nwin, chunk,
+            N, M * N, maxnreg=rak.MAX_REGS[cfg.warps], **meta)
+    else:
+        rak._wgmma_ring_kernel[(*grid_nm, split)](
+            xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, b, part, M, N, nwin, chunk,
+            xp.stride(0), N, M * N, **meta)
     return _reduce(part, global_scale, bias, out, lora)
 
 

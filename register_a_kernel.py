@@ -38,13 +38,21 @@ weight of k(c) = 32t + 8j + 4p1 + 2e + p0, so x must come permuted the same way:
 xp[:, c] = x[:, k(c)] in every window (_fragment_order_kernel, one pass over x before the GEMM;
 fragment_order_index is the same map in torch).
 
-The pipeline: a ring of S = 3 stages in shared memory, each holding one window's W words (BN x 64
-bytes), scales (BN x 8 bytes) and xp tile (BT x 128 bf16, 128-byte swizzle: wgmma's B), filled by
-cp.async two windows ahead. Per window: wait for the oldest copy group, barrier, words and scales
-into registers in the fragment layout, decode, one wgmma (8 instructions of 16 k), wait for it,
-refill the stage just read. Keeping a wgmma in flight across windows (warpgroup_mma_wait(1) with
-the previous A registers alive) gave wrong results in the experiment and was no faster (NOTES v16),
-and decoding window i+1 under wgmma i is serialized by ptxas, which reuses A's registers (v17).
+The pipeline, two kernels for the same product. _wgmma_ring_kernel: a ring of S = 3 stages in
+shared memory, each holding one window's W words (BN x 64 bytes), scales (BN x 8 bytes) and xp tile
+(BT x 128 bf16, 128-byte swizzle: wgmma's B), filled by cp.async two windows ahead. Per window:
+wait for the oldest copy group, barrier, words and scales into registers in the fragment layout,
+decode, one wgmma (8 instructions of 16 k), wait for it, refill the stage just read. Keeping a wgmma
+in flight across windows (warpgroup_mma_wait(1) with the previous A registers alive) gave wrong
+results in the experiment and was no faster (NOTES v16), and decoding window i+1 under wgmma i is
+serialized by ptxas, which reuses A's registers (v17). _wgmma_ws_kernel (from marlin_kernel.WS_MIN_BT
+= 64 tokens a program): the same ring and the same per-window work (_mma_window), warp-specialized:
+one producer warp fills the stages by TMA and a pair of mbarriers per stage says full / free, so the
+consumer warps neither issue copies nor wait at a barrier for each other. Measured on the H100
+(NOTES v25, same run): faster on 50 of 52 routed shapes and M from 33 to 256 (7B gate_up M = 128
+79.5 vs 92.3 us), the 7B GRPO decode +6.9%; its x tiles must be whole (fragment_order pads them).
+Below 64 tokens a program it was not measured to pay (the producer's warpgroup of registers halves
+the programs an SM holds), hence two kernels.
 The scales are E4M3 bytes: the hardware's fp8 -> fp32 conversion, times 2^119, as bf16 pairs, so
 the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAND_SHIFT).
 
@@ -55,7 +63,7 @@ instructions as inline PTX): without it, a split launch after a PDL chain ran up
 (bench/results/kernel_v17_pdl_diag_h100.txt).
 
 Gluon's API moves between Triton releases (3.9 removed async_copy_global_to_shared and
-thread_barrier), so marlin_kernel routes here only on the release this file is written for and
+thread_barrier; warp_specialize changed its signature), so marlin_kernel routes here only on the release this file is written for and
 tested on, triton 3.6 (GLUON_TRITON); elsewhere the tile kernels serve these M.
 
 Shapes: x (M, K) bf16 rows contiguous; W interleaved, N a multiple of 16, K of 128. Weight rows past
@@ -72,7 +80,9 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from fp4_decode import _DECODE_REGS, OPERAND_POST, OPERAND_SHIFT, _e2m1x4_to_bf16_ptx, pdl_start
 
@@ -84,26 +94,31 @@ _DECODE8 = gl.constexpr("{ " + " ".join(
 _DECODE8_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
 _SCALE_TO_OPERAND = gl.constexpr(2.0 ** (126 - OPERAND_SHIFT.value))  # decoded codes are e2m1·2^-126
 _POST = gl.constexpr(OPERAND_POST.value)
+LOADER_REGS = gl.constexpr(40)   # registers a thread of the one-warp TMA producer keeps (setmaxnreg)
+MAX_REGS = {4: 128, 8: 168}      # maxnreg of the warp-specialized kernel by consumer warps: (warps + 4)
+                                 # warps at this many registers, 2 programs an SM (4) or 1 (8)
+_X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+_W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+_S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 
 
 # ----------------------------------------------------------------------------------------------
 # x in the operand's k order
 
 @triton.jit
-def _fragment_order_kernel(x_ptr, out_ptr, M, K, stride_xm, BM: tl.constexpr, WINS: tl.constexpr,
+def _fragment_order_kernel(x_ptr, out_ptr, M, MP, K, stride_xm, BM: tl.constexpr, WINS: tl.constexpr,
                            USE_PDL: tl.constexpr):
-    """out (M, K) = x with each 128-k window permuted: out[:, c] = x[:, k(c)] (module docstring), for
-    BM rows x WINS windows. Loads and stores are contiguous (16 B a lane); the permutation is a
+    """out (MP, K) = x with each 128-k window permuted: out[:, c] = x[:, k(c)] (module docstring), for
+    BM rows x WINS windows; rows M..MP-1 are zeros. Loads and stores are contiguous (16 B a lane); the permutation is a
     reshape and permute of the tile in registers, which Triton carries out through shared memory
     (a gather of 2-byte loads took 9 us a call at M = 128 in the GRPO batch, bench/NOTES.md v18)."""
     pdl_start(USE_PDL)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * (WINS * 128) + tl.arange(0, WINS * 128)
-    mask = (m < M)[:, None] & (k < K)[None, :]
-    v = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mask)
+    v = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
     v = tl.reshape(v, [BM, WINS, 4, 4, 2, 2, 2])              # k = 32t + 8j + 4p1 + 2e + p0: (t, j, p1, e, p0)
     v = tl.reshape(tl.permute(v, [0, 1, 3, 4, 6, 2, 5]), [BM, WINS * 128])   # c order: (j, p1, p0, t, e)
-    tl.store(out_ptr + m[:, None] * K + k[None, :], v, mask=mask)
+    tl.store(out_ptr + m[:, None] * K + k[None, :], v, mask=(m < MP)[:, None] & (k < K)[None, :])
 
 
 def fragment_order_index(K: int, device=None) -> torch.Tensor:
@@ -113,14 +128,16 @@ def fragment_order_index(K: int, device=None) -> torch.Tensor:
     return k.permute(0, 2, 3, 5, 1, 4).reshape(K)
 
 
-def fragment_order(x: torch.Tensor, pdl: dict) -> torch.Tensor:
-    """x (M, K) bf16 -> xp (M, K), permuted for the kernel below (one pass over x); pdl:
-    marlin_kernel.pdl_launch's keywords."""
+def fragment_order(x: torch.Tensor, pdl: dict, rows: int = 0) -> torch.Tensor:
+    """x (M, K) bf16 -> xp (max(M, rows), K), permuted for the kernel below (one pass over x), rows
+    past M zero; pdl: marlin_kernel.pdl_launch's keywords. The warp-specialized kernel takes whole
+    token tiles: TMA boxes that cross the tensor's end measured ~20-40% slower (NOTES v25)."""
     M, K = x.shape
-    out = torch.empty((M, K), device=x.device, dtype=x.dtype)
-    BM, WINS = min(16, triton.next_power_of_2(M)), 2
-    _fragment_order_kernel[(triton.cdiv(M, BM), triton.cdiv(K, WINS * 128))](
-        x, out, M, K, x.stride(0), BM=BM, WINS=WINS, num_warps=4, **pdl)
+    MP = max(M, rows)
+    out = torch.empty((MP, K), device=x.device, dtype=x.dtype)
+    BM, WINS = min(16, triton.next_power_of_2(MP)), 2
+    _fragment_order_kernel[(triton.cdiv(MP, BM), triton.cdiv(K, WINS * 128))](
+        x, out, M, MP, K, x.stride(0), BM=BM, WINS=WINS, num_warps=4, **pdl)
     return out
 
 
@@ -145,6 +162,49 @@ def _decode_operand(words, sc, BN: gl.constexpr, DL: gl.constexpr):
 
 
 @gluon.jit
+def _pdl_start(USE_PDL: gl.constexpr):
+    """fp4_decode.pdl_start's two instructions (Gluon has no builtin for them)."""
+    if USE_PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _mma_window(acc, xs, ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, DL: gl.constexpr):
+    """acc += decode(W window)·xpᵀ from one ring stage: xs the (BT, 128) xp tile, ws the (BN, 16)
+    int32 words, ss the (BN, 8) scale bytes; the words and scales go into registers in the fragment
+    layout, decode, one wgmma (8 instructions of 16 k), waited for."""
+    words = ws.load(LW)                                                        # (BN, 16) int32
+    sb = ss.load(LS)                                                           # (BN, 8) scale bytes
+    sb = gl.convert_layout(gl.reshape(gl.join(sb, sb), [BN, 16]), LW, assert_trivial=True)  # word w: block w // 2
+    sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_TO_OPERAND).to(gl.bfloat16)
+    a = _decode_operand(words, sc, BN, DL)
+    acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+
+
+@gluon.jit
+def _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k,
+                BN: gl.constexpr, BT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                num_warps: gl.constexpr):
+    """y[tok, row] of the (BN rows, BT tokens) tile, scaled (+bias), or its fp32 partial sums."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BT, 16])
+    rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+    offs = toks[None, :] * stride_om + rows[:, None]
+    mask = (rows < N)[:, None] & (toks < M)[None, :]
+    if PARTIAL:
+        gl.store(out_ptr + pid_k * stride_os + offs, acc, mask=mask)
+    else:
+        y = acc * (_POST / gl.load(gs_ptr))
+        if HAS_BIAS:
+            y += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(out_ptr + offs, y.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
 def _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs, win, stage):
     """cp.async of window win's xp tile, W words and scales into ring stage `stage`, one group."""
     cp.async_copy_global_to_shared(xs.index(stage), x_ptr + x_offs + win * 128, mask=x_mask)
@@ -154,18 +214,16 @@ def _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs, win
 
 
 @gluon.jit
-def _nvfp4_wgmma_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, NWIN, WIN_SPLIT,
-                        stride_xm, stride_om, stride_os,
-                        LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
-                        S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                        USE_PDL: gl.constexpr, num_warps: gl.constexpr):
+def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, NWIN, WIN_SPLIT,
+                       stride_xm, stride_om, stride_os,
+                       LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
+                       S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                       USE_PDL: gl.constexpr, num_warps: gl.constexpr):
     """out = x·Wᵀ (+bias) for the tile (BN weight rows of program 0, BT tokens of program 1) over the
     windows [pid2·WIN_SPLIT, +WIN_SPLIT); PARTIAL: fp32 sums to out[pid2] (split-K) instead.
-    x_ptr holds xp (fragment order), p4_ptr the interleaved codes as int32, s_ptr the scale bytes."""
-    if USE_PDL:     # fp4_decode.pdl_start's two instructions (Gluon has no builtin for them)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    x_ptr holds xp (fragment order), p4_ptr the interleaved codes as int32, s_ptr the scale bytes.
+    Every warp copies (cp.async) and computes."""
+    _pdl_start(USE_PDL)
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_k = gl.program_id(2)
@@ -175,7 +233,6 @@ def _nvfp4_wgmma_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, N
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])   # copies of 16 B a lane
     WL: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [num_warps, 1], [1, 0])
     SCL: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])  # 4 B a lane
-    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     PS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
 
     # copy offsets: a 16-row x 128-k tile is 256 words and 128 scale bytes, a 16-row group's tiles
@@ -188,7 +245,7 @@ def _nvfp4_wgmma_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, N
     x_offs = toks[:, None] * stride_xm + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
     x_mask = (toks < M)[:, None]
 
-    xs = gl.allocate_shared_memory(gl.bfloat16, [S, BT, 128], XS)
+    xs = gl.allocate_shared_memory(gl.bfloat16, [S, BT, 128], _X_SMEM)
     ws = gl.allocate_shared_memory(gl.int32, [S, BN, 16], PS)
     ss = gl.allocate_shared_memory(gl.uint8, [S, BN, 8], PS)
     acc = gl.zeros([BN, BT], gl.float32, mma)
@@ -202,34 +259,103 @@ def _nvfp4_wgmma_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, N
         stage = i % S
         cp.wait_group(S - 2)               # this window's group has landed (for this thread) ...
         gl.thread_barrier()                # ... and for every thread; stage i - 1 is free
-        words = ws.index(stage).load(LW)                                       # (BN, 16) int32
-        sb = ss.index(stage).load(LS)                                          # (BN, 8) scale bytes
-        sb = gl.convert_layout(gl.reshape(gl.join(sb, sb), [BN, 16]), LW, assert_trivial=True)  # word w: block w // 2
-        sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_TO_OPERAND).to(gl.bfloat16)
-        a = _decode_operand(words, sc, BN, DL)
-        acc = warpgroup_mma(a, xs.index(stage).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        acc = _mma_window(acc, xs.index(stage), ws.index(stage), ss.index(stage), LW, LS, BN, DL)
         _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
                gl.minimum(win + S - 1, w_end - 1), (i + S - 1) % S)
     cp.wait_group(0)
+    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k,
+                BN, BT, HAS_BIAS, PARTIAL, num_warps)
 
-    rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
-    offs = toks[None, :] * stride_om + rows[:, None]                          # y[tok, row]
-    mask = (rows < N)[:, None] & (toks < M)[None, :]
-    if PARTIAL:
-        gl.store(out_ptr + pid_k * stride_os + offs, acc, mask=mask)
-    else:
-        y = acc * (_POST / gl.load(gs_ptr))
-        if HAS_BIAS:
-            y += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(out_ptr + offs, y.to(gl.bfloat16), mask=mask)
+
+@gluon.jit
+def _load_partition(x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, group0, w_start, w_end):
+    """The producer (one warp): for each window, wait until its ring stage is free, then copy the
+    xp tile, W words and scales into it by TMA; their arrival completes the stage's ready barrier.
+    Rows past N or M arrive as zeros (TMA fills outside the tensor)."""
+    S: gl.constexpr = xs.type.shape[0]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+    for win in range(w_start, w_end):
+        i = win - w_start
+        stage = i % S
+        mbarrier.wait(empty.index(stage), ((i // S) & 1) ^ 1)    # a fresh barrier counts as released
+        mbarrier.expect(ready.index(stage), nbytes)
+        tma.async_copy_global_to_shared(x_desc, [tok0, win * 128], ready.index(stage), xs.index(stage))
+        tma.async_copy_global_to_shared(w_desc, [group0, win * 256], ready.index(stage), ws.index(stage))
+        tma.async_copy_global_to_shared(s_desc, [group0, win * 128], ready.index(stage), ss.index(stage))
+
+
+@gluon.jit
+def _mma_partition(xs, ws, ss, ready, empty, w_start, w_end, LW: gl.constexpr, LS: gl.constexpr,
+                   BN: gl.constexpr, BT: gl.constexpr, num_warps: gl.constexpr):
+    """The consumers (num_warps warps): per window, wait for its stage, _mma_window, release the
+    stage. Returns (acc,)."""
+    S: gl.constexpr = xs.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BT, 16])
+    DL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    PS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    acc = gl.zeros([BN, BT], gl.float32, mma)
+    for win in range(w_start, w_end):
+        i = win - w_start
+        stage = i % S
+        mbarrier.wait(ready.index(stage), (i // S) & 1)
+        # the stage's (BN/16, 256) words and (BN/16, 128) scale bytes are row-major (BN, 16) and (BN, 8)
+        acc = _mma_window(acc, xs.index(stage), ws.index(stage)._reinterpret(gl.int32, [BN, 16], PS),
+                          ss.index(stage)._reinterpret(gl.uint8, [BN, 8], PS), LW, LS, BN, DL)
+        fence_async_shared()               # our reads of the stage before the next TMA write to it
+        mbarrier.arrive(empty.index(stage), count=1)
+    return (acc,)
+
+
+@gluon.jit
+def _wgmma_ws_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, M, N, NWIN, WIN_SPLIT,
+                     stride_om, stride_os,
+                     LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
+                     S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                     USE_PDL: gl.constexpr, num_warps: gl.constexpr):
+    """_wgmma_ring_kernel's product, warp-specialized: one producer warp copies by TMA
+    (_load_partition), num_warps consumer warps decode and multiply (_mma_partition), an mbarrier
+    pair per ring stage between them. x_desc: TMA descriptor of xp (fragment order), box (BT, 128);
+    w_desc: the interleaved codes as int32 (N/16, NWIN·256), box (BN/16, 256); s_desc: the scale
+    bytes (N/16, NWIN·128), box (BN/16, 128) (descriptors())."""
+    _pdl_start(USE_PDL)
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    xs = gl.allocate_shared_memory(gl.bfloat16, [S] + x_desc.block_type.shape, x_desc.layout)
+    ws = gl.allocate_shared_memory(gl.int32, [S] + w_desc.block_type.shape, w_desc.layout)
+    ss = gl.allocate_shared_memory(gl.uint8, [S] + s_desc.block_type.shape, s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(S):
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1)
+    w_start = pid_k * WIN_SPLIT
+    w_end = gl.minimum(NWIN, w_start + WIN_SPLIT)
+    acc = gl.warp_specialize([
+        (_mma_partition, (xs, ws, ss, ready, empty, w_start, w_end, LW, LS, BN, BT, num_warps)),
+        (_load_partition, (x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, pid_m * BT, pid_n * (BN // 16),
+                           w_start, w_end)),
+    ], [1], [LOADER_REGS])[0]
+    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k,
+                BN, BT, HAS_BIAS, PARTIAL, num_warps)
+
+
+def descriptors(xp, packed, scale, BN: int, BT: int):
+    """The kernel's TMA descriptors: xp (M, K) bf16 in (BT, 128) boxes, 128-byte swizzle (wgmma's B
+    operand; Triton issues it as two 64-column copies); the interleaved codes as int32 (N/16,
+    K/8·16) and the scale bytes (N/16, K) in one box of BN/16 row groups x one window, unswizzled."""
+    N, K = packed.shape[0], xp.shape[1]
+    x_desc = TensorDescriptor.from_tensor(xp, [BT, 128], _X_SMEM)
+    w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32).view(N // 16, K * 2), [BN // 16, 256], _W_SMEM)
+    s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(N // 16, K), [BN // 16, 128], _S_SMEM)
+    return x_desc, w_desc, s_desc
 
 
 def ring_bytes(BN: int, BT: int, S: int) -> int:
-    """Shared memory of the kernel's ring (its three allocations): S stages of a BT x 128 bf16 x
-    tile, BN x 16 int32 words and BN x 8 scale bytes."""
-    return S * (BT * 128 * 2 + BN * 16 * 4 + BN * 8)
+    """Shared memory of the kernel's ring: S stages of a BT x 128 bf16 x tile, BN x 16 int32 words,
+    BN x 8 scale bytes and two 8-byte mbarriers."""
+    return S * (BT * 128 * 2 + BN * 16 * 4 + BN * 8 + 16)
 
 
 def word_layout(BN: int, warps: int):

@@ -33,6 +33,8 @@ defaults, which are what ships):
                           (0: never; the tile kernels instead)
     wgmma_min=N           marlin_kernel.WGMMA_MIN_M: ... from M = N + 1 rows (16: above the fragment kernel)
     wgmma_small=0|1       marlin_kernel.WGMMA_SMALL: ... and at M <= 16 on the big weights (wgmma_rows)
+    ws_min_bt=N           marlin_kernel.WS_MIN_BT: that kernel warp-specialized from N tokens a program
+                          (256: never; the cp.async ring kernel at every tile)
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants lora_kernels=1 lora_kernels=0
@@ -81,6 +83,7 @@ SWITCHES = {
     "wgmma": (marlin_kernel, "WGMMA_MAX_M", int),
     "wgmma_min": (marlin_kernel, "WGMMA_MIN_M", int),
     "wgmma_small": (marlin_kernel, "WGMMA_SMALL", lambda v: bool(int(v))),
+    "ws_min_bt": (marlin_kernel, "WS_MIN_BT", int),
 }
 
 

@@ -17,6 +17,7 @@ and speedup = cuBLAS time / our time.
     python bench/kernel.py --medium-variants --no-check --no-bench   # M = 64..512: pre-v5 vs v5 tiles
     python bench/kernel.py --small-variants --no-check --no-bench    # M = 1..16: route vs launch shapes (plain layout)
     python bench/kernel.py --once "7B gate_up:1,7B down:16"   # one call each, for ncu (NOTES.md v11)
+    python bench/kernel.py --floor            # what no kernel reading the weight can beat (see floor())
     python bench/kernel.py --out DIR          # where the JSON and log go
 
 The weights are random codes and random E4M3 scales (the kernel's speed does not depend on the
@@ -34,10 +35,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 
 import marlin_kernel as mk
 import nvfp4
+from fp4_decode import pdl_start
 
 # ----------------------------------------------------------------------------------------------
 # shapes (N, K) from ANCHORS.md
@@ -419,6 +422,90 @@ def once(device, cases):
 
 
 # ----------------------------------------------------------------------------------------------
+# floors: what the hardware allows under this file's timing
+
+@triton.jit
+def _stream_kernel(src_ptr, out_ptr, n_words, chunk, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Read words [pid·chunk, +chunk) of src, BLOCK a step, and store their xor (so that no load
+    is dead): a weight's bytes read once, at full coalescing, with no decode and no arithmetic."""
+    pdl_start(USE_PDL)
+    start = tl.program_id(0) * chunk
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for off in range(start, start + chunk, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        acc ^= tl.load(src_ptr + offs, mask=offs < n_words, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, axis=0))
+
+
+STREAM_BLOCKS = (1024, 2048, 4096)       # int32 words a program loads per step
+STREAM_WAVES = (1, 2, 4, 8, 16)          # programs per SM
+STREAM_WARPS = (4, 8)
+
+
+def floor(device, log, names):
+    """Per shape, the fastest streaming read of its NVFP4 bytes (packed + scales: N·K·9/16 B) over
+    a sweep of launch shapes, timed like the table (graph replays, PDL, copies rotated past the L2),
+    and once more with one copy, hot in the L2; and the dequantize pass that the large-M route
+    pays before cuBLAS. cuBLAS time / stream time bounds the speedup of any kernel that reads the
+    weight once (the decode, the x loads and the output only add to it); cuBLAS / (cuBLAS +
+    dequantize) bounds the dequantize route at large M."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for name in names:
+        N, K = SHAPES[name]
+        nbytes = N * K * 9 // 16
+        bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=device, generator=gen)
+                for _ in range(copies_for(nbytes, device))]
+        sink = torch.empty(16 * n_sm, dtype=torch.int32, device=device)
+        best = (float("inf"), None)
+        for block in STREAM_BLOCKS:
+            for waves in STREAM_WAVES:
+                chunk = triton.cdiv(triton.cdiv(nbytes // 4, waves * n_sm), block) * block
+                for warps in STREAM_WARPS:
+                    def run(src, chunk=chunk, block=block, warps=warps):
+                        _stream_kernel[(triton.cdiv(nbytes // 4, chunk),)](
+                            src, sink, nbytes // 4, chunk, BLOCK=block, num_warps=warps, **mk.pdl_launch(device))
+                    rot = Rotating(bufs)
+                    ms = bench_ms(lambda: run(rot.next()))
+                    if ms < best[0]:
+                        best = (ms, (block, waves, warps), run)
+        ms, cfg, run = best
+        hot = bench_ms(lambda: run(bufs[0]))
+        qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 // 16, device))])
+        deq = bench_ms(lambda: mk._dequantize_bf16(*qs.next(), il=True))
+        rows.append(dict(shape=name, N=N, K=K, bytes=nbytes, stream_ms=ms, stream_TBps=nbytes / ms / 1e9,
+                         stream_hot_ms=hot, block=cfg[0], waves=cfg[1], warps=cfg[2], dequant_ms=deq))
+        log(f"floor {name:>11}: {nbytes / 1e6:6.1f} MB  stream {ms * 1e3:6.1f} us ({nbytes / ms / 1e9:4.2f} TB/s; "
+            f"block {cfg[0]} words, {cfg[1]} programs/SM, {cfg[2]} warps), hot in L2 {hot * 1e3:5.1f} us, "
+            f"dequantize {deq * 1e3:6.1f} us")
+        del bufs, qs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def floor_table(floors, rows, log):
+    """Against the table's rows of the same run: the best speedup any kernel reading the weight
+    once could reach at M <= 16 (cuBLAS / stream), ours as a share of the stream's speed, and at
+    M >= 512 the dequantize route's bound (cuBLAS / (cuBLAS + dequantize))."""
+    by = {f["shape"]: f for f in floors}
+    log("# x = cuBLAS / ours; cap = cuBLAS / stream (M <= 64), cuBLAS / (cuBLAS + dequantize) (M >= 512)")
+    log(f"{'shape':>11} {'M':>5} | {'ours x':>6} {'cap':>5} {'ours/stream':>11} | {'dx x':>5} {'dx cap':>6} | path")
+    for r in rows:
+        f = by.get(r["shape"])
+        if f is None or 64 < r["M"] < 512:
+            continue
+        if r["M"] <= 64:
+            cap, dcap, share = r["cublas_fwd_ms"] / f["stream_ms"], r["cublas_dx_ms"] / f["stream_ms"], f["stream_ms"] / r["fwd_ms"]
+        else:
+            cap = r["cublas_fwd_ms"] / (r["cublas_fwd_ms"] + f["dequant_ms"])
+            dcap, share = r["cublas_dx_ms"] / (r["cublas_dx_ms"] + f["dequant_ms"]), float("nan")
+        r["cap"], r["dx_cap"] = cap, dcap
+        log(f"{r['shape']:>11} {r['M']:5d} | {r['fwd_speedup']:6.2f} {cap:5.2f} {share:11.2f} | "
+            f"{r['dx_speedup']:5.2f} {dcap:6.2f} | {r['path']}")
+
+
+# ----------------------------------------------------------------------------------------------
 # main
 
 def main():
@@ -438,6 +525,8 @@ def main():
     ap.add_argument("--small-ms", default=",".join(map(str, SMALL_MS)), help="M values of --small-variants")
     ap.add_argument("--no-check", action="store_true", help="skip the GPU correctness check")
     ap.add_argument("--once", default="", help='only one call per "shape:M" case, e.g. "7B o:1,7B o:16" (for ncu)')
+    ap.add_argument("--floor", action="store_true",
+                    help="also time each shape's streaming-read and dequantize floors (floor())")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -480,9 +569,13 @@ def main():
         t1 = time.time()
         out["sweep"] = sweep(device, log, args.sweep_budget)
         log(f"# sweep took {time.time() - t1:.0f} s")
+    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    if args.floor:
+        t1 = time.time()
+        out["floor"] = floor(device, log, names)
+        log(f"# floors took {time.time() - t1:.0f} s")
     if not args.no_bench:
         gen = torch.Generator(device=device).manual_seed(0)
-        names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
         rows = []
         for name in names:
             try:
@@ -505,6 +598,8 @@ def main():
             if "eager_fwd_ms" in r:
                 log(f"eager (no graph) {r['shape']:>11} M={r['M']}: ours {r['eager_fwd_ms'] * 1e3:.1f} us, "
                     f"cuBLAS {r['eager_cublas_fwd_ms'] * 1e3:.1f} us")
+        if args.floor:
+            floor_table(out["floor"], rows, log)
     with open(os.path.join(args.out, "kernel.json"), "w") as f:
         json.dump(out, f, indent=1)
 

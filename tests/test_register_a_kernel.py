@@ -42,12 +42,15 @@ def test_fragment_order_index_is_the_operand_map():
     assert torch.equal(idx, expect)
 
 
-@pytest.mark.parametrize("M,K", [(1, 128), (3, 384), (17, 256), (40, 640)])
-def test_fragment_order_kernel_permutes_x(M, K, poisoned):
-    """The one-pass kernel gives x[:, fragment_order_index(K)] (bits), every element written."""
+@pytest.mark.parametrize("M,K,rows", [(1, 128, 0), (3, 384, 0), (17, 256, 0), (40, 640, 0), (3, 256, 8), (33, 384, 64)])
+def test_fragment_order_kernel_permutes_x(M, K, rows, poisoned):
+    """The one-pass kernel gives x[:, fragment_order_index(K)] (bits), every element written, and
+    zeros in the rows it pads to (the warp-specialized kernel's whole token tiles)."""
     x = torch.randn(M, K).bfloat16().to(DEV)
-    xp = rak.fragment_order(x, dict(USE_PDL=False, launch_pdl=False))
-    assert torch.equal(xp, x[:, rak.fragment_order_index(K, x.device)])
+    xp = rak.fragment_order(x, dict(USE_PDL=False, launch_pdl=False), rows)
+    assert xp.shape == (max(M, rows), K)
+    assert torch.equal(xp[:M], x[:, rak.fragment_order_index(K, x.device)])
+    assert not xp[M:].any()
 
 
 def test_wgmma_route_and_config(monkeypatch):
@@ -86,10 +89,13 @@ gluon_gpu = pytest.mark.skipif(not _runs_here(), reason="the Gluon kernel needs 
                                             (130, 16, 1280, 128, 3), (64, 208, 2048, 64, 0), (5, 64, 128, 16, 1),
                                             (1, 16, 128, 8, 1), (7, 80, 640, 8, 2), (13, 48, 1024, 16, 0)])
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, poisoned):
-    """_wgmma called directly (any shape): tiny and odd N (wrapped weight rows), odd M (masked
-    tokens), one window, splits of unequal length, bias; y against float64."""
+@pytest.mark.parametrize("kernel", ["ring", "ws"])
+def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, kernel, poisoned, monkeypatch):
+    """_wgmma called directly (any shape), each of the two kernels at every token tile: tiny and odd
+    N (rows past N: wrapped by the ring kernel, zero-filled by TMA), odd M (masked tokens), one
+    window, splits of unequal length, bias; y against float64."""
     import nvfp4
+    monkeypatch.setattr(mk, "WS_MIN_BT", 8 if kernel == "ws" else 256)
     gen = torch.Generator().manual_seed(M * N + K + split)
     packed, scale, gs = random_weight(N, K, gen, "cuda")
     x = torch.randn(M, K, generator=gen).bfloat16().cuda()
@@ -103,14 +109,30 @@ def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, poisoned
 
 @pytest.mark.gpu
 @gluon_gpu
+@pytest.mark.parametrize("bt", [8, 64, 128])
+def test_wgmma_kernel_eight_warps_gpu(bt, poisoned):
+    """128 weight rows a program (two consumer warpgroups; the warp-specialized kernel's other
+    register budget, MAX_REGS[8]) against float64, N not a multiple of 128, split-K chosen."""
+    import nvfp4
+    gen = torch.Generator().manual_seed(bt)
+    packed, scale, gs = random_weight(208, 1024, gen, "cuda")
+    x = torch.randn(100, 1024, generator=gen).bfloat16().cuda()
+    y = mk._wgmma(x, *nvfp4.interleave(packed, scale), gs, None, mk.WgmmaConfig(bt=bt, bn=128, warps=8))
+    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, None), f"bt={bt}")
+    assert e < 4e-3, e
+
+
+@pytest.mark.gpu
+@gluon_gpu
 @pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (55296, 5120), (4608, 3584)])
 @pytest.mark.parametrize("M", [2, 9, 16, 17, 64, 100, 256])
 def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
     """nvfp4_matmul on interleaved real weights launches the wgmma kernel where wgmma_rows says so
     (and then nothing else but the x permutation and, split, the reduce) and matches float64."""
     import nvfp4
-    launched, kernel = [], rak._nvfp4_wgmma_kernel
-    monkeypatch.setattr(rak, "_nvfp4_wgmma_kernel", LaunchSpy(kernel, launched))
+    launched, ring, ws = [], rak._wgmma_ring_kernel, rak._wgmma_ws_kernel
+    monkeypatch.setattr(rak, "_wgmma_ring_kernel", LaunchSpy(ring, launched))
+    monkeypatch.setattr(rak, "_wgmma_ws_kernel", LaunchSpy(ws, launched))
     monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(mk._nvfp4_mm_kernel, launched))
     gen = torch.Generator().manual_seed(N + K + M)
     packed, scale, gs = random_weight(N, K, gen, "cuda")
@@ -118,5 +140,6 @@ def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
     bias = torch.randn(N, generator=gen).bfloat16().cuda()
     y = mk.nvfp4_matmul(x, *nvfp4.interleave(packed, scale), gs, bias, interleaved=True)
     routed = mk.wgmma_rows(M, N, K, x.device, True)
+    kernel = ws if mk.wgmma_config(M).bt >= mk.WS_MIN_BT else ring
     assert [k for k, _ in launched] == ([kernel] if routed else []), routed
     assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"{N}x{K} M={M}")
