@@ -554,6 +554,12 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
+def warp_specialized(cfg: WgmmaConfig) -> bool:
+    """Does the register-A launch cfg run the warp-specialized kernel (rak._wgmma_ws_kernel), or
+    the cp.async ring kernel? By tokens a program: WS_MIN_BT and up (NOTES v25)."""
+    return cfg.bt >= WS_MIN_BT
+
+
 def _wgmma_split(M, N, K, cfg, device):
     """(split, windows per split) of a register-A launch: split-K up to one wave of programs (as
     many as fit on the SMs at once by shared memory: the ring of x tiles, words and scales), each
@@ -561,7 +567,7 @@ def _wgmma_split(M, N, K, cfg, device):
     nwin = K // 128
     tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt)
     per_sm = SMEM_PER_SM // (rak.ring_bytes(cfg.bn, cfg.bt, cfg.stages) + 1024)
-    if cfg.bt >= WS_MIN_BT:      # and by registers: the producer's warp takes a warpgroup's worth
+    if warp_specialized(cfg):    # and by registers: the producer's warp takes a warpgroup's worth
         per_sm = min(per_sm, 65536 // (rak.MAX_REGS[cfg.warps] * 32 * (cfg.warps + 4)))
     wave = _num_sms(device) * max(1, per_sm)
     return _split(cfg.split or max(1, min(nwin // 4, wave // tiles)), tiles, nwin, 1, 0)
@@ -584,7 +590,7 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
     if lora is not None and split == 1:
         raise ValueError("a LoRA update folds into the register-A route only where it splits K (reduce_folds_lora)")
     part = _partials(split, out)
-    ws = cfg.bt >= WS_MIN_BT
+    ws = warp_specialized(cfg)
     xp = rak.fragment_order(x, pdl_launch(x.device), grid_nm[1] * cfg.bt if ws else 0)
     meta = dict(LW=rak.word_layout(cfg.bn, cfg.warps), LS=rak.scale_layout(cfg.bn, cfg.warps), BN=cfg.bn,
                 BT=cfg.bt, S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=cfg.warps,

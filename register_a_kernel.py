@@ -45,8 +45,8 @@ wait for the oldest copy group, barrier, words and scales into registers in the 
 decode, one wgmma (8 instructions of 16 k), wait for it, refill the stage just read. Keeping a wgmma
 in flight across windows (warpgroup_mma_wait(1) with the previous A registers alive) gave wrong
 results in the experiment and was no faster (NOTES v16), and decoding window i+1 under wgmma i is
-serialized by ptxas, which reuses A's registers (v17). _wgmma_ws_kernel (from marlin_kernel.WS_MIN_BT
-= 64 tokens a program): the same ring and the same per-window work (_mma_window), warp-specialized:
+serialized by ptxas, which reuses A's registers (v17). _wgmma_ws_kernel (from 64 tokens a program:
+marlin_kernel.warp_specialized): the same ring and the same per-window work (_mma_window), warp-specialized:
 one producer warp fills the stages by TMA and a pair of mbarriers per stage says full / free, so the
 consumer warps neither issue copies nor wait at a barrier for each other. Measured on the H100
 (NOTES v25, same run): faster on 50 of 52 routed shapes and M from 33 to 256 (7B gate_up M = 128
@@ -63,8 +63,9 @@ instructions as inline PTX): without it, a split launch after a PDL chain ran up
 (bench/results/kernel_v17_pdl_diag_h100.txt).
 
 Gluon's API moves between Triton releases (3.9 removed async_copy_global_to_shared and
-thread_barrier; warp_specialize changed its signature), so marlin_kernel routes here only on the release this file is written for and
-tested on, triton 3.6 (GLUON_TRITON); elsewhere the tile kernels serve these M.
+thread_barrier; warp_specialize changed its signature), so marlin_kernel routes here only on the
+release this file is written for and tested on, triton 3.6 (GLUON_TRITON); elsewhere the tile
+kernels serve these M.
 
 Shapes: x (M, K) bf16 rows contiguous; W interleaved, N a multiple of 16, K of 128. Weight rows past
 N are wrapped (loads stay unmasked), token rows past M masked; neither is stored.
@@ -109,9 +110,10 @@ _S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 def _fragment_order_kernel(x_ptr, out_ptr, M, MP, K, stride_xm, BM: tl.constexpr, WINS: tl.constexpr,
                            USE_PDL: tl.constexpr):
     """out (MP, K) = x with each 128-k window permuted: out[:, c] = x[:, k(c)] (module docstring), for
-    BM rows x WINS windows; rows M..MP-1 are zeros. Loads and stores are contiguous (16 B a lane); the permutation is a
-    reshape and permute of the tile in registers, which Triton carries out through shared memory
-    (a gather of 2-byte loads took 9 us a call at M = 128 in the GRPO batch, bench/NOTES.md v18)."""
+    BM rows x WINS windows; rows M..MP-1 are zeros. Loads and stores are contiguous (16 B a lane);
+    the permutation is a reshape and permute of the tile in registers, which Triton carries out
+    through shared memory (a gather of 2-byte loads took 9 us a call at M = 128 in the GRPO batch,
+    bench/NOTES.md v18)."""
     pdl_start(USE_PDL)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * (WINS * 128) + tl.arange(0, WINS * 128)
@@ -131,7 +133,7 @@ def fragment_order_index(K: int, device=None) -> torch.Tensor:
 def fragment_order(x: torch.Tensor, pdl: dict, rows: int = 0) -> torch.Tensor:
     """x (M, K) bf16 -> xp (max(M, rows), K), permuted for the kernel below (one pass over x), rows
     past M zero; pdl: marlin_kernel.pdl_launch's keywords. The warp-specialized kernel takes whole
-    token tiles: TMA boxes that cross the tensor's end measured ~20-40% slower (NOTES v25)."""
+    token tiles: TMA boxes that cross the tensor's end measured 20-50% slower (NOTES v25)."""
     M, K = x.shape
     MP = max(M, rows)
     out = torch.empty((MP, K), device=x.device, dtype=x.dtype)

@@ -472,7 +472,7 @@ def floor(device, log, names):
                         best = (ms, (block, waves, warps), run)
         ms, cfg, run = best
         hot = bench_ms(lambda: run(bufs[0]))
-        qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 // 16, device))])
+        qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(nbytes, device))])
         deq = bench_ms(lambda: mk._dequantize_bf16(*qs.next(), il=True))
         rows.append(dict(shape=name, N=N, K=K, bytes=nbytes, stream_ms=ms, stream_TBps=nbytes / ms / 1e9,
                          stream_hot_ms=hot, block=cfg[0], waves=cfg[1], warps=cfg[2], dequant_ms=deq))
@@ -486,7 +486,7 @@ def floor(device, log, names):
 
 def floor_table(floors, rows, log):
     """Against the table's rows of the same run: the best speedup any kernel reading the weight
-    once could reach at M <= 16 (cuBLAS / stream), ours as a share of the stream's speed, and at
+    once could reach at M <= 64 (cuBLAS / stream), ours as a share of the stream's speed, and at
     M >= 512 the dequantize route's bound (cuBLAS / (cuBLAS + dequantize))."""
     by = {f["shape"]: f for f in floors}
     log("# x = cuBLAS / ours; cap = cuBLAS / stream (M <= 64), cuBLAS / (cuBLAS + dequantize) (M >= 512)")
@@ -496,7 +496,8 @@ def floor_table(floors, rows, log):
         if f is None or 64 < r["M"] < 512:
             continue
         if r["M"] <= 64:
-            cap, dcap, share = r["cublas_fwd_ms"] / f["stream_ms"], r["cublas_dx_ms"] / f["stream_ms"], f["stream_ms"] / r["fwd_ms"]
+            cap, dcap = r["cublas_fwd_ms"] / f["stream_ms"], r["cublas_dx_ms"] / f["stream_ms"]
+            share = f["stream_ms"] / r["fwd_ms"]
         else:
             cap = r["cublas_fwd_ms"] / (r["cublas_fwd_ms"] + f["dequant_ms"])
             dcap, share = r["cublas_dx_ms"] / (r["cublas_dx_ms"] + f["dequant_ms"]), float("nan")

@@ -42,7 +42,8 @@ def test_fragment_order_index_is_the_operand_map():
     assert torch.equal(idx, expect)
 
 
-@pytest.mark.parametrize("M,K,rows", [(1, 128, 0), (3, 384, 0), (17, 256, 0), (40, 640, 0), (3, 256, 8), (33, 384, 64)])
+@pytest.mark.parametrize("M,K,rows", [(1, 128, 0), (3, 384, 0), (17, 256, 0), (40, 640, 0), (3, 256, 8),
+                                      (33, 384, 64)])
 def test_fragment_order_kernel_permutes_x(M, K, rows, poisoned):
     """The one-pass kernel gives x[:, fragment_order_index(K)] (bits), every element written, and
     zeros in the rows it pads to (the warp-specialized kernel's whole token tiles)."""
@@ -140,6 +141,6 @@ def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
     bias = torch.randn(N, generator=gen).bfloat16().cuda()
     y = mk.nvfp4_matmul(x, *nvfp4.interleave(packed, scale), gs, bias, interleaved=True)
     routed = mk.wgmma_rows(M, N, K, x.device, True)
-    kernel = ws if mk.wgmma_config(M).bt >= mk.WS_MIN_BT else ring
+    kernel = ws if mk.warp_specialized(mk.wgmma_config(M)) else ring
     assert [k for k, _ in launched] == ([kernel] if routed else []), routed
     assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"{N}x{K} M={M}")
