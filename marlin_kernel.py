@@ -36,20 +36,22 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
     along K until ~8 programs per SM exist.
   * M <= 16 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
     into its A registers, 64 or 128 weight rows per program.
-  * 16 < M <= 256 (M <= 128 on weights of <= 20M elements: 7B qkv, o), and on the big weights from
-    M = 2 (wide ones, N >= 16384: gate_up) or M = 9 (down, 32B qkv / o), interleaved, on an H100
-    with triton 3.6: the register-A wgmma kernel (register_a_kernel.py), x permuted first; 7B
-    gate_up M = 64 1.9x cuBLAS, M = 128 1.1x, where the tiles below reach 1.26x and 0.79x
-    (bench/NOTES.md v17); 32B gate_up M = 2 3.2x, where the fragment kernel reaches 2.8x (v18).
+  * 16 < M <= 1024 (M <= 128 on weights of <= 20M elements: 7B qkv, o; above 512 where its waves
+    are >= 80% full), and on the big weights from M = 2 (wide ones, N >= 16384: gate_up) or M = 9
+    (down, 32B qkv / o), interleaved, on an H100 with triton 3.6: the register-A wgmma kernel
+    (register_a_kernel.py), x permuted first; 7B gate_up M = 64 1.9x cuBLAS, M = 128 1.1x, where
+    the tiles below reach 1.26x and 0.79x (bench/NOTES.md v17); 32B gate_up M = 2 3.2x, where the
+    fragment kernel reaches 2.8x (v18); M = 1024 0.90-0.99x on 7B gate_up / down, 32B qkv /
+    gate_up, where dequantize + cuBLAS reaches 0.77-0.80x (v26).
   * M <= 64 (decode, memory-bound; where the register-A kernel does not run: the plain layout,
     other GPUs or Triton releases, the interpreter): the tile kernel swapped (W·xᵀ, W from
     registers), BM = 16..64 rows of x, 64 weight rows per program, split-K until there are >= 4
     programs per SM.
   * 64 < M < 512: the same kernel not swapped, x·Wᵀ with 128 x 128 tiles (MEDIUM_CONFIG): 0.8-0.9x
     cuBLAS at M = 128 on the big weights (the MMA still waits on each decode: bench/NOTES.md v5).
-  * M >= 512 (compute-bound; M >= 128 for weights under 20M elements): the fused kernel reaches only
-    ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient bf16
-    copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
+  * M >= 512 elsewhere (compute-bound; M >= 128 for weights under 20M elements): the tile kernels
+    reach ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient
+    bf16 copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
 Split-K: each split writes fp32 partial sums; on the CUDA-core kernel, the fragment kernel at
 M <= 4 and the swapped tiles the last split of each output tile to finish (an atomic count per
 tile, fp4_decode._last_split) sums them in order with scale, bias and cast (deterministic, one
@@ -99,7 +101,9 @@ WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and
 WGMMA_MIN_M = 16         # above this M (and where the route holds, in place of the two above) ...
 WGMMA_SMALL = True       # ... and on the big weights (> WGMMA_NARROW elements) above GEMV_MAX_M where
 WGMMA_SMALL_MIN_M = 8    # wide, else above this M (down, 32B qkv / o) (bench/NOTES.md v18) ...
-WGMMA_MAX_M = 256        # ... to this M: the register-A wgmma kernel (sm_90) ...
+WGMMA_MAX_M = 1024       # ... to this M: the register-A wgmma kernel (sm_90) ...
+WGMMA_FILL_M = 512       # ... above this M only where its programs fill their waves to WAVE_FILL ...
+WAVE_FILL = 0.8
 WGMMA_NARROW_MAX_M = 128 # ... and to this M only on weights of <= 20M elements (7B qkv, o), where
 WGMMA_NARROW = 20_000_000  # dequantize + cuBLAS wins above
 SMEM_PER_SM = 228 * 1024 # H100 shared memory per SM (1 KB of it reserved per program)
@@ -232,8 +236,9 @@ class MmaConfig:
 @dataclass(frozen=True)
 class WgmmaConfig:
     """Launch shape of the register-A wgmma kernel (register_a_kernel.py). bt: tokens per program
-    (wgmma's N: 8, 16, 32, 64 or 128); bn: weight rows per program (64 per warpgroup of 4 warps); stages:
-    the cp.async ring; split: programs along K (0 = choose: up to one wave, >= 4 windows each)."""
+    (wgmma's N: 8 .. 256, a power of two); bn: weight rows per program (64 per warpgroup of 4 warps;
+    the warp-specialized kernel runs 8 warps as two consumer warpgroups of bn/2 rows each); stages:
+    the ring; split: programs along K (0 = choose: up to one wave, >= 4 windows each)."""
     bt: int
     bn: int = 64
     warps: int = 4
@@ -241,10 +246,11 @@ class WgmmaConfig:
     split: int = 0
 
     def __post_init__(self):
-        if self.bt not in (8, 16, 32, 64, 128) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
-                or self.bn & (self.bn - 1) or self.stages < 2 or self.split < 0:
-            raise ValueError(f"WgmmaConfig: bt in 8..128 (power of two), 4 or 8 warps, bn a power-of-two "
-                             f"multiple of 16·warps, stages >= 2, split >= 0, got {self}")
+        if self.bt not in (8, 16, 32, 64, 128, 256) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
+                or self.bn & (self.bn - 1) or self.stages < 2 or self.split < 0 or (self.bt == 256 and self.warps < 8):
+            raise ValueError(f"WgmmaConfig: bt in 8..256 (power of two; 256 takes 8 warps: 128 accumulators a "
+                             f"thread), 4 or 8 warps, bn a power-of-two multiple of 16·warps, stages >= 2, "
+                             f"split >= 0, got {self}")
 
 
 def _num_sms(device) -> int:
@@ -307,9 +313,12 @@ def fwd_config(M: int, N: int, K: int):
 
 def wgmma_config(M: int) -> WgmmaConfig:
     """Launch shape of the register-A kernel: the H100 winners of bench/NOTES.md v16 (64 weight
-    rows, 4 warps, 3 stages; tokens per program by M) and v18 (M <= 16: 8 or 16 tokens, 4 stages)."""
+    rows, 4 warps, 3 stages; tokens per program by M), v18 (M <= 16: 8 or 16 tokens, 4 stages) and
+    v26 (M > 128: 256 tokens and 128 rows a program, two consumer warpgroups)."""
     if M <= 16:
         return WgmmaConfig(bt=8 if M <= 8 else 16, stages=4)
+    if M > 128:
+        return WgmmaConfig(bt=256, bn=128, warps=8)
     return WgmmaConfig(bt=32 if M <= 32 else 64 if M <= 64 else 128)
 
 
@@ -321,10 +330,11 @@ def dx_config(M: int, N: int, K: int) -> TileConfig:
 
 
 def use_dequant(M: int, N: int, K: int) -> bool:
-    """Large M is compute-bound and the fused kernel reaches only ~45% of cuBLAS there, while
+    """Large M is compute-bound and the tile kernels reach only ~45% of cuBLAS there, while
     dequantizing W once costs one pass over N·K·2.56 bytes: from M = 512 on (M = 128 for weights
     under 20M elements, whose fused launch has few tiles: 7B qkv and o) W is dequantized to bf16
-    and cuBLAS multiplies. K must be a multiple of 64 (every real projection is)."""
+    and cuBLAS multiplies, where the register-A kernel does not run (wgmma_rows, checked first).
+    K must be a multiple of 64 (every real projection is)."""
     if K % MIN_RED:
         return False
     return M >= DEQUANT_MIN_M or (M >= 128 and N * K <= 20_000_000)
@@ -560,17 +570,22 @@ def warp_specialized(cfg: WgmmaConfig) -> bool:
     return cfg.bt >= WS_MIN_BT
 
 
+def _wgmma_wave(cfg, device) -> int:
+    """Programs of a register-A launch that fit on the SMs at once: by shared memory (the ring of x
+    tiles, words and scales) and, warp-specialized, by registers (the producer's warp takes a
+    warpgroup's worth)."""
+    per_sm = SMEM_PER_SM // (rak.ring_bytes(cfg.bn, cfg.bt, cfg.stages) + 1024)
+    if warp_specialized(cfg):
+        per_sm = min(per_sm, 65536 // (rak.MAX_REGS[cfg.warps] * 32 * (cfg.warps + 4)))
+    return _num_sms(device) * max(1, per_sm)
+
+
 def _wgmma_split(M, N, K, cfg, device):
-    """(split, windows per split) of a register-A launch: split-K up to one wave of programs (as
-    many as fit on the SMs at once by shared memory: the ring of x tiles, words and scales), each
-    >= 4 windows of 128 k; more waves measured slower (NOTES v17)."""
+    """(split, windows per split) of a register-A launch: split-K up to one wave of programs
+    (_wgmma_wave), each >= 4 windows of 128 k; more waves measured slower (NOTES v17)."""
     nwin = K // 128
     tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt)
-    per_sm = SMEM_PER_SM // (rak.ring_bytes(cfg.bn, cfg.bt, cfg.stages) + 1024)
-    if warp_specialized(cfg):    # and by registers: the producer's warp takes a warpgroup's worth
-        per_sm = min(per_sm, 65536 // (rak.MAX_REGS[cfg.warps] * 32 * (cfg.warps + 4)))
-    wave = _num_sms(device) * max(1, per_sm)
-    return _split(cfg.split or max(1, min(nwin // 4, wave // tiles)), tiles, nwin, 1, 0)
+    return _split(cfg.split or max(1, min(nwin // 4, _wgmma_wave(cfg, device) // tiles)), tiles, nwin, 1, 0)
 
 
 def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
@@ -592,14 +607,16 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
     part = _partials(split, out)
     ws = warp_specialized(cfg)
     xp = rak.fragment_order(x, pdl_launch(x.device), grid_nm[1] * cfg.bt if ws else 0)
-    meta = dict(LW=rak.word_layout(cfg.bn, cfg.warps), LS=rak.scale_layout(cfg.bn, cfg.warps), BN=cfg.bn,
-                BT=cfg.bt, S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=cfg.warps,
+    C = cfg.warps // 4 if ws else 1          # consumer warpgroups of the warp-specialized kernel
+    warps = cfg.warps // C
+    meta = dict(LW=rak.word_layout(cfg.bn // C, warps), LS=rak.scale_layout(cfg.bn // C, warps), BN=cfg.bn,
+                BT=cfg.bt, S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=warps,
                 **pdl_launch(x.device))
     b = bias if bias is not None else out
     if ws:
         rak._wgmma_ws_kernel[(*grid_nm, split)](
-            *rak.descriptors(xp, packed, scale, cfg.bn, cfg.bt), global_scale, b, part, M, N, nwin, chunk,
-            N, M * N, maxnreg=rak.MAX_REGS[cfg.warps], **meta)
+            *rak.descriptors(xp, packed, scale, cfg.bn // C, cfg.bt), global_scale, b, part, M, N, nwin, chunk,
+            N, M * N, C=C, maxnreg=rak.MAX_REGS[cfg.warps], **meta)
     else:
         rak._wgmma_ring_kernel[(*grid_nm, split)](
             xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, b, part, M, N, nwin, chunk,
@@ -639,13 +656,16 @@ def fragment_rows(M: int, K: int) -> bool:
 
 
 def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
-    """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 256, and M <= 128 on weights
-    of <= 20M elements (H100, bench/NOTES.md v17: at M = 64..256 1.2-2.8x faster than the tiles or
-    dequantize + cuBLAS on every shape, except 7B qkv and o at M = 256; about even with the tiles
-    at M = 17..32); with WGMMA_SMALL also from M = 2 on wide weights (N >= WIDE_N) and M = 9 on the
-    other big ones, where it beat the fragment kernel by 4-16% (v18; on 7B down at M <= 8 and the
-    small weights it lost); interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6
-    (the Gluon it is written in; register_a_kernel.py)."""
+    """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 1024, and M <= 128 on
+    weights of <= 20M elements (H100, bench/NOTES.md v17: at M = 64..256 1.2-2.8x faster than the
+    tiles or dequantize + cuBLAS on every shape, except 7B qkv and o at M = 256; about even with
+    the tiles at M = 17..32); above M = 512 only where its programs fill their last wave (v26: the
+    two-consumer kernel at 256 tokens a program beat dequantize + cuBLAS at M = 512 on every big
+    weight and at M = 1024 where its waves were >= 85% full; 32B o and down, 61% full, lost); with
+    WGMMA_SMALL also from M = 2 on wide weights (N >= WIDE_N) and M = 9 on the other big ones, where
+    it beat the fragment kernel by 4-16% (v18; on 7B down at M <= 8 and the small weights it lost);
+    interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6 (the Gluon it is written
+    in; register_a_kernel.py)."""
     big = N * K > WGMMA_NARROW
     top = WGMMA_MAX_M if big else min(WGMMA_MAX_M, WGMMA_NARROW_MAX_M)
     low = WGMMA_MIN_M
@@ -653,7 +673,16 @@ def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
         low = min(low, GEMV_MAX_M if N >= WIDE_N else WGMMA_SMALL_MIN_M)
     return (low < M <= top and interleaved
             and device.type == "cuda" and not interpreting() and _capability(device.index or 0) == (9, 0)
-            and triton.__version__.startswith(GLUON_TRITON))
+            and triton.__version__.startswith(GLUON_TRITON)
+            and (M <= WGMMA_FILL_M or _wave_fill(M, N, K, wgmma_config(M), device) >= WAVE_FILL))
+
+
+def _wave_fill(M, N, K, cfg, device) -> float:
+    """How full the waves of a register-A launch are: programs / (waves · programs a wave)."""
+    split, _ = _wgmma_split(M, N, K, cfg, device)
+    programs = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt) * split
+    wave = _wgmma_wave(cfg, device)
+    return programs / (triton.cdiv(programs, wave) * wave)
 
 
 def folds_lora(M: int, K: int) -> bool:

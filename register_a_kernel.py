@@ -1,6 +1,6 @@
-"""wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ at 16 < M <= 256 (<= 128
-on weights of <= 20M elements; from M = 2 or 9 on the big ones: marlin_kernel.wgmma_rows; Hopper
-only; written in Gluon, Triton's layout-explicit dialect).
+"""wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ at 16 < M <= 1024 (<= 128
+on weights of <= 20M elements; from M = 2 or 9 on the big ones; above 512 where its waves are full:
+marlin_kernel.wgmma_rows; Hopper only; written in Gluon, Triton's layout-explicit dialect).
 
 Why. At 16 < M <= 256 (the decode steps of a GRPO batch) the product is still mostly memory-bound,
 but the tile kernels (tile_kernels.py) pay for their decode twice: W is decoded into registers,
@@ -12,7 +12,7 @@ checks it (convert_layout(..., assert_trivial=True) fails to compile where data 
 
 The product is computed swapped, acc[BN weight rows, BT tokens] += decode(W)[BN, 128] · xpᵀ[128, BT]
 per 128-k window: the weight rows are wgmma's M (16 per warp, 64 per warpgroup of 4 warps), the
-tokens its N (BT = 8, 16, 32, 64 or 128).
+tokens its N (BT = 8 .. 256).
 
 Measured on the H100 (bench/NOTES.md v17, times including the x permutation): 7B gate_up M = 64
 53 µs (1.9x cuBLAS bf16; the tile kernels 82 µs), M = 128 93 µs (1.13x; tiles 136); the 7B GRPO
@@ -52,7 +52,12 @@ consumer warps neither issue copies nor wait at a barrier for each other. Measur
 (NOTES v25, same run): faster on 50 of 52 routed shapes and M from 33 to 256 (7B gate_up M = 128
 79.5 vs 92.3 us), the 7B GRPO decode +6.9%; its x tiles must be whole (fragment_order pads them).
 Below 64 tokens a program it was not measured to pay (the producer's warpgroup of registers halves
-the programs an SM holds), hence two kernels.
+the programs an SM holds), hence two kernels. From M = 129 (marlin_kernel.wgmma_config) a program
+takes 256 tokens and 128 weight rows with two consumer warpgroups, each in a partition of its own so
+that one decodes while the other's wgmma runs: the decode (~3.8 instructions a weight in the loop's SASS) is paid
+once per 256 tokens, and 128 accumulators a thread fit in the 168 registers of one program an SM.
+Measured on the H100 (NOTES v26): M = 1024 at 0.90-0.99x of cuBLAS bf16 on 7B gate_up / down, 32B
+qkv / gate_up (dequantize + cuBLAS: 0.77-0.80x), 32B down M = 256 1.25x (0.89x with 128 tokens).
 The scales are E4M3 bytes: the hardware's fp8 -> fp32 conversion, times 2^119, as bf16 pairs, so
 the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAND_SHIFT).
 
@@ -96,6 +101,7 @@ _DECODE8_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
 _SCALE_TO_OPERAND = gl.constexpr(2.0 ** (126 - OPERAND_SHIFT.value))  # decoded codes are e2m1·2^-126
 _POST = gl.constexpr(OPERAND_POST.value)
 LOADER_REGS = gl.constexpr(40)   # registers a thread of the one-warp TMA producer keeps (setmaxnreg)
+CONSUMER_REGS = gl.constexpr(232)  # ... and of the second consumer warpgroup, where there are two
 MAX_REGS = {4: 128, 8: 168}      # maxnreg of the warp-specialized kernel by consumer warps: (warps + 4)
                                  # warps at this many registers, 2 programs an SM (4) or 1 (8)
 _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -187,14 +193,15 @@ def _mma_window(acc, xs, ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.cons
 
 
 @gluon.jit
-def _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k,
+def _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, row0, tok0, pid_k,
                 BN: gl.constexpr, BT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
                 num_warps: gl.constexpr):
-    """y[tok, row] of the (BN rows, BT tokens) tile, scaled (+bias), or its fp32 partial sums."""
+    """y[tok, row] of the (BN rows from row0, BT tokens from tok0) tile, scaled (+bias), or its fp32
+    partial sums."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BT, 16])
-    rows = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+    rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    toks = tok0 + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
     offs = toks[None, :] * stride_om + rows[:, None]
     mask = (rows < N)[:, None] & (toks < M)[None, :]
     if PARTIAL:
@@ -265,33 +272,41 @@ def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, NW
         _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
                gl.minimum(win + S - 1, w_end - 1), (i + S - 1) % S)
     cp.wait_group(0)
-    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k,
+    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n * BN, pid_m * BT, pid_k,
                 BN, BT, HAS_BIAS, PARTIAL, num_warps)
 
 
 @gluon.jit
 def _load_partition(x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, group0, w_start, w_end):
     """The producer (one warp): for each window, wait until its ring stage is free, then copy the
-    xp tile, W words and scales into it by TMA; their arrival completes the stage's ready barrier.
-    Rows past N or M arrive as zeros (TMA fills outside the tensor)."""
+    xp tile and each consumer's W words and scales into it by TMA; their arrival completes the
+    stage's ready barrier. Rows past N or M arrive as zeros (TMA fills outside the tensor)."""
     S: gl.constexpr = xs.type.shape[0]
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+    C: gl.constexpr = ws.type.shape[0] // S
+    GC: gl.constexpr = w_desc.block_type.shape[0]       # 16-row groups a consumer's box holds
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + C * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
     for win in range(w_start, w_end):
         i = win - w_start
         stage = i % S
         mbarrier.wait(empty.index(stage), ((i // S) & 1) ^ 1)    # a fresh barrier counts as released
         mbarrier.expect(ready.index(stage), nbytes)
         tma.async_copy_global_to_shared(x_desc, [tok0, win * 128], ready.index(stage), xs.index(stage))
-        tma.async_copy_global_to_shared(w_desc, [group0, win * 256], ready.index(stage), ws.index(stage))
-        tma.async_copy_global_to_shared(s_desc, [group0, win * 128], ready.index(stage), ss.index(stage))
+        for c in gl.static_range(C):
+            tma.async_copy_global_to_shared(w_desc, [group0 + c * GC, win * 256], ready.index(stage),
+                                            ws.index(stage * C + c))
+            tma.async_copy_global_to_shared(s_desc, [group0 + c * GC, win * 128], ready.index(stage),
+                                            ss.index(stage * C + c))
 
 
 @gluon.jit
-def _mma_partition(xs, ws, ss, ready, empty, w_start, w_end, LW: gl.constexpr, LS: gl.constexpr,
-                   BN: gl.constexpr, BT: gl.constexpr, num_warps: gl.constexpr):
-    """The consumers (num_warps warps): per window, wait for its stage, _mma_window, release the
-    stage. Returns (acc,)."""
+def _mma_partition(xs, ws, ss, ready, empty, c, w_start, w_end, gs_ptr, bias_ptr, out_ptr, M, N, row0, tok0,
+                   pid_k, stride_om, stride_os, LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr,
+                   BT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, num_warps: gl.constexpr):
+    """Consumer c (num_warps warps, the BN rows from row0 + c·BN): per window, wait for its stage,
+    _mma_window on the shared xp tile and its own words and scales, release the stage; then store
+    its tile."""
     S: gl.constexpr = xs.type.shape[0]
+    C: gl.constexpr = ws.type.shape[0] // S
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BT, 16])
     DL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -301,52 +316,67 @@ def _mma_partition(xs, ws, ss, ready, empty, w_start, w_end, LW: gl.constexpr, L
         i = win - w_start
         stage = i % S
         mbarrier.wait(ready.index(stage), (i // S) & 1)
-        # the stage's (BN/16, 256) words and (BN/16, 128) scale bytes are row-major (BN, 16) and (BN, 8)
-        acc = _mma_window(acc, xs.index(stage), ws.index(stage)._reinterpret(gl.int32, [BN, 16], PS),
-                          ss.index(stage)._reinterpret(gl.uint8, [BN, 8], PS), LW, LS, BN, DL)
+        # the box's (BN/16, 256) words and (BN/16, 128) scale bytes are row-major (BN, 16) and (BN, 8)
+        acc = _mma_window(acc, xs.index(stage), ws.index(stage * C + c)._reinterpret(gl.int32, [BN, 16], PS),
+                          ss.index(stage * C + c)._reinterpret(gl.uint8, [BN, 8], PS), LW, LS, BN, DL)
         fence_async_shared()               # our reads of the stage before the next TMA write to it
         mbarrier.arrive(empty.index(stage), count=1)
-    return (acc,)
+    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, row0 + c * BN, tok0, pid_k,
+                BN, BT, HAS_BIAS, PARTIAL, num_warps)
 
 
 @gluon.jit
 def _wgmma_ws_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, M, N, NWIN, WIN_SPLIT,
                      stride_om, stride_os,
                      LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
-                     S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                     S: gl.constexpr, C: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
                      USE_PDL: gl.constexpr, num_warps: gl.constexpr):
     """_wgmma_ring_kernel's product, warp-specialized: one producer warp copies by TMA
-    (_load_partition), num_warps consumer warps decode and multiply (_mma_partition), an mbarrier
-    pair per ring stage between them. x_desc: TMA descriptor of xp (fragment order), box (BT, 128);
-    w_desc: the interleaved codes as int32 (N/16, NWIN·256), box (BN/16, 256); s_desc: the scale
-    bytes (N/16, NWIN·128), box (BN/16, 128) (descriptors())."""
+    (_load_partition); C consumers of num_warps warps each (1 or 2) decode and multiply their BN/C of
+    the BN weight rows against the same xp tile (_mma_partition), each in a partition of its own, so
+    that one decodes while the other's wgmma runs (in one partition of 8 warps, the barriers Triton
+    puts around each window's shared-memory reads keep the two warpgroups in step); an mbarrier pair
+    per ring stage between them. x_desc: TMA descriptor of xp (fragment order), box (BT, 128);
+    w_desc: the interleaved codes as int32 (N/16, NWIN·256), box (BN/C/16, 256); s_desc: the scale
+    bytes (N/16, NWIN·128), box (BN/C/16, 128) (descriptors())."""
     _pdl_start(USE_PDL)
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_k = gl.program_id(2)
+    BNC: gl.constexpr = BN // C
     xs = gl.allocate_shared_memory(gl.bfloat16, [S] + x_desc.block_type.shape, x_desc.layout)
-    ws = gl.allocate_shared_memory(gl.int32, [S] + w_desc.block_type.shape, w_desc.layout)
-    ss = gl.allocate_shared_memory(gl.uint8, [S] + s_desc.block_type.shape, s_desc.layout)
+    ws = gl.allocate_shared_memory(gl.int32, [S * C] + w_desc.block_type.shape, w_desc.layout)
+    ss = gl.allocate_shared_memory(gl.uint8, [S * C] + s_desc.block_type.shape, s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(S):
         mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=1)
+        mbarrier.init(empty.index(st), count=C)       # each consumer releases a stage
     w_start = pid_k * WIN_SPLIT
     w_end = gl.minimum(NWIN, w_start + WIN_SPLIT)
-    acc = gl.warp_specialize([
-        (_mma_partition, (xs, ws, ss, ready, empty, w_start, w_end, LW, LS, BN, BT, num_warps)),
-        (_load_partition, (x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, pid_m * BT, pid_n * (BN // 16),
-                           w_start, w_end)),
-    ], [1], [LOADER_REGS])[0]
-    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n, pid_m, pid_k,
-                BN, BT, HAS_BIAS, PARTIAL, num_warps)
+    tok0 = pid_m * BT
+    row0 = pid_n * BN
+    if C == 1:
+        gl.warp_specialize([
+            (_mma_partition, (xs, ws, ss, ready, empty, 0, w_start, w_end, gs_ptr, bias_ptr, out_ptr, M, N, row0,
+                              tok0, pid_k, stride_om, stride_os, LW, LS, BNC, BT, HAS_BIAS, PARTIAL, num_warps)),
+            (_load_partition, (x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, row0 // 16, w_start, w_end)),
+        ], [1], [LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (xs, ws, ss, ready, empty, 0, w_start, w_end, gs_ptr, bias_ptr, out_ptr, M, N, row0,
+                              tok0, pid_k, stride_om, stride_os, LW, LS, BNC, BT, HAS_BIAS, PARTIAL, num_warps)),
+            (_mma_partition, (xs, ws, ss, ready, empty, 1, w_start, w_end, gs_ptr, bias_ptr, out_ptr, M, N, row0,
+                              tok0, pid_k, stride_om, stride_os, LW, LS, BNC, BT, HAS_BIAS, PARTIAL, num_warps)),
+            (_load_partition, (x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, row0 // 16, w_start, w_end)),
+        ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def descriptors(xp, packed, scale, BN: int, BT: int):
     """The kernel's TMA descriptors: xp (M, K) bf16 in (BT, 128) boxes, 128-byte swizzle (wgmma's B
     operand; Triton issues it as two 64-column copies); the interleaved codes as int32 (N/16,
-    K/8·16) and the scale bytes (N/16, K) in one box of BN/16 row groups x one window, unswizzled."""
+    K/8·16) and the scale bytes (N/16, K) in one box of BN/16 row groups x one window, unswizzled
+    (BN: one consumer's rows; the producer copies a box per consumer)."""
     N, K = packed.shape[0], xp.shape[1]
     x_desc = TensorDescriptor.from_tensor(xp, [BT, 128], _X_SMEM)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32).view(N // 16, K * 2), [BN // 16, 256], _W_SMEM)

@@ -55,26 +55,32 @@ def test_fragment_order_kernel_permutes_x(M, K, rows, poisoned):
 
 
 def test_wgmma_route_and_config(monkeypatch):
-    """The route's conditions: 16 < M <= 256 (<= 128 on weights of <= 20M elements), and with
-    WGMMA_SMALL from M = 2 on wide weights (N >= 16384) and M = 9 on the other big ones; interleaved,
-    sm_90 with triton 3.6; never on the CPU or under the interpreter."""
+    """The route's conditions: 16 < M <= 1024 (<= 128 on weights of <= 20M elements; above 512 where
+    the waves are >= 80% full: 7B down's 28 x 3 programs at M = 513..768 fill 84 of 132 SMs), and
+    with WGMMA_SMALL from M = 2 on wide weights (N >= 16384) and M = 9 on the other big ones;
+    interleaved, sm_90 with triton 3.6; never on the CPU or under the interpreter."""
     big, down, qkv = (37888, 3584), (3584, 18944), (4608, 3584)
     assert not mk.wgmma_rows(64, *big, torch.device("cpu"), True)
-    assert [mk.wgmma_config(M).bt for M in (1, 8, 9, 16, 17, 32, 33, 64, 65, 256)] == [8, 8, 16, 16, 32, 32, 64, 64,
-                                                                                       128, 128]
+    assert [mk.wgmma_config(M).bt for M in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 1024)] == [
+        8, 8, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
+    assert [mk.wgmma_config(M).warps for M in (128, 129)] == [4, 8]
     assert [mk.wgmma_config(M).stages for M in (2, 16, 17)] == [4, 4, 3]
     with pytest.raises(ValueError, match="WgmmaConfig"):
         mk.WgmmaConfig(bt=48)
     with pytest.raises(ValueError, match="WgmmaConfig"):
         mk.WgmmaConfig(bt=64, bn=32)
+    with pytest.raises(ValueError, match="WgmmaConfig"):
+        mk.WgmmaConfig(bt=256)                                       # 4 warps: too few registers
     if _runs_here():
         dev = torch.device("cuda")
-        assert [M for M in range(1, 300) if mk.wgmma_rows(M, *big, dev, True)] == list(range(2, 257))
-        assert [M for M in range(1, 300) if mk.wgmma_rows(M, *down, dev, True)] == list(range(9, 257))
+        assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *big, dev, True)] == list(range(2, 1025))
+        if mk._num_sms(dev) == 132:
+            assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *down, dev, True)] == list(range(9, 513)) + list(
+                range(769, 1025))
         assert [M for M in range(1, 300) if mk.wgmma_rows(M, *qkv, dev, True)] == list(range(17, 129))
         assert not mk.wgmma_rows(64, *big, dev, False)               # the plain layout
         monkeypatch.setattr(mk, "WGMMA_SMALL", False)
-        assert [M for M in range(1, 300) if mk.wgmma_rows(M, *big, dev, True)] == list(range(17, 257))
+        assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *big, dev, True)] == list(range(17, 1025))
 
 
 def _runs_here():
@@ -110,23 +116,24 @@ def test_wgmma_kernel_matches_float64_gpu(M, N, K, bt, split, has_bias, kernel, 
 
 @pytest.mark.gpu
 @gluon_gpu
-@pytest.mark.parametrize("bt", [8, 64, 128])
-def test_wgmma_kernel_eight_warps_gpu(bt, poisoned):
-    """128 weight rows a program (two consumer warpgroups; the warp-specialized kernel's other
-    register budget, MAX_REGS[8]) against float64, N not a multiple of 128, split-K chosen."""
+@pytest.mark.parametrize("bt,M", [(8, 100), (64, 100), (128, 100), (256, 100), (256, 300)])
+def test_wgmma_kernel_eight_warps_gpu(bt, M, poisoned):
+    """128 weight rows a program (bt < 64: one 8-warp partition of the ring kernel; from 64 the
+    warp-specialized kernel's two consumer warpgroups of 64 rows each, MAX_REGS[8]) against float64,
+    N not a multiple of 128 (the last tile's second consumer reads rows past N), split-K chosen."""
     import nvfp4
-    gen = torch.Generator().manual_seed(bt)
+    gen = torch.Generator().manual_seed(bt + M)
     packed, scale, gs = random_weight(208, 1024, gen, "cuda")
-    x = torch.randn(100, 1024, generator=gen).bfloat16().cuda()
+    x = torch.randn(M, 1024, generator=gen).bfloat16().cuda()
     y = mk._wgmma(x, *nvfp4.interleave(packed, scale), gs, None, mk.WgmmaConfig(bt=bt, bn=128, warps=8))
-    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, None), f"bt={bt}")
+    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, None), f"bt={bt} M={M}")
     assert e < 4e-3, e
 
 
 @pytest.mark.gpu
 @gluon_gpu
 @pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (55296, 5120), (4608, 3584)])
-@pytest.mark.parametrize("M", [2, 9, 16, 17, 64, 100, 256])
+@pytest.mark.parametrize("M", [2, 9, 16, 17, 64, 100, 256, 300, 600, 1024])
 def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
     """nvfp4_matmul on interleaved real weights launches the wgmma kernel where wgmma_rows says so
     (and then nothing else but the x permutation and, split, the reduce) and matches float64."""
