@@ -103,12 +103,14 @@ WGMMA_SMALL = True       # ... and on the big weights (> WGMMA_NARROW elements) 
 WGMMA_SMALL_MIN_M = 8    # wide, else above this M (down, 32B qkv / o) (bench/NOTES.md v18) ...
 WGMMA_MAX_M = 1024       # ... to this M: the register-A wgmma kernel (sm_90) ...
 WGMMA_FILL_M = 512       # ... above this M only where its programs fill their waves to WAVE_FILL ...
-WAVE_FILL = 0.8
-WGMMA_NARROW_MAX_M = 128 # ... and to this M only on weights of <= 20M elements (7B qkv, o), where
-WGMMA_NARROW = 20_000_000  # dequantize + cuBLAS wins above
+WAVE_FILL = 0.6         # (v27: 7B down, 32B qkv at 64% full 0.76-0.79x of cuBLAS, dequantize 0.72-0.73x)
+WGMMA_NARROW_MAX_M = 128 # ... and on weights of <= 20M elements (7B qkv, o) to this M and above
+WGMMA_NARROW = 20_000_000  # WGMMA_FILL_M (dequantize + cuBLAS wins between, wgmma_rows)
 SMEM_PER_SM = 228 * 1024 # H100 shared memory per SM (1 KB of it reserved per program)
 GLUON_TRITON = "3.6."    # the Triton release register_a_kernel.py's Gluon is written for
 WS_MIN_BT = 64           # from this many tokens a program the register-A kernel is the warp-specialized one
+TAIL_BT = 64             # tokens a program in the small tiles of a part-empty last wave (_wgmma_launches) ...
+TAIL_MIN_WINDOWS = 32    # ... where it does not split into pieces of >= this many 128-k windows
 
 
 def interpreting() -> bool:
@@ -247,10 +249,15 @@ class WgmmaConfig:
 
     def __post_init__(self):
         if self.bt not in (8, 16, 32, 64, 128, 256) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
-                or self.bn & (self.bn - 1) or self.stages < 2 or self.split < 0 or (self.bt == 256 and self.warps < 8):
+                or self.bn & (self.bn - 1) or self.stages < 2 or self.split < 0 or (self.bt == 256 and self.warps < 8) \
+                or (self.bt >= WS_MIN_BT and self.bn != 16 * self.warps):
             raise ValueError(f"WgmmaConfig: bt in 8..256 (power of two; 256 takes 8 warps: 128 accumulators a "
-                             f"thread), 4 or 8 warps, bn a power-of-two multiple of 16·warps, stages >= 2, "
-                             f"split >= 0, got {self}")
+                             f"thread), 4 or 8 warps, bn a power-of-two multiple of 16·warps (from bt = "
+                             f"{WS_MIN_BT}, warp-specialized: 64 rows a warpgroup), stages >= 2, split >= 0, "
+                             f"got {self}")
+
+
+TAIL_CONFIG = WgmmaConfig(bt=TAIL_BT)
 
 
 def _num_sms(device) -> int:
@@ -588,10 +595,35 @@ def _wgmma_split(M, N, K, cfg, device):
     return _split(cfg.split or max(1, min(nwin // 4, _wgmma_wave(cfg, device) // tiles)), tiles, nwin, 1, 0)
 
 
+def _wgmma_launches(M, N, K, cfg, device):
+    """The launches of one register-A product: [(config, first weight-row tile, weight-row tiles,
+    split, windows per split)]. One launch (_wgmma_split), except where cfg's tiles fill whole waves
+    and then part of one (M = 1024 on 32B o / down: 160 tiles on 132 SMs): a launch of the whole
+    waves' worth of weight-row tiles, then one for the rows left, which ends after a fraction of a
+    tile: its windows split into at most a wave of pieces where each keeps >= TAIL_MIN_WINDOWS (the
+    pieces sum themselves: their fp32 tiles' round trip through L2 costs ~10 us a launch), else the
+    rows in TAIL_CONFIG's smaller tiles (bench/NOTES.md v27)."""
+    nt, mt, nwin = triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bt), K // 128
+    split, chunk = _wgmma_split(M, N, K, cfg, device)
+    wave = _wgmma_wave(cfg, device)
+    main = nt * mt // wave * wave // mt                         # weight-row tiles of whole waves
+    single = [(cfg, 0, nt, split, chunk)]
+    if split > 1 or main in (0, nt) or not warp_specialized(cfg) or cfg.split or cfg.bt <= TAIL_CONFIG.bt:
+        return single
+    pieces = min(wave // ((nt - main) * mt), nwin // TAIL_MIN_WINDOWS)
+    if pieces > 1:
+        return [(cfg, 0, main, 1, nwin), (cfg, main, nt - main, *_split(pieces, 1, nwin, 1, 0))]
+    tail, rows = TAIL_CONFIG, N - main * cfg.bn
+    if cfg.bn % tail.bn or triton.cdiv(rows, tail.bn) * triton.cdiv(M, tail.bt) > _wgmma_wave(tail, device):
+        return single
+    return [(cfg, 0, main, 1, nwin), (tail, main * cfg.bn // tail.bn, triton.cdiv(rows, tail.bn), 1, nwin)]
+
+
 def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
     """y = x·Wᵀ (+bias) with the register-A wgmma kernel: W interleaved, K a multiple of 128, sm_90
-    with triton 3.6 (wgmma_rows). x is first permuted into the operand's k order (one pass). lora =
-    (h, B, s) (h bf16 (M, R)): the split-K reduce also adds s·h·Bᵀ (reduce_folds_lora)."""
+    with triton 3.6 (wgmma_rows). x is first permuted into the operand's k order (one pass), then
+    _wgmma_launches' launches. lora = (h, B, s) (h bf16 (M, R)): the split-K reduce also adds s·h·Bᵀ
+    (reduce_folds_lora)."""
     M, K = x.shape
     N = packed.shape[0]
     if K % 128:
@@ -599,29 +631,31 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
     out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
     if M == 0:
         return out
-    nwin = K // 128
-    grid_nm = (triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bt))
-    split, chunk = _wgmma_split(M, N, K, cfg, x.device)
-    if lora is not None and split == 1:
+    launches = _wgmma_launches(M, N, K, cfg, x.device)
+    if lora is not None and (len(launches) > 1 or launches[0][3] == 1):
         raise ValueError("a LoRA update folds into the register-A route only where it splits K (reduce_folds_lora)")
-    part = _partials(split, out)
     ws = warp_specialized(cfg)
-    xp = rak.fragment_order(x, pdl_launch(x.device), grid_nm[1] * cfg.bt if ws else 0)
-    C = cfg.warps // 4 if ws else 1          # consumer warpgroups of the warp-specialized kernel
-    warps = cfg.warps // C
-    meta = dict(LW=rak.word_layout(cfg.bn // C, warps), LS=rak.scale_layout(cfg.bn // C, warps), BN=cfg.bn,
-                BT=cfg.bt, S=cfg.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=warps,
-                **pdl_launch(x.device))
+    xp = rak.fragment_order(x, pdl_launch(x.device), triton.cdiv(M, cfg.bt) * cfg.bt if ws else 0)
     b = bias if bias is not None else out
-    if ws:
-        rak._wgmma_ws_kernel[(*grid_nm, split)](
-            *rak.descriptors(xp, packed, scale, cfg.bn // C, cfg.bt), global_scale, b, part, M, N, nwin, chunk,
-            N, M * N, C=C, maxnreg=rak.MAX_REGS[cfg.warps], **meta)
-    else:
-        rak._wgmma_ring_kernel[(*grid_nm, split)](
-            xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, b, part, M, N, nwin, chunk,
-            xp.stride(0), N, M * N, **meta)
-    return _reduce(part, global_scale, bias, out, lora)
+    for c, tile0, nt, split, chunk in launches:
+        C = c.warps // 4 if ws else 1        # consumer warpgroups of the warp-specialized kernel
+        warps = c.warps // C
+        mt = triton.cdiv(M, c.bt)
+        reduce = split > 1 and len(launches) > 1       # a tail's pieces sum themselves, in whole fp32 tiles
+        part = (torch.empty((split, nt * mt, c.bn * c.bt), device=x.device, dtype=torch.float32) if reduce
+                else _partials(split, out))
+        meta = dict(LW=rak.word_layout(c.bn // C, warps), LS=rak.scale_layout(c.bn // C, warps), BN=c.bn, BT=c.bt,
+                    S=c.stages, HAS_BIAS=bias is not None, PARTIAL=split > 1, num_warps=warps, **pdl_launch(x.device))
+        if ws:
+            rak._wgmma_ws_kernel[(nt, mt, split)](
+                *rak.descriptors(xp, packed, scale, out, c.bn // C, c.bt), global_scale, b, part,
+                _split_counts(x.device, nt * mt * C) if reduce else out, M, N, K // 128, chunk, tile0, N, M * N,
+                C=C, REDUCE=reduce, maxnreg=rak.MAX_REGS[c.warps], **meta)
+        else:
+            rak._wgmma_ring_kernel[(nt, mt, split)](
+                xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, b, part, M, N, K // 128, chunk,
+                xp.stride(0), N, M * N, **meta)
+    return out if len(launches) > 1 else _reduce(part, global_scale, bias, out, lora)
 
 
 def _matmul_dx(dy, packed, scale, global_scale, cfg, il=False):
@@ -656,25 +690,31 @@ def fragment_rows(M: int, K: int) -> bool:
 
 
 def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
-    """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 1024, and M <= 128 on
-    weights of <= 20M elements (H100, bench/NOTES.md v17: at M = 64..256 1.2-2.8x faster than the
-    tiles or dequantize + cuBLAS on every shape, except 7B qkv and o at M = 256; about even with
-    the tiles at M = 17..32); above M = 512 only where its programs fill their last wave (v26: the
-    two-consumer kernel at 256 tokens a program beat dequantize + cuBLAS at M = 512 on every big
-    weight and at M = 1024 where its waves were >= 85% full; 32B o and down, 61% full, lost); with
-    WGMMA_SMALL also from M = 2 on wide weights (N >= WIDE_N) and M = 9 on the other big ones, where
-    it beat the fragment kernel by 4-16% (v18; on 7B down at M <= 8 and the small weights it lost);
-    interleaved (K a multiple of 128), on sm_90 (wgmma) with triton 3.6 (the Gluon it is written
-    in; register_a_kernel.py)."""
+    """Does the register-A wgmma kernel compute y at M rows? 16 < M <= 1024: on every weight to M =
+    128, on the big ones (> 20M elements) to 512 (H100, bench/NOTES.md v17: at M = 64..256 1.2-2.8x
+    faster than the tiles or dequantize + cuBLAS on every shape, except 7B qkv and o at M = 256;
+    about even with the tiles at M = 17..32), and above M = 512 where one launch's programs fill
+    their last wave to WAVE_FILL or, on the big weights, where a second launch takes the rows of a
+    part-empty wave (_wgmma_launches; v27: M = 1024 0.88-1.00x of cuBLAS bf16 on every big weight
+    and 7B o, against 0.76-0.83x for dequantize + cuBLAS, which wins on 7B qkv's two launches and
+    on 7B qkv / o at M = 129..512); with WGMMA_SMALL also from M = 2 on wide weights (N >=
+    WIDE_N) and M = 9 on the other big ones, where it beat the fragment kernel by 4-16% (v18; on 7B
+    down at M <= 8 and the small weights it lost); interleaved (K a multiple of 128), on sm_90
+    (wgmma) with triton 3.6 (the Gluon it is written in; register_a_kernel.py)."""
     big = N * K > WGMMA_NARROW
-    top = WGMMA_MAX_M if big else min(WGMMA_MAX_M, WGMMA_NARROW_MAX_M)
     low = WGMMA_MIN_M
     if WGMMA_SMALL and big:
         low = min(low, GEMV_MAX_M if N >= WIDE_N else WGMMA_SMALL_MIN_M)
-    return (low < M <= top and interleaved
-            and device.type == "cuda" and not interpreting() and _capability(device.index or 0) == (9, 0)
-            and triton.__version__.startswith(GLUON_TRITON)
-            and (M <= WGMMA_FILL_M or _wave_fill(M, N, K, wgmma_config(M), device) >= WAVE_FILL))
+    if not (low < M <= WGMMA_MAX_M and interleaved and device.type == "cuda" and not interpreting()
+            and _capability(device.index or 0) == (9, 0) and triton.__version__.startswith(GLUON_TRITON)):
+        return False
+    if M <= WGMMA_NARROW_MAX_M or (big and M <= WGMMA_FILL_M):
+        return True
+    if M <= WGMMA_FILL_M:
+        return False
+    if len(_wgmma_launches(M, N, K, wgmma_config(M), device)) > 1:
+        return big
+    return _wave_fill(M, N, K, wgmma_config(M), device) >= WAVE_FILL
 
 
 def _wave_fill(M, N, K, cfg, device) -> float:

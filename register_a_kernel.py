@@ -58,13 +58,21 @@ that one decodes while the other's wgmma runs: the decode (~3.8 instructions a w
 once per 256 tokens, and 128 accumulators a thread fit in the 168 registers of one program an SM.
 Measured on the H100 (NOTES v26): M = 1024 at 0.90-0.99x of cuBLAS bf16 on 7B gate_up / down, 32B
 qkv / gate_up (dequantize + cuBLAS: 0.77-0.80x), 32B down M = 256 1.25x (0.89x with 128 tokens).
+The warp-specialized kernel stores its tiles through shared memory by TMA (_finish_tile: 4-11 us
+of a 1024-token call were 2-byte stores straight from the accumulators, NOTES v27), and where a
+launch's tiles would leave the last wave part-empty marlin_kernel._wgmma_launches gives the rows
+left to a second launch (smaller tiles, or split along K with the pieces summing themselves:
+_sum_split_tile): M = 1024 0.86-1.12x on every big weight and 7B o (v27).
 The scales are E4M3 bytes: the hardware's fp8 -> fp32 conversion, times 2^119, as bf16 pairs, so
 the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAND_SHIFT).
 
 Split-K: a weight with few 64-row tiles (7B down: N = 3584) splits its windows among programs (up
-to one wave of them: marlin_kernel._wgmma), which write fp32 partials that tile_kernels._splitk_reduce_kernel sums in
-order with scale and bias. Programmatic dependent launch as in every other kernel (pdl_start's two
-instructions as inline PTX): without it, a split launch after a PDL chain ran up to 8 µs slower
+to one wave of them: marlin_kernel._wgmma_split), which write fp32 partials that
+tile_kernels._splitk_reduce_kernel sums in order with scale and bias (summed in the launch by the
+split that counts last it ran slower: one SM pulls every piece through L2, NOTES v27 item 3; only
+a tail launch's long pieces do so, where the reduce kernel would need the rows' strides).
+Programmatic dependent launch as in every other kernel (pdl_start's two instructions as inline
+PTX): without it, a split launch after a PDL chain ran up to 8 µs slower
 (bench/results/kernel_v17_pdl_diag_h100.txt).
 
 Gluon's API moves between Triton releases (3.9 removed async_copy_global_to_shared and
@@ -214,6 +222,45 @@ def _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, row0
 
 
 @gluon.jit
+def _finish_tile(acc, buf, y_desc, gs_ptr, bias_ptr, N, row0, tok0, BN: gl.constexpr, BT: gl.constexpr,
+                 HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    """y[tok, row] of the (BN rows from row0, BT tokens from tok0) tile, scaled (+bias), through
+    shared memory: the tile transposed into buf (BT, BN) and one TMA store, which drops what lies
+    past M or N. Stored straight from the accumulator's layout, each lane wrote 2-byte pieces of 8
+    rows (16 bytes) a token: 4-11 us of a 1024-token product (bench/NOTES.md v27)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BT, 16])
+    y = acc * (_POST / gl.load(gs_ptr))
+    if HAS_BIAS:
+        rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        y += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+    buf.store(gl.permute(y.to(gl.bfloat16), (1, 0)))
+    fence_async_shared()                   # the stores above before the TMA engine reads buf
+    tma.async_copy_shared_to_global(y_desc, [tok0, row0], buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _sum_split_tile(acc, buf, y_desc, gs_ptr, bias_ptr, work_ptr, count_ptr, N, row0, tok0, slot, nslots, pid_k,
+                    nsplit, BN: gl.constexpr, BT: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    """Split-K in the launch (fp4_decode._last_split's contract): store this split's fp32 partial
+    tile to its workspace slot, count it, and the split that counts last sums the partials in split
+    order (the bits of the reduce kernel) and finishes the tile (_finish_tile)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BT, 16])
+    offs = (gl.arange(0, BN, layout=gl.SliceLayout(1, mma))[:, None] * BT
+            + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))[None, :])
+    gl.store(work_ptr + (pid_k * nslots + slot) * (BN * BT) + offs, acc)
+    gl.thread_barrier()
+    if gl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
+        gl.store(count_ptr + slot, 0)
+        total = gl.load(work_ptr + slot * (BN * BT) + offs, cache_modifier=".cg")
+        for s in range(1, nsplit):
+            total += gl.load(work_ptr + (s * nslots + slot) * (BN * BT) + offs, cache_modifier=".cg")
+        _finish_tile(total, buf, y_desc, gs_ptr, bias_ptr, N, row0, tok0, BN, BT, HAS_BIAS, num_warps)
+
+
+@gluon.jit
 def _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs, win, stage):
     """cp.async of window win's xp tile, W words and scales into ring stage `stage`, one group."""
     cp.async_copy_global_to_shared(xs.index(stage), x_ptr + x_offs + win * 128, mask=x_mask)
@@ -299,12 +346,15 @@ def _load_partition(x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, grou
 
 
 @gluon.jit
-def _mma_partition(xs, ws, ss, ready, empty, c, w_start, w_end, gs_ptr, bias_ptr, out_ptr, M, N, row0, tok0,
-                   pid_k, stride_om, stride_os, LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr,
-                   BT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, num_warps: gl.constexpr):
+def _mma_partition(xs, ws, ss, ready, empty, done, c, w_start, w_end, y_desc, gs_ptr, bias_ptr, part_ptr, count_ptr,
+                   M, N, row0, tok0, pid_k, nsplit, tile, ntiles, stride_om, stride_os, LW: gl.constexpr,
+                   LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   PARTIAL: gl.constexpr, REDUCE: gl.constexpr, num_warps: gl.constexpr):
     """Consumer c (num_warps warps, the BN rows from row0 + c·BN): per window, wait for its stage,
-    _mma_window on the shared xp tile and its own words and scales, release the stage; then store
-    its tile."""
+    _mma_window on the shared xp tile and its own words and scales, release the stage; then, once
+    every consumer is done with the ring (the done barrier), finish its tile through ring stage c's
+    x buffer (_finish_tile), or sum the split in the launch (REDUCE), or store fp32 partial sums
+    for the reduce kernel."""
     S: gl.constexpr = xs.type.shape[0]
     C: gl.constexpr = ws.type.shape[0] // S
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -321,24 +371,38 @@ def _mma_partition(xs, ws, ss, ready, empty, c, w_start, w_end, gs_ptr, bias_ptr
                           ss.index(stage * C + c)._reinterpret(gl.uint8, [BN, 8], PS), LW, LS, BN, DL)
         fence_async_shared()               # our reads of the stage before the next TMA write to it
         mbarrier.arrive(empty.index(stage), count=1)
-    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, row0 + c * BN, tok0, pid_k,
-                BN, BT, HAS_BIAS, PARTIAL, num_warps)
+    row0 = row0 + c * BN
+    if PARTIAL and not REDUCE:
+        _store_tile(acc, gs_ptr, bias_ptr, part_ptr, M, N, stride_om, stride_os, row0, tok0, pid_k,
+                    BN, BT, HAS_BIAS, PARTIAL, num_warps)
+    else:
+        mbarrier.arrive(done, count=1)     # the ring is free once every consumer is past it
+        mbarrier.wait(done, 0)
+        buf = xs.index(c)._reinterpret(gl.bfloat16, [BT, BN], y_desc.layout)
+        if PARTIAL:
+            _sum_split_tile(acc, buf, y_desc, gs_ptr, bias_ptr, part_ptr, count_ptr, N, row0, tok0,
+                            tile * C + c, ntiles * C, pid_k, nsplit, BN, BT, HAS_BIAS, num_warps)
+        else:
+            _finish_tile(acc, buf, y_desc, gs_ptr, bias_ptr, N, row0, tok0, BN, BT, HAS_BIAS, num_warps)
 
 
 @gluon.jit
-def _wgmma_ws_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, M, N, NWIN, WIN_SPLIT,
-                     stride_om, stride_os,
+def _wgmma_ws_kernel(x_desc, w_desc, s_desc, y_desc, gs_ptr, bias_ptr, part_ptr, count_ptr, M, N, NWIN, WIN_SPLIT,
+                     TILE0, stride_om, stride_os,
                      LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
                      S: gl.constexpr, C: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                     USE_PDL: gl.constexpr, num_warps: gl.constexpr):
+                     REDUCE: gl.constexpr, USE_PDL: gl.constexpr, num_warps: gl.constexpr):
     """_wgmma_ring_kernel's product, warp-specialized: one producer warp copies by TMA
     (_load_partition); C consumers of num_warps warps each (1 or 2) decode and multiply their BN/C of
     the BN weight rows against the same xp tile (_mma_partition), each in a partition of its own, so
     that one decodes while the other's wgmma runs (in one partition of 8 warps, the barriers Triton
     puts around each window's shared-memory reads keep the two warpgroups in step); an mbarrier pair
-    per ring stage between them. x_desc: TMA descriptor of xp (fragment order), box (BT, 128);
-    w_desc: the interleaved codes as int32 (N/16, NWIN·256), box (BN/C/16, 256); s_desc: the scale
-    bytes (N/16, NWIN·128), box (BN/C/16, 128) (descriptors())."""
+    per ring stage between them. Program (n, m, k) takes weight rows from (TILE0 + n)·BN (a launch
+    may cover only some of them: marlin_kernel._wgmma_launches). x_desc: TMA descriptor of xp
+    (fragment order), box (BT, 128); w_desc: the interleaved codes as int32 (N/16, NWIN·256), box
+    (BN/C/16, 256); s_desc: the scale bytes (N/16, NWIN·128), box (BN/C/16, 128); y_desc: y (M, N)
+    bf16, box (BT, BN/C) (descriptors()). PARTIAL: split-K, the partials summed in the launch
+    (REDUCE: part_ptr a workspace, count_ptr zeros) or by the reduce kernel (part_ptr (split, M, N))."""
     _pdl_start(USE_PDL)
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -349,39 +413,49 @@ def _wgmma_ws_kernel(x_desc, w_desc, s_desc, gs_ptr, bias_ptr, out_ptr, M, N, NW
     ss = gl.allocate_shared_memory(gl.uint8, [S * C] + s_desc.block_type.shape, s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for st in gl.static_range(S):
         mbarrier.init(ready.index(st), count=1)
         mbarrier.init(empty.index(st), count=C)       # each consumer releases a stage
+    mbarrier.init(done, count=C)
     w_start = pid_k * WIN_SPLIT
     w_end = gl.minimum(NWIN, w_start + WIN_SPLIT)
     tok0 = pid_m * BT
-    row0 = pid_n * BN
+    row0 = (TILE0 + pid_n) * BN
+    tile = pid_n * gl.num_programs(1) + pid_m
+    ntiles = gl.num_programs(0) * gl.num_programs(1)
+    nsplit = gl.num_programs(2)
     if C == 1:
         gl.warp_specialize([
-            (_mma_partition, (xs, ws, ss, ready, empty, 0, w_start, w_end, gs_ptr, bias_ptr, out_ptr, M, N, row0,
-                              tok0, pid_k, stride_om, stride_os, LW, LS, BNC, BT, HAS_BIAS, PARTIAL, num_warps)),
+            (_mma_partition, (xs, ws, ss, ready, empty, done, 0, w_start, w_end, y_desc, gs_ptr, bias_ptr, part_ptr,
+                              count_ptr, M, N, row0, tok0, pid_k, nsplit, tile, ntiles, stride_om, stride_os, LW, LS,
+                              BNC, BT, HAS_BIAS, PARTIAL, REDUCE, num_warps)),
             (_load_partition, (x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, row0 // 16, w_start, w_end)),
         ], [1], [LOADER_REGS])
     else:
         gl.warp_specialize([
-            (_mma_partition, (xs, ws, ss, ready, empty, 0, w_start, w_end, gs_ptr, bias_ptr, out_ptr, M, N, row0,
-                              tok0, pid_k, stride_om, stride_os, LW, LS, BNC, BT, HAS_BIAS, PARTIAL, num_warps)),
-            (_mma_partition, (xs, ws, ss, ready, empty, 1, w_start, w_end, gs_ptr, bias_ptr, out_ptr, M, N, row0,
-                              tok0, pid_k, stride_om, stride_os, LW, LS, BNC, BT, HAS_BIAS, PARTIAL, num_warps)),
+            (_mma_partition, (xs, ws, ss, ready, empty, done, 0, w_start, w_end, y_desc, gs_ptr, bias_ptr, part_ptr,
+                              count_ptr, M, N, row0, tok0, pid_k, nsplit, tile, ntiles, stride_om, stride_os, LW, LS,
+                              BNC, BT, HAS_BIAS, PARTIAL, REDUCE, num_warps)),
+            (_mma_partition, (xs, ws, ss, ready, empty, done, 1, w_start, w_end, y_desc, gs_ptr, bias_ptr, part_ptr,
+                              count_ptr, M, N, row0, tok0, pid_k, nsplit, tile, ntiles, stride_om, stride_os, LW, LS,
+                              BNC, BT, HAS_BIAS, PARTIAL, REDUCE, num_warps)),
             (_load_partition, (x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, row0 // 16, w_start, w_end)),
         ], [num_warps, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def descriptors(xp, packed, scale, BN: int, BT: int):
+def descriptors(xp, packed, scale, y, BN: int, BT: int):
     """The kernel's TMA descriptors: xp (M, K) bf16 in (BT, 128) boxes, 128-byte swizzle (wgmma's B
     operand; Triton issues it as two 64-column copies); the interleaved codes as int32 (N/16,
-    K/8·16) and the scale bytes (N/16, K) in one box of BN/16 row groups x one window, unswizzled
-    (BN: one consumer's rows; the producer copies a box per consumer)."""
+    K/8·16) and the scale bytes (N/16, K) in one box of BN/16 row groups x one window, unswizzled;
+    y (M, N) bf16 in (BT, BN) boxes, 128-byte swizzle (BN: one consumer's rows, 64; the producer
+    copies a box per consumer)."""
     N, K = packed.shape[0], xp.shape[1]
     x_desc = TensorDescriptor.from_tensor(xp, [BT, 128], _X_SMEM)
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32).view(N // 16, K * 2), [BN // 16, 256], _W_SMEM)
     s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(N // 16, K), [BN // 16, 128], _S_SMEM)
-    return x_desc, w_desc, s_desc
+    y_desc = TensorDescriptor.from_tensor(y, [BT, BN], _X_SMEM)
+    return x_desc, w_desc, s_desc, y_desc
 
 
 def ring_bytes(BN: int, BT: int, S: int) -> int:

@@ -55,11 +55,13 @@ def test_fragment_order_kernel_permutes_x(M, K, rows, poisoned):
 
 
 def test_wgmma_route_and_config(monkeypatch):
-    """The route's conditions: 16 < M <= 1024 (<= 128 on weights of <= 20M elements; above 512 where
-    the waves are >= 80% full: 7B down's 28 x 3 programs at M = 513..768 fill 84 of 132 SMs), and
-    with WGMMA_SMALL from M = 2 on wide weights (N >= 16384) and M = 9 on the other big ones;
-    interleaved, sm_90 with triton 3.6; never on the CPU or under the interpreter."""
-    big, down, qkv = (37888, 3584), (3584, 18944), (4608, 3584)
+    """The route's conditions: 16 < M <= 1024 (on weights of <= 20M elements to 128, and above 512;
+    above 512 where one launch's waves are >= 60% full: 7B qkv's 36 x 4 programs at M = 769..1024 are
+    not, 144 on 132 SMs; or, on the big weights, where a second launch takes a part-empty wave's
+    rows: 32B o at M = 769..1024), and with WGMMA_SMALL from M = 2 on wide weights (N >= 16384) and
+    M = 9 on the other big ones; interleaved, sm_90 with triton 3.6; never on the CPU or under the
+    interpreter."""
+    big, down, qkv, o, o32 = (37888, 3584), (3584, 18944), (4608, 3584), (3584, 3584), (5120, 5120)
     assert not mk.wgmma_rows(64, *big, torch.device("cpu"), True)
     assert [mk.wgmma_config(M).bt for M in (1, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 1024)] == [
         8, 8, 16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
@@ -75,8 +77,12 @@ def test_wgmma_route_and_config(monkeypatch):
         dev = torch.device("cuda")
         assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *big, dev, True)] == list(range(2, 1025))
         if mk._num_sms(dev) == 132:
-            assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *down, dev, True)] == list(range(9, 513)) + list(
-                range(769, 1025))
+            assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *down, dev, True)] == list(range(9, 1025))
+            assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *qkv, dev, True)] == list(range(17, 129)) + list(
+                range(513, 769))
+            assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *o, dev, True)] == list(range(17, 129)) + list(
+                range(513, 1025))
+            assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *o32, dev, True)] == list(range(9, 1025))
         assert [M for M in range(1, 300) if mk.wgmma_rows(M, *qkv, dev, True)] == list(range(17, 129))
         assert not mk.wgmma_rows(64, *big, dev, False)               # the plain layout
         monkeypatch.setattr(mk, "WGMMA_SMALL", False)
@@ -148,6 +154,39 @@ def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
     bias = torch.randn(N, generator=gen).bfloat16().cuda()
     y = mk.nvfp4_matmul(x, *nvfp4.interleave(packed, scale), gs, bias, interleaved=True)
     routed = mk.wgmma_rows(M, N, K, x.device, True)
-    kernel = ws if mk.warp_specialized(mk.wgmma_config(M)) else ring
-    assert [k for k, _ in launched] == ([kernel] if routed else []), routed
+    cfg = mk.wgmma_config(M)
+    launches = len(mk._wgmma_launches(M, N, K, cfg, x.device)) if mk.warp_specialized(cfg) else 1
+    kernel = ws if mk.warp_specialized(cfg) else ring
+    assert [k for k, _ in launched] == ([kernel] * launches if routed else []), routed
     assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"{N}x{K} M={M}")
+
+
+B256 = mk.WgmmaConfig(bt=256, bn=128, warps=8)
+
+
+@pytest.mark.gpu
+@gluon_gpu
+@pytest.mark.parametrize("cfg,sms,M,N,K,plan", [
+    (B256, 4, 200, 592, 1024, [(B256, 0, 4, 1, 8), (mk.TAIL_CONFIG, 8, 2, 1, 8)]),
+    (mk.WgmmaConfig(bt=128), 2, 100, 336, 1024, [(mk.WgmmaConfig(bt=128), 0, 4, 1, 8), (mk.TAIL_CONFIG, 4, 2, 1, 8)]),
+    (B256, 4, 200, 592, 8192, [(B256, 0, 4, 1, 64), (B256, 4, 1, 2, 32)]),
+    (B256, 3, 300, 208, 1024, [(B256, 0, 2, 1, 8)])])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_wgmma_tail_launches_gpu(cfg, sms, M, N, K, plan, has_bias, poisoned, monkeypatch):
+    """Where the tiles fill whole waves and part of one, the weight rows of the whole waves run in
+    cfg's tiles and the rest in a second launch, of smaller tiles or (long K) split along K with the
+    pieces summed in the launch (on a pretend GPU of a few SMs, so that small shapes have waves; N
+    not a multiple of 64: the last tile reads rows past N): y against float64, and the same bits on
+    a second call (the split counts are left at zero)."""
+    import nvfp4
+    monkeypatch.setattr(mk, "_num_sms", lambda device: sms)
+    assert mk._wgmma_launches(M, N, K, cfg, torch.device("cuda")) == plan
+    gen = torch.Generator().manual_seed(M + N + sms + K)
+    packed, scale, gs = random_weight(N, K, gen, "cuda")
+    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda() if has_bias else None
+    w = nvfp4.interleave(packed, scale)
+    y = mk._wgmma(x, *w, gs, bias, cfg)
+    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"sms={sms} M={M} N={N} K={K}")
+    assert torch.equal(mk._wgmma(x, *w, gs, bias, cfg), y)
+    assert e < 4e-3, e
