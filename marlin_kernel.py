@@ -250,11 +250,17 @@ class WgmmaConfig:
     def __post_init__(self):
         if self.bt not in (8, 16, 32, 64, 128, 256) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
                 or self.bn & (self.bn - 1) or self.stages < 2 or self.split < 0 or (self.bt == 256 and self.warps < 8) \
-                or (self.bt >= WS_MIN_BT and self.bn != 16 * self.warps):
+                or (warp_specialized(self) and self.bn != 16 * self.warps):
             raise ValueError(f"WgmmaConfig: bt in 8..256 (power of two; 256 takes 8 warps: 128 accumulators a "
                              f"thread), 4 or 8 warps, bn a power-of-two multiple of 16·warps (from bt = "
                              f"{WS_MIN_BT}, warp-specialized: 64 rows a warpgroup), stages >= 2, split >= 0, "
                              f"got {self}")
+
+
+def warp_specialized(cfg: WgmmaConfig) -> bool:
+    """Does the register-A launch cfg run the warp-specialized kernel (rak._wgmma_ws_kernel), or
+    the cp.async ring kernel? By tokens a program: WS_MIN_BT and up (NOTES v25)."""
+    return cfg.bt >= WS_MIN_BT
 
 
 TAIL_CONFIG = WgmmaConfig(bt=TAIL_BT)
@@ -571,12 +577,6 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
-def warp_specialized(cfg: WgmmaConfig) -> bool:
-    """Does the register-A launch cfg run the warp-specialized kernel (rak._wgmma_ws_kernel), or
-    the cp.async ring kernel? By tokens a program: WS_MIN_BT and up (NOTES v25)."""
-    return cfg.bt >= WS_MIN_BT
-
-
 def _wgmma_wave(cfg, device) -> int:
     """Programs of a register-A launch that fit on the SMs at once: by shared memory (the ring of x
     tiles, words and scales) and, warp-specialized, by registers (the producer's warp takes a
@@ -614,7 +614,7 @@ def _wgmma_launches(M, N, K, cfg, device):
     if pieces > 1:
         return [(cfg, 0, main, 1, nwin), (cfg, main, nt - main, *_split(pieces, 1, nwin, 1, 0))]
     tail, rows = TAIL_CONFIG, N - main * cfg.bn
-    if cfg.bn % tail.bn or triton.cdiv(rows, tail.bn) * triton.cdiv(M, tail.bt) > _wgmma_wave(tail, device):
+    if triton.cdiv(rows, tail.bn) * triton.cdiv(M, tail.bt) > _wgmma_wave(tail, device):
         return single
     return [(cfg, 0, main, 1, nwin), (tail, main * cfg.bn // tail.bn, triton.cdiv(rows, tail.bn), 1, nwin)]
 
@@ -712,15 +712,17 @@ def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
         return True
     if M <= WGMMA_FILL_M:
         return False
-    if len(_wgmma_launches(M, N, K, wgmma_config(M), device)) > 1:
+    launches = _wgmma_launches(M, N, K, wgmma_config(M), device)
+    if len(launches) > 1:
         return big
-    return _wave_fill(M, N, K, wgmma_config(M), device) >= WAVE_FILL
+    return _wave_fill(M, launches[0], device) >= WAVE_FILL
 
 
-def _wave_fill(M, N, K, cfg, device) -> float:
-    """How full the waves of a register-A launch are: programs / (waves · programs a wave)."""
-    split, _ = _wgmma_split(M, N, K, cfg, device)
-    programs = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt) * split
+def _wave_fill(M, launch, device) -> float:
+    """How full the waves of a register-A launch (_wgmma_launches' tuple) are: programs / (waves ·
+    programs a wave)."""
+    cfg, _, tiles, split, _ = launch
+    programs = tiles * triton.cdiv(M, cfg.bt) * split
     wave = _wgmma_wave(cfg, device)
     return programs / (triton.cdiv(programs, wave) * wave)
 

@@ -201,6 +201,15 @@ def _mma_window(acc, xs, ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.cons
 
 
 @gluon.jit
+def _scaled(acc, gs_ptr, bias_ptr, rows, N, HAS_BIAS: gl.constexpr):
+    """The tile's y in fp32: the sums times 2^7 / global scale, plus bias[rows] (rows past N add 0)."""
+    y = acc * (_POST / gl.load(gs_ptr))
+    if HAS_BIAS:
+        y += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+    return y
+
+
+@gluon.jit
 def _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, row0, tok0, pid_k,
                 BN: gl.constexpr, BT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
                 num_warps: gl.constexpr):
@@ -215,10 +224,7 @@ def _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, row0
     if PARTIAL:
         gl.store(out_ptr + pid_k * stride_os + offs, acc, mask=mask)
     else:
-        y = acc * (_POST / gl.load(gs_ptr))
-        if HAS_BIAS:
-            y += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(out_ptr + offs, y.to(gl.bfloat16), mask=mask)
+        gl.store(out_ptr + offs, _scaled(acc, gs_ptr, bias_ptr, rows, N, HAS_BIAS).to(gl.bfloat16), mask=mask)
 
 
 @gluon.jit
@@ -230,10 +236,7 @@ def _finish_tile(acc, buf, y_desc, gs_ptr, bias_ptr, N, row0, tok0, BN: gl.const
     rows (16 bytes) a token: 4-11 us of a 1024-token product (bench/NOTES.md v27)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BT, 16])
-    y = acc * (_POST / gl.load(gs_ptr))
-    if HAS_BIAS:
-        rows = row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-        y += gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)[:, None]
+    y = _scaled(acc, gs_ptr, bias_ptr, row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), N, HAS_BIAS)
     buf.store(gl.permute(y.to(gl.bfloat16), (1, 0)))
     fence_async_shared()                   # the stores above before the TMA engine reads buf
     tma.async_copy_shared_to_global(y_desc, [tok0, row0], buf)
