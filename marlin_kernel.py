@@ -82,6 +82,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+import register_a_dx as rad
 import register_a_kernel as rak
 from fp4_decode import pdl_start  # noqa: F401 (public here: fused_ops, paged_attention, lora_kernels)
 from small_m_kernels import _nvfp4_gemv_kernel, _nvfp4_mma_kernel
@@ -111,6 +112,11 @@ GLUON_TRITON = "3.6."    # the Triton release register_a_kernel.py's Gluon is wr
 WS_MIN_BT = 64           # from this many tokens a program the register-A kernel is the warp-specialized one
 TAIL_BT = 64             # tokens a program in the small tiles of a part-empty last wave (_wgmma_launches) ...
 TAIL_MIN_WINDOWS = 32    # ... where it does not split into pieces of >= this many 128-k windows
+DX_WGMMA_MIN_M = 64      # above this M, on the big weights, dx = dy·W by the register-A kernel on Wᵀ ...
+DX_WGMMA_FULL_M = 256    # ... to this M, and to DX_WGMMA_MAX_M where its programs fill their waves
+DX_WGMMA_MAX_M = 512     # to DX_WAVE_FILL (dx_wgmma_rows)
+DX_WAVE_FILL = 0.8
+DX_WIDE = 64_000_000     # above DX_WGMMA_FULL_M only on weights of more elements (dx_route)
 
 
 def interpreting() -> bool:
@@ -684,6 +690,29 @@ def _matmul_dx(dy, packed, scale, global_scale, cfg, il=False):
     return _reduce(part, global_scale, None, out)
 
 
+def _wgmma_dx(dy, packed, scale, global_scale, split=0):
+    """dx = dy·W with the register-A kernel on W's transpose (register_a_dx.py): W interleaved, N and
+    K multiples of 128, sm_90 with triton 3.6. dy is first permuted into the operand's n order and
+    padded to whole token tiles (one pass). split (0: chosen): split-K over the 128-n windows up to
+    one wave of programs, each >= 4 windows, summed by the reduce kernel."""
+    M, N = dy.shape
+    K = packed.shape[1] * 2
+    if N % 128 or K % 128:
+        raise ValueError(f"the register-A dx kernel needs N and K multiples of 128, got N={N}, K={K}")
+    out = torch.empty((M, K), device=dy.device, dtype=torch.bfloat16)
+    if M == 0:
+        return out
+    pdl = pdl_launch(dy.device)
+    BT, BK = rad.BT.value, rad.BK.value
+    _, split, chunk = (0, *_split(split, 1, N // 128, 1, 0)) if split else _dx_split(M, N, K, dy.device)
+    part = _partials(split, out)
+    dyp = rak.fragment_order(dy, pdl, triton.cdiv(M, BT) * BT, dx=True)
+    rad._dx_kernel[(triton.cdiv(K, BK), triton.cdiv(M, BT), split)](
+        *rad.dx_descriptors(dyp, packed, scale, out), global_scale, part, M, K, N // 128, chunk, PARTIAL=split > 1,
+        num_warps=4, maxnreg=rak.MAX_REGS[8], **pdl)
+    return _reduce(part, global_scale, None, out)
+
+
 def fragment_rows(M: int, K: int) -> bool:
     """Does the fragment kernel compute y at M rows (K a multiple of 128 only)?"""
     return GEMV_MAX_M < M <= FRAGMENT_MAX_M and K % 128 == 0
@@ -705,8 +734,7 @@ def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     low = WGMMA_MIN_M
     if WGMMA_SMALL and big:
         low = min(low, GEMV_MAX_M if N >= WIDE_N else WGMMA_SMALL_MIN_M)
-    if not (low < M <= WGMMA_MAX_M and interleaved and device.type == "cuda" and not interpreting()
-            and _capability(device.index or 0) == (9, 0) and triton.__version__.startswith(GLUON_TRITON)):
+    if not (low < M <= WGMMA_MAX_M and _gluon_runs(device, interleaved)):
         return False
     if M <= WGMMA_NARROW_MAX_M or (big and M <= WGMMA_FILL_M):
         return True
@@ -716,6 +744,40 @@ def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     if len(launches) > 1:
         return big
     return _wave_fill(M, launches[0], device) >= WAVE_FILL
+
+
+def _gluon_runs(device, interleaved: bool) -> bool:
+    """Can the register-A kernels run: interleaved weights, sm_90 (wgmma), triton 3.6 (the Gluon they
+    are written in), not under the interpreter?"""
+    return (interleaved and device.type == "cuda" and not interpreting() and _capability(device.index or 0) == (9, 0)
+            and triton.__version__.startswith(GLUON_TRITON))
+
+
+def _dx_split(M: int, N: int, K: int, device):
+    """(programs without split, split, windows per split) of a register-A dx launch: split-K over the
+    128-n windows up to one wave of programs, each >= 4 windows."""
+    tiles, nwin = triton.cdiv(K, rad.BK.value) * triton.cdiv(M, rad.BT.value), N // 128
+    return (tiles, *_split(max(1, min(nwin // 4, _num_sms(device) // tiles)), tiles, nwin, 1, 0))
+
+
+def dx_wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
+    """Does the register-A kernel on Wᵀ (register_a_dx.py) compute dx at M rows? On the big weights
+    (> 20M elements; N and K multiples of 128) at 64 < M <= 256, and to M = 512 on those of > 64M
+    elements (gate_up, down) where its programs fill their waves to DX_WAVE_FILL (H100, bench/NOTES.md
+    v28: M = 128 / 256 0.47-1.38x of cuBLAS bf16 against 0.35-0.75x for the tiles; at M = 384 0.68-
+    0.80x on gate_up / down against 0.56-0.61x for dequantize + cuBLAS, which wins on 32B qkv / o
+    (0.61 / 0.59 against 0.54 / 0.46); at M = 512 ahead only where the waves are full; at M = 1024
+    0.50-0.78x, behind dequantize + cuBLAS everywhere); interleaved, sm_90, triton 3.6."""
+    if not (DX_WGMMA_MIN_M < M <= DX_WGMMA_MAX_M and N * K > WGMMA_NARROW and N % 128 == 0 and K % 128 == 0
+            and _gluon_runs(device, interleaved)):
+        return False
+    if M <= DX_WGMMA_FULL_M:
+        return True
+    if N * K <= DX_WIDE:
+        return False
+    tiles, split, _ = _dx_split(M, N, K, device)
+    programs, wave = tiles * split, _num_sms(device)
+    return programs / (triton.cdiv(programs, wave) * wave) >= DX_WAVE_FILL
 
 
 def _wave_fill(M, launch, device) -> float:
@@ -813,6 +875,20 @@ def nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False):
     """dx (M, K) bf16 = dy (M, N) bf16 · dequant(W), fp32 accumulation (backward of y = x·Wᵀ)."""
     N, K = _check_weight(packed, scale, global_scale, dy.device, interleaved)
     _check_act("dy", dy, N)
-    if use_dequant(dy.shape[0], N, K):
+    route = dx_route(dy.shape[0], N, K, dy.device, interleaved)
+    if route == "wgmma":
+        return _wgmma_dx(dy, packed, scale, global_scale)
+    if route == "dequant+cublas":
         return dy @ _dequantize_bf16(packed, scale, global_scale, interleaved)
     return _matmul_dx(dy, packed, scale, global_scale, dx_config(dy.shape[0], N, K), interleaved)
+
+
+def dx_route(M: int, N: int, K: int, device, interleaved: bool) -> str:
+    """Which kernel computes dx at M rows: "wgmma" (dx_wgmma_rows), "dequant+cublas" (use_dequant, and
+    on the big weights above DX_WGMMA_FULL_M: at M = 384 0.56-0.61x of cuBLAS bf16 against 0.30-0.52x
+    for the tiles on every big weight, NOTES v28) or "tiles"."""
+    if dx_wgmma_rows(M, N, K, device, interleaved):
+        return "wgmma"
+    if use_dequant(M, N, K) or (M > DX_WGMMA_FULL_M and N * K > WGMMA_NARROW and K % MIN_RED == 0):
+        return "dequant+cublas"
+    return "tiles"

@@ -122,38 +122,44 @@ _S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
 
 @triton.jit
 def _fragment_order_kernel(x_ptr, out_ptr, M, MP, K, stride_xm, BM: tl.constexpr, WINS: tl.constexpr,
-                           USE_PDL: tl.constexpr):
-    """out (MP, K) = x with each 128-k window permuted: out[:, c] = x[:, k(c)] (module docstring), for
-    BM rows x WINS windows; rows M..MP-1 are zeros. Loads and stores are contiguous (16 B a lane);
-    the permutation is a reshape and permute of the tile in registers, which Triton carries out
-    through shared memory (a gather of 2-byte loads took 9 us a call at M = 128 in the GRPO batch,
-    bench/NOTES.md v18)."""
+                           DX: tl.constexpr, USE_PDL: tl.constexpr):
+    """out (MP, K) = x with each 128-k window permuted: out[:, c] = x[:, k(c)] (module docstring; DX:
+    register_a_dx's order, t below j's high bit h), for BM rows x WINS windows; rows M..MP-1 are
+    zeros. Loads and stores are contiguous (16 B a lane); the permutation is a reshape and permute
+    of the tile in registers, which Triton carries out through shared memory (a gather of 2-byte
+    loads took 9 us a call at M = 128 in the GRPO batch, bench/NOTES.md v18)."""
     pdl_start(USE_PDL)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * (WINS * 128) + tl.arange(0, WINS * 128)
     v = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & (k < K)[None, :], other=0.0)
-    v = tl.reshape(v, [BM, WINS, 4, 4, 2, 2, 2])              # k = 32t + 8j + 4p1 + 2e + p0: (t, j, p1, e, p0)
-    v = tl.reshape(tl.permute(v, [0, 1, 3, 4, 6, 2, 5]), [BM, WINS * 128])   # c order: (j, p1, p0, t, e)
+    # k = 32t + 16h + 8j0 + 4p1 + 2e + p0 (DX: 64h + 16t + ...), c = e + 2t + 8p0 + 16p1 + 32j0 + 64h
+    if DX:
+        v = tl.permute(tl.reshape(v, [BM, WINS, 2, 4, 2, 2, 2, 2]), [0, 1, 2, 4, 5, 7, 3, 6])
+    else:
+        v = tl.permute(tl.reshape(v, [BM, WINS, 4, 2, 2, 2, 2, 2]), [0, 1, 3, 4, 5, 7, 2, 6])
+    v = tl.reshape(v, [BM, WINS * 128])                      # c order (h, j0, p1, p0, t, e)
     tl.store(out_ptr + m[:, None] * K + k[None, :], v, mask=(m < MP)[:, None] & (k < K)[None, :])
 
 
-def fragment_order_index(K: int, device=None) -> torch.Tensor:
+def fragment_order_index(K: int, device=None, dx: bool = False) -> torch.Tensor:
     """k(c) for the K columns in torch: xp = x[:, index] (tests and reading; the wrapper launches the
-    kernel). x's columns as (window, t, j, p1, e, p0) read in the order (window, j, p1, p0, t, e)."""
-    k = torch.arange(K, device=device).view(K // 128, 4, 4, 2, 2, 2)
-    return k.permute(0, 2, 3, 5, 1, 4).reshape(K)
+    kernel). x's columns as (window, t, h, j0, p1, e, p0) read in the order (window, h, j0, p1, p0,
+    t, e); dx: register_a_dx's, columns (window, h, t, j0, p1, e, p0)."""
+    k = torch.arange(K, device=device).view(K // 128, *((2, 4) if dx else (4, 2)), 2, 2, 2, 2)
+    return k.permute(0, 1, 3, 4, 6, 2, 5).reshape(K) if dx else k.permute(0, 2, 3, 4, 6, 1, 5).reshape(K)
 
 
-def fragment_order(x: torch.Tensor, pdl: dict, rows: int = 0) -> torch.Tensor:
-    """x (M, K) bf16 -> xp (max(M, rows), K), permuted for the kernel below (one pass over x), rows
-    past M zero; pdl: marlin_kernel.pdl_launch's keywords. The warp-specialized kernel takes whole
-    token tiles: TMA boxes that cross the tensor's end measured 20-50% slower (NOTES v25)."""
+def fragment_order(x: torch.Tensor, pdl: dict, rows: int = 0, dx: bool = False) -> torch.Tensor:
+    """x (M, K) bf16 -> xp (max(M, rows), K), permuted for the kernel below (dx: for register_a_dx's,
+    x then being dy) in one pass over x, rows past M zero; pdl: marlin_kernel.pdl_launch's keywords.
+    The warp-specialized kernels take whole token tiles: TMA boxes that cross the tensor's end
+    measured 20-50% slower (NOTES v25)."""
     M, K = x.shape
     MP = max(M, rows)
     out = torch.empty((MP, K), device=x.device, dtype=x.dtype)
     BM, WINS = min(16, triton.next_power_of_2(MP)), 2
     _fragment_order_kernel[(triton.cdiv(MP, BM), triton.cdiv(K, WINS * 128))](
-        x, out, M, MP, K, x.stride(0), BM=BM, WINS=WINS, num_warps=4, **pdl)
+        x, out, M, MP, K, x.stride(0), BM=BM, WINS=WINS, DX=dx, num_warps=4, **pdl)
     return out
 
 
@@ -453,12 +459,18 @@ def descriptors(xp, packed, scale, y, BN: int, BT: int):
     K/8·16) and the scale bytes (N/16, K) in one box of BN/16 row groups x one window, unswizzled;
     y (M, N) bf16 in (BT, BN) boxes, 128-byte swizzle (BN: one consumer's rows, 64; the producer
     copies a box per consumer)."""
-    N, K = packed.shape[0], xp.shape[1]
     x_desc = TensorDescriptor.from_tensor(xp, [BT, 128], _X_SMEM)
+    y_desc = TensorDescriptor.from_tensor(y, [BT, BN], _X_SMEM)
+    return x_desc, *weight_descriptors(packed, scale, BN), y_desc
+
+
+def weight_descriptors(packed, scale, BN: int):
+    """TMA descriptors of the interleaved codes as int32 (N/16, K/8·16) and the scale bytes (N/16,
+    K), in boxes of BN/16 row groups x one 128-k window (also register_a_dx's)."""
+    N, K = packed.shape[0], packed.shape[1] * 2
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32).view(N // 16, K * 2), [BN // 16, 256], _W_SMEM)
     s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(N // 16, K), [BN // 16, 128], _S_SMEM)
-    y_desc = TensorDescriptor.from_tensor(y, [BT, BN], _X_SMEM)
-    return x_desc, w_desc, s_desc, y_desc
+    return w_desc, s_desc
 
 
 def ring_bytes(BN: int, BT: int, S: int) -> int:

@@ -190,7 +190,7 @@ def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,), fwd_only=False):
         path = ("wgmma" if mk.wgmma_rows(M, N, K, x.device, True) else "dequant+cublas" if mk.use_dequant(M, N, K)
                 else "gemv" if isinstance(cfg, mk.GemvConfig) else "fragment" if isinstance(cfg, mk.MmaConfig)
                 else "fused")
-        r = dict(shape=name, N=N, K=K, M=M, path=path)
+        r = dict(shape=name, N=N, K=K, M=M, path=path, dx_path=mk.dx_route(M, N, K, x.device, True))
         r["fwd_ms"] = bench_ms(ours_fwd)
         r["cublas_fwd_ms"] = bench_ms(lambda: x @ ws.next().t())
         if M <= 16:          # the pre-v4 tensor-core kernel, same run: honest old/new ratios
@@ -503,7 +503,7 @@ def floor_table(floors, rows, log):
             dcap, share = r["cublas_dx_ms"] / (r["cublas_dx_ms"] + f["dequant_ms"]), float("nan")
         r["cap"], r["dx_cap"] = cap, dcap
         log(f"{r['shape']:>11} {r['M']:5d} | {r['fwd_speedup']:6.2f} {cap:5.2f} {share:11.2f} | "
-            f"{r['dx_speedup']:5.2f} {dcap:6.2f} | {r['path']}")
+            f"{r['dx_speedup']:5.2f} {dcap:6.2f} | {r['path']} / {r['dx_path']}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -594,7 +594,7 @@ def main():
             old = r.get("old_fwd_ms", float("nan"))
             log(f"{r['shape']:>11} {r['M']:5d} | {r['fwd_ms'] * 1e3:8.1f} {r['cublas_fwd_ms'] * 1e3:8.1f} "
                 f"{r['fwd_speedup']:5.2f} {r['fwd_TBps']:5.2f} {old * 1e3:7.1f} {r['cublas_fwd_ms'] / old:5.2f} | "
-                f"{r['dx_ms'] * 1e3:8.1f} {r['cublas_dx_ms'] * 1e3:8.1f} {r['dx_speedup']:5.2f} | {r['path']}")
+                f"{r['dx_ms'] * 1e3:8.1f} {r['cublas_dx_ms'] * 1e3:8.1f} {r['dx_speedup']:5.2f} | {r['path']} / {r['dx_path']}")
         for r in rows:
             if "eager_fwd_ms" in r:
                 log(f"eager (no graph) {r['shape']:>11} M={r['M']}: ours {r['eager_fwd_ms'] * 1e3:.1f} us, "

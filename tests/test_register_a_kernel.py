@@ -42,15 +42,40 @@ def test_fragment_order_index_is_the_operand_map():
     assert torch.equal(idx, expect)
 
 
+def dx_operand_column_to_n():
+    """For register_a_dx's 128-n window: which n the wgmma operand's column c holds, derived from its
+    docstring's facts. Half window h (64 n) is 4 wgmma steps of 16 k; lane t holds, in step s,
+    columns 16s + 2t, 16s + 2t + 1, 16s + 2t + 8, 16s + 2t + 9 (PTX ISA fragment); the kernel hands it
+    the quads a, b, c, d of rows 64h + 16t + 4q + (0, 2, 1, 3), quad q = 2·j0 + p1 for step s = 4h + q
+    (the quads in the order the lane's rows run: j0 above p1)."""
+    col_to_n = [None] * 128
+    for h in range(2):
+        for t in range(4):
+            for q in range(4):
+                s = 4 * h + q
+                for col, off in zip((2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9), (0, 2, 1, 3)):
+                    col_to_n[16 * s + col] = 64 * h + 16 * t + 4 * q + off
+    assert sorted(col_to_n) == list(range(128))
+    return col_to_n
+
+
+def test_fragment_order_index_dx_is_the_dx_operand_map():
+    K = 384
+    expect = torch.tensor([128 * w + n for w in range(K // 128) for n in dx_operand_column_to_n()])
+    assert torch.equal(rak.fragment_order_index(K, dx=True), expect)
+
+
 @pytest.mark.parametrize("M,K,rows", [(1, 128, 0), (3, 384, 0), (17, 256, 0), (40, 640, 0), (3, 256, 8),
                                       (33, 384, 64)])
-def test_fragment_order_kernel_permutes_x(M, K, rows, poisoned):
+@pytest.mark.parametrize("dx", [False, True])
+def test_fragment_order_kernel_permutes_x(M, K, rows, dx, poisoned):
     """The one-pass kernel gives x[:, fragment_order_index(K)] (bits), every element written, and
-    zeros in the rows it pads to (the warp-specialized kernel's whole token tiles)."""
+    zeros in the rows it pads to (the warp-specialized kernels' whole token tiles); dx: the dx
+    kernel's order."""
     x = torch.randn(M, K).bfloat16().to(DEV)
-    xp = rak.fragment_order(x, dict(USE_PDL=False, launch_pdl=False), rows)
+    xp = rak.fragment_order(x, dict(USE_PDL=False, launch_pdl=False), rows, dx=dx)
     assert xp.shape == (max(M, rows), K)
-    assert torch.equal(xp[:M], x[:, rak.fragment_order_index(K, x.device)])
+    assert torch.equal(xp[:M], x[:, rak.fragment_order_index(K, x.device, dx=dx)])
     assert not xp[M:].any()
 
 
@@ -189,4 +214,48 @@ def test_wgmma_tail_launches_gpu(cfg, sms, M, N, K, plan, has_bias, poisoned, mo
     y = mk._wgmma(x, *w, gs, bias, cfg)
     e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), f"sms={sms} M={M} N={N} K={K}")
     assert torch.equal(mk._wgmma(x, *w, gs, bias, cfg), y)
+    assert e < 4e-3, e
+
+
+def test_dx_route(monkeypatch):
+    """dx by the register-A kernel on Wᵀ: the big weights at 64 < M <= 256, and those of > 64M
+    elements to 512 where its programs fill >= 80% of their waves (132 SMs: 7B gate_up and 32B down
+    to 512, 7B down to 384: 222 programs at M = 385..512, 74% full); never the small weights, the
+    plain layout, N or K off 128, the CPU; dequantize + cuBLAS on the big weights above 256 where
+    the kernel does not run."""
+    big, down, qkv, o = (37888, 3584), (3584, 18944), (4608, 3584), (3584, 3584)
+    assert not mk.dx_wgmma_rows(128, *big, torch.device("cpu"), True)
+    monkeypatch.setattr(mk, "_gluon_runs", lambda device, interleaved: interleaved)
+    monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
+    dev = torch.device("cuda")
+    routed = lambda N, K: [M for M in range(1, 1100) if mk.dx_wgmma_rows(M, N, K, dev, True)]  # noqa: E731
+    assert routed(*big) == list(range(65, 513))
+    assert routed(*down) == list(range(65, 385))
+    assert routed(7168, 5120) == routed(5120, 5120) == list(range(65, 257))
+    assert routed(5120, 27648) == list(range(65, 513))
+    assert routed(*qkv) == routed(*o) == []
+    assert [mk.dx_route(M, 7168, 5120, dev, True) for M in (64, 65, 256, 257, 511, 512)] == [
+        "tiles", "wgmma", "wgmma", "dequant+cublas", "dequant+cublas", "dequant+cublas"]
+    assert [mk.dx_route(M, *qkv, dev, True) for M in (127, 128, 300)] == ["tiles", "dequant+cublas", "dequant+cublas"]
+    assert not mk.dx_wgmma_rows(128, *big, dev, False)
+    assert not mk.dx_wgmma_rows(128, 37888 + 16, 3584, dev, True)
+
+
+@pytest.mark.gpu
+@gluon_gpu
+@pytest.mark.parametrize("M,N,K,split", [(1, 128, 256, 1), (77, 256, 128, 1), (128, 128, 256, 1), (300, 384, 640, 1),
+                                         (257, 1280, 1152, 0), (77, 1280, 384, 3), (130, 1664, 640, 4),
+                                         (1, 512, 128, 2), (256, 37888, 3584, 0), (1024, 3584, 3584, 0)])
+def test_dx_kernel_matches_float64_gpu(M, N, K, split, poisoned):
+    """_wgmma_dx called directly: odd M (masked tokens), K past the last 256-column tile (the second
+    consumer's window outside W), splits of unequal length (the reduce kernel), real shapes; dx
+    against float64."""
+    import nvfp4
+    gen = torch.Generator().manual_seed(M * N + K + split)
+    packed, scale, gs = random_weight(N, K, gen, "cuda")
+    dy = torch.randn(M, N, generator=gen).bfloat16().cuda()
+    dx = mk._wgmma_dx(dy, *nvfp4.interleave(packed, scale), gs, split)
+    assert dx.shape == (M, K) and dx.dtype == torch.bfloat16
+    ref = dy.double() @ mk.reference_dequantize(packed, scale, gs)
+    e = assert_close(dx, ref, f"M={M} N={N} K={K} split={split}")
     assert e < 4e-3, e
