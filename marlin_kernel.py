@@ -704,7 +704,7 @@ def _wgmma_dx(dy, packed, scale, global_scale, split=0):
         return out
     pdl = pdl_launch(dy.device)
     BT, BK = rad.BT.value, rad.BK.value
-    _, split, chunk = (0, *_split(split, 1, N // 128, 1, 0)) if split else _dx_split(M, N, K, dy.device)
+    _, split, chunk = _dx_launch(M, N, K, dy.device, split)
     part = _partials(split, out)
     dyp = rak.fragment_order(dy, pdl, triton.cdiv(M, BT) * BT, dx=True)
     rad._dx_kernel[(triton.cdiv(K, BK), triton.cdiv(M, BT), split)](
@@ -753,11 +753,16 @@ def _gluon_runs(device, interleaved: bool) -> bool:
             and triton.__version__.startswith(GLUON_TRITON))
 
 
-def _dx_split(M: int, N: int, K: int, device):
-    """(programs without split, split, windows per split) of a register-A dx launch: split-K over the
-    128-n windows up to one wave of programs, each >= 4 windows."""
+def _dx_launch(M: int, N: int, K: int, device, split: int = 0):
+    """(tiles, split, windows per split) of a register-A dx launch: split-K over the 128-n windows,
+    chosen (split = 0) up to one wave of programs, each >= 4 windows."""
     tiles, nwin = triton.cdiv(K, rad.BK.value) * triton.cdiv(M, rad.BT.value), N // 128
-    return (tiles, *_split(max(1, min(nwin // 4, _num_sms(device) // tiles)), tiles, nwin, 1, 0))
+    return (tiles, *_split(split or max(1, min(nwin // 4, _num_sms(device) // tiles)), tiles, nwin, 1, 0))
+
+
+def _fill(programs: int, wave: int) -> float:
+    """How full a launch's waves are: programs / (waves · programs a wave)."""
+    return programs / (triton.cdiv(programs, wave) * wave)
 
 
 def dx_wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
@@ -775,18 +780,15 @@ def dx_wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
         return True
     if N * K <= DX_WIDE:
         return False
-    tiles, split, _ = _dx_split(M, N, K, device)
-    programs, wave = tiles * split, _num_sms(device)
-    return programs / (triton.cdiv(programs, wave) * wave) >= DX_WAVE_FILL
+    tiles, split, _ = _dx_launch(M, N, K, device)
+    return _fill(tiles * split, _num_sms(device)) >= DX_WAVE_FILL
 
 
 def _wave_fill(M, launch, device) -> float:
     """How full the waves of a register-A launch (_wgmma_launches' tuple) are: programs / (waves ·
     programs a wave)."""
     cfg, _, tiles, split, _ = launch
-    programs = tiles * triton.cdiv(M, cfg.bt) * split
-    wave = _wgmma_wave(cfg, device)
-    return programs / (triton.cdiv(programs, wave) * wave)
+    return _fill(tiles * triton.cdiv(M, cfg.bt) * split, _wgmma_wave(cfg, device))
 
 
 def folds_lora(M: int, K: int) -> bool:

@@ -53,7 +53,6 @@ Test: tests/test_register_a_kernel.py (GPU: against float64 at odd M, K past the
 unequal splits, real shapes, poisoned output; CPU: the dy permutation against the map derived
 from the fragment, and the routes). Benchmark: python bench/kernel.py (dx rows), bench/NOTES.md v28.
 """
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -273,9 +272,8 @@ def dx_descriptors(dyp, packed, scale, dx):
     B); the interleaved codes as the forward kernel's for 128 rows (8 row groups x one 128-k
     window); the scale bytes (N/16, K) in (8, 128) boxes, swizzled; dx (M, K) as (M, K/64, 64) in
     (BT, 2, 64) boxes."""
-    (M, K), N = dx.shape, packed.shape[0]
+    M, K = dx.shape
     y_desc = TensorDescriptor.from_tensor(dyp, [BT.value, 64], _X_SMEM)
-    w_desc, _ = weight_descriptors(packed, scale, 128)
-    s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(N // 16, K), [8, 128], _S_SMEM)
+    w_desc, s_desc = weight_descriptors(packed, scale, 128, _S_SMEM)
     o_desc = TensorDescriptor.from_tensor(dx.view(M, K // 64, 64), [BT.value, 2, 64], _Y_SMEM)
     return y_desc, w_desc, s_desc, o_desc

@@ -464,12 +464,13 @@ def descriptors(xp, packed, scale, y, BN: int, BT: int):
     return x_desc, *weight_descriptors(packed, scale, BN), y_desc
 
 
-def weight_descriptors(packed, scale, BN: int):
+def weight_descriptors(packed, scale, BN: int, scale_smem=_S_SMEM):
     """TMA descriptors of the interleaved codes as int32 (N/16, K/8·16) and the scale bytes (N/16,
-    K), in boxes of BN/16 row groups x one 128-k window (also register_a_dx's)."""
+    K), in boxes of BN/16 row groups x one 128-k window; scale_smem: the scales' shared layout
+    (register_a_dx swizzles them)."""
     N, K = packed.shape[0], packed.shape[1] * 2
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32).view(N // 16, K * 2), [BN // 16, 256], _W_SMEM)
-    s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(N // 16, K), [BN // 16, 128], _S_SMEM)
+    s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(N // 16, K), [BN // 16, 128], scale_smem)
     return w_desc, s_desc
 
 
