@@ -18,7 +18,7 @@ mantissa bit) and the sign into bit 15 gives a bf16 whose value is exactly e2m1 
 e >= 1 it is a normal number 2^(e-127)·(1+m/2), and for e = 0 the bf16 subnormal m·2^-1·2^-126,
 which is why the E2M1 subnormal 0.5 needs no special case. On the GPU this is done by inline PTX
 on four packed bytes at a time (prmt spreads bytes into 16-bit lanes, then shift/and/lop3 place
-the bits of both nibbles, ~2 integer ops per weight: _e2m1x4_to_bf16_ptx), followed by one bf16x2
+the bits of both nibbles, 14 integer ops per 8 weights: _e2m1x4_to_bf16_ptx), followed by one bf16x2
 multiply by scale·2^119, so the operand is w·scale·2^-7 (OPERAND_SHIFT): every value is a normal
 bf16 and exact (2 significant bits times 4). The factor 2^7/global_scale (OPERAND_POST) is
 applied to the fp32 accumulator in the epilogue (_finish).
@@ -108,9 +108,18 @@ def _tiled_offsets(rows, cols, stride, TW: tl.constexpr, IL: tl.constexpr):
     words) or scale (TW = 8), `stride` elements per weight row. IL (nvfp4.interleave): every
     16-row x 128-k tile is stored whole, its 16 rows of TW row-major, the tiles of a 16-row group
     one after another along K."""
+    return _tile_offsets(rows, cols // TW, cols % TW, stride, TW, IL)
+
+
+@triton.jit
+def _tile_offsets(rows, tile, c, stride, TW: tl.constexpr, IL: tl.constexpr):
+    """_tiled_offsets of column tile·TW + c (0 <= c < TW): a loop over K windows passes its window
+    index as tile, so that no division of the loop variable is left in the loop (the signed
+    divisions of _tiled_offsets(rows, win·16 + c) cost ~24 SASS instructions a window in the
+    fragment kernel, NOTES v29)."""
     if IL:
-        return ((rows // 16) * (stride // TW) + cols // TW) * (16 * TW) + (rows % 16) * TW + cols % TW
-    return rows * stride + cols
+        return ((rows // 16) * (stride // TW) + tile) * (16 * TW) + (rows % 16) * TW + c
+    return rows * stride + tile * TW + c
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,13 +129,17 @@ def _tiled_offsets(rows, cols, stride, TW: tl.constexpr, IL: tl.constexpr):
 # (lo b0, lo b1), (lo b2, lo b3), (hi b0, hi b1), (hi b2, hi b3). After prmt each 16-bit lane holds
 # byte<<8: the high nibble's sign is already at bit 15 and its magnitude (bits 12..14) moves to 6..8
 # by >>6; the low nibble's sign (bit 11) moves up by 4 and its magnitude (bits 8..10) down by 2.
-# lop3 0xEA computes (a & b) | c; the fma by the scale pair adds -0 (nz), so w·s keeps its sign.
+# Low nibble: y>>2 is zero at bit 15 (it holds y's bit 17, the next lane's low byte) and y<<4 is
+# zero at bits 6..8 (y's bits 2..4), so one lop3 0xA8, (a | b) & c, takes each field from the
+# copy that holds it. High nibble: y's bit 8 is the low nibble's, so its sign is masked first
+# (and) and lop3 0xEA computes (a & b) | c. 12 shift / logic ops a word after the two prmt (14
+# with the low nibbles' and); the fma by the scale pair adds -0 (nz), so w·s keeps its sign.
 # Needs the registers y01, y23, t, u, sg declared and nz = 0x80008000.
 def _e2m1x4_to_bf16_ptx(word, s01, s23, lo01, lo23, hi01, hi23) -> list[str]:
     return [f"prmt.b32 y01, {word}, 0, 0x1404;", f"prmt.b32 y23, {word}, 0, 0x3424;"] + [
         line for y, s, lo, hi in (("y01", s01, lo01, hi01), ("y23", s23, lo23, hi23)) for line in (
-            f"shr.b32 t, {y}, 2;", f"shl.b32 u, {y}, 4;", "and.b32 sg, u, nz;",
-            "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {lo}, t, {s}, nz;",
+            f"shr.b32 t, {y}, 2;", f"shl.b32 u, {y}, 4;",
+            "lop3.b32 t, t, u, 0x81C081C0, 0xA8;", f"fma.rn.bf16x2 {lo}, t, {s}, nz;",
             f"shr.b32 t, {y}, 6;", f"and.b32 sg, {y}, nz;",
             "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {hi}, t, {s}, nz;")]
 

@@ -54,8 +54,9 @@ consumer warps neither issue copies nor wait at a barrier for each other. Measur
 Below 64 tokens a program it was not measured to pay (the producer's warpgroup of registers halves
 the programs an SM holds), hence two kernels. From M = 129 (marlin_kernel.wgmma_config) a program
 takes 256 tokens and 128 weight rows with two consumer warpgroups, each in a partition of its own so
-that one decodes while the other's wgmma runs: the decode (~3.8 instructions a weight in the loop's SASS) is paid
-once per 256 tokens, and 128 accumulators a thread fit in the 168 registers of one program an SM.
+that one decodes while the other's wgmma runs: the decode (~3.0 instructions a weight in the loop's
+SASS, NOTES v29) is paid once per 256 tokens, and 128 accumulators a thread fit in the 168 registers
+of one program an SM.
 Measured on the H100 (NOTES v26): M = 1024 at 0.90-0.99x of cuBLAS bf16 on 7B gate_up / down, 32B
 qkv / gate_up (dequantize + cuBLAS: 0.77-0.80x), 32B down M = 256 1.25x (0.89x with 128 tokens).
 The warp-specialized kernel stores its tiles through shared memory by TMA (_finish_tile: 4-11 us
@@ -199,8 +200,10 @@ def _mma_window(acc, xs, ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.cons
     layout, decode, one wgmma (8 instructions of 16 k), waited for."""
     words = ws.load(LW)                                                        # (BN, 16) int32
     sb = ss.load(LS)                                                           # (BN, 8) scale bytes
-    sb = gl.convert_layout(gl.reshape(gl.join(sb, sb), [BN, 16]), LW, assert_trivial=True)  # word w: block w // 2
+    # each scale converted once, then given to both words of its block (converted after the join,
+    # every scale was converted twice: 16 more instructions a window, sm_90 SASS)
     sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_TO_OPERAND).to(gl.bfloat16)
+    sc = gl.convert_layout(gl.reshape(gl.join(sc, sc), [BN, 16]), LW, assert_trivial=True)  # word w: block w // 2
     a = _decode_operand(words, sc, BN, DL)
     acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=[acc])

@@ -23,9 +23,10 @@ the 16 words its threads need straight into registers in the weights' layout (_g
 The fragment kernel, _nvfp4_mma_kernel (M <= FRAGMENT_MAX_M = 16 and K a multiple of 128),
 decodes the weights straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of
 fp4_decode.py) and lets each lane own the k of its own 16-byte loads, so no bits need to move
-inside a byte: 3.4-3.7 SASS instructions per weight for any M <= 8. The comment above
-_decode_mma_ptx gives the register maps. Both kernels read either layout of W (IL: nvfp4.interleave,
-where the fragment kernel's warp loads are 512 contiguous bytes; marlin_kernel's docstring).
+inside a byte: ~3.5 SASS instructions per weight in the loop for any M <= 8 (NOTES v29). The
+comment above _decode_mma_ptx gives the register maps. Both kernels read either layout of W (IL:
+nvfp4.interleave, where the fragment kernel's warp loads are 512 contiguous bytes; marlin_kernel's
+docstring).
 
     x2       int32 (M, K/2)      x viewed as bf16 pairs
     packed   uint8 (N, K/2)      (the fragment kernel reads it as int32 words, (N, K/8))
@@ -49,7 +50,7 @@ import triton.language as tl
 
 from fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
                         _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
-                        _tiled_offsets, pdl_release, pdl_start, silu_mul)
+                        _tile_offsets, _tiled_offsets, pdl_release, pdl_start, silu_mul)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -248,21 +249,21 @@ def _nvfp4_gemv_kernel(
 # (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3), (hi b2, hi b3) = physical k (0, 2), (1, 3),
 # (4, 6), (5, 7) of the word; the x words (x0, x1), (x2, x3), ... of the same k are re-paired by
 # prmt into (x0, x2), (x1, x3), ... once per window (_X_PAIRS_PTX). Per lane and 16-row tile, a
-# 128-k window is 2 x 16 bytes of W, 4 scales, 8 mma.sync: 3.4-3.7 SASS instructions per weight
+# 128-k window is 2 x 16 bytes of W, 4 scales, 8 mma.sync: ~3.5 SASS instructions per weight
 # for any M <= 8 (tokens are the MMA's n = 8; M <= 16 issues a second mma per step), against 4.1
 # for the CUDA-core kernel at M = 1 and 6.7 + a shared-memory round trip for the wgmma kernel.
 
 def _decode_mma_ptx(nt: int) -> str:
     """Inline PTX for one lane, one 16-row tile, one 128-k window, nt token tiles of 8.
     Operands: $0.. acc out (4 per token tile); then acc in (4 per tile), W rows g and g+8 (4 words
-    each), the scales (4 bf16 = 2 registers: (g, block 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1), each
+    each), the scales (4 bf16 = 2 registers: (g, block 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1), each
     ·2^119), the re-paired x words (16 per token tile)."""
     acc_in = 4 * nt
     w0, w1, s = 8 * nt, 8 * nt + 4, 8 * nt + 8
     xp = 8 * nt + 10
     lines = [_DECODE_REGS, ".reg .b32 sa0, sa1, sb0, sb1, l01, l23, h01, h23, m01, m23, k01, k23;",
-             f"prmt.b32 sa0, ${s}, 0, 0x1010;", f"prmt.b32 sb0, ${s}, 0, 0x3232;",
-             f"prmt.b32 sa1, ${s + 1}, 0, 0x1010;", f"prmt.b32 sb1, ${s + 1}, 0, 0x3232;"]
+             f"prmt.b32 sa0, ${s}, 0, 0x1010;", f"prmt.b32 sa1, ${s}, 0, 0x3232;",
+             f"prmt.b32 sb0, ${s + 1}, 0, 0x1010;", f"prmt.b32 sb1, ${s + 1}, 0, 0x3232;"]
     first = [True] * nt
     for j in range(4):                       # word j of the lane's 16 bytes: k 8j .. 8j+7
         sa, sb = ("sa1", "sb1") if j >= 2 else ("sa0", "sb0")
@@ -307,8 +308,8 @@ def _mma_emulate_rows(words, s, h: tl.constexpr, xv, W: tl.constexpr, R: tl.cons
     """(8 g, 8 token, W, R): sum over the window of W[row g + 8h of tile (w, r), k] · x[token, k]."""
     J = tl.arange(0, 4)[None, None, None, None, :, None]
     Q = tl.arange(0, 4)[None, None, None, None, :]
-    s_lo = tl.sum(tl.where(Q == h, s, 0.0), axis=4)[:, :, :, :, None, None]        # block 2t'
-    s_hi = tl.sum(tl.where(Q == 2 + h, s, 0.0), axis=4)[:, :, :, :, None, None]    # block 2t'+1
+    s_lo = tl.sum(tl.where(Q == 2 * h, s, 0.0), axis=4)[:, :, :, :, None, None]    # block 2t'
+    s_hi = tl.sum(tl.where(Q == 2 * h + 1, s, 0.0), axis=4)[:, :, :, :, None, None]  # block 2t'+1
     codes = (words[:, :, :, :, :, None] >> (4 * tl.arange(0, 8)[None, None, None, None, None, :])) & 15
     wv = tl.reshape(_e2m1_f32(codes) * tl.where(J < 2, s_lo, s_hi), (4, 8, 1, W, R, 32))  # [t', g, ., w, r, k]
     return tl.sum(tl.sum(wv * xv, axis=5), axis=0)
@@ -318,7 +319,7 @@ def _mma_emulate_rows(words, s, h: tl.constexpr, xv, W: tl.constexpr, R: tl.cons
 def _mma_emulate(acc, w0, w1, s, x0, x1, x2, x3, W: tl.constexpr, R: tl.constexpr):
     """What the PTX adds to acc, in plain fp32, for the interpreter: acc[t, g, w, r, 2h + p] +=
     sum over the window of W[row g + 8h of tile (w, r), k] · x[token 2t + p, k]. w0, w1: the words
-    of rows g, g + 8 (lane t' holds k 32t' .. 32t' + 31); s: the scales·2^-7 (q = 2·block + h) as
+    of rows g, g + 8 (lane t' holds k 32t' .. 32t' + 31); s: the scales·2^-7 (q = 2h + block) as
     fp32; x0..x3: the lanes' x words (natural pairs) of tokens g."""
     xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))                   # (4, 8, W, 1, 4q, 2a, 2b)
     xw = tl.permute(xw, 0, 1, 2, 3, 6, 5, 4).reshape(4, 8, W, 1, 16)  # word 4j + q, j = 2b + a
@@ -375,7 +376,10 @@ def _nvfp4_mma_kernel(
     tile = (pid_n * W + WP) * R + tl.arange(0, R)[None, None, None, :, None]    # (1, 1, W, R, 1)
     row0 = (16 * tile + G) % N                 # rows g and g + 8 of each tile; past N: wrapped,
     row1 = (16 * tile + 8 + G) % N             # never stored
-    srow = tl.where(Q % 2 == 0, row0, row1)    # scale q: (g, block 2t), (g+8, 2t), (g, 2t+1), (g+8, 2t+1)
+    # scale q: (g, block 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1): a lane's two blocks of a row in one
+    # 2-byte load, so that both loads are needed by the window's first word (4 byte loads, the last
+    # two only by its third word, were issued after the first mma.sync: ptxas, sm_90)
+    srow = tl.where(Q < 2, row0, row1)
     win_start = pid_k * SPLIT
     win_end = min(NWIN, win_start + SPLIT)
 
@@ -383,10 +387,10 @@ def _nvfp4_mma_kernel(
     acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
     for win in range(win_start, win_end):
         # the weights are read once per call: evict them first, keep x and the partials in L2
-        wo = win * 16 + 4 * T + Q                                               # lane t's 4 words
-        w0 = tl.load(p4_ptr + _tiled_offsets(row0, wo, stride_p4n, 16, IL), eviction_policy="evict_first")
-        w1 = tl.load(p4_ptr + _tiled_offsets(row1, wo, stride_p4n, 16, IL), eviction_policy="evict_first")
-        sb = tl.load(scale_ptr + _tiled_offsets(srow, win * 8 + 2 * T + Q // 2, stride_sn, 8, IL))   # E4M3 bits
+        wo = 4 * T + Q                                                          # lane t's 4 words
+        w0 = tl.load(p4_ptr + _tile_offsets(row0, win, wo, stride_p4n, 16, IL), eviction_policy="evict_first")
+        w1 = tl.load(p4_ptr + _tile_offsets(row1, win, wo, stride_p4n, 16, IL), eviction_policy="evict_first")
+        sb = tl.load(scale_ptr + _tile_offsets(srow, win, 2 * T + Q % 2, stride_sn, 8, IL))    # E4M3 bits
         if INTERPRET:
             s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                             # scale·2^-7
         else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
