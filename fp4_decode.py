@@ -133,7 +133,7 @@ def _tile_offsets(rows, tile, c, stride, TW: tl.constexpr, IL: tl.constexpr):
 # zero at bits 6..8 (y's bits 2..4), so one lop3 0xA8, (a | b) & c, takes each field from the
 # copy that holds it. High nibble: y's bit 8 is the low nibble's, so its sign is masked first
 # (and) and lop3 0xEA computes (a & b) | c. 12 shift / logic ops a word after the two prmt (14
-# with the low nibbles' and); the fma by the scale pair adds -0 (nz), so w·s keeps its sign.
+# before NOTES v29); the fma by the scale pair adds -0 (nz), so w·s keeps its sign.
 # Needs the registers y01, y23, t, u, sg declared and nz = 0x80008000.
 def _e2m1x4_to_bf16_ptx(word, s01, s23, lo01, lo23, hi01, hi23) -> list[str]:
     return [f"prmt.b32 y01, {word}, 0, 0x1404;", f"prmt.b32 y23, {word}, 0, 0x3424;"] + [

@@ -201,7 +201,7 @@ def _mma_window(acc, xs, ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.cons
     words = ws.load(LW)                                                        # (BN, 16) int32
     sb = ss.load(LS)                                                           # (BN, 8) scale bytes
     # each scale converted once, then given to both words of its block (converted after the join,
-    # every scale was converted twice: 16 more instructions a window, sm_90 SASS)
+    # every scale was converted twice: 20 more instructions a window, sm_90 SASS)
     sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_TO_OPERAND).to(gl.bfloat16)
     sc = gl.convert_layout(gl.reshape(gl.join(sc, sc), [BN, 16]), LW, assert_trivial=True)  # word w: block w // 2
     a = _decode_operand(words, sc, BN, DL)

@@ -9,7 +9,7 @@ from test_step_bench import ROOT, load_bench
 
 def test_base_tree_loads_its_own_modules_and_leaves_ours(tmp_path):
     ab = load_bench("kernel_ab")
-    for name in ab.STACK + ("nvfp4",):
+    for name in ab.STACK:
         shutil.copy(os.path.join(ROOT, f"{name}.py"), tmp_path / f"{name}.py")
     with open(tmp_path / "fp4_decode.py", "a") as f:         # a mark only the other checkout has
         f.write("\nBASE_TREE_MARK = 1\n")
