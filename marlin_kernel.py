@@ -53,10 +53,11 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
     reach ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient
     bf16 copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
 Split-K: each split writes fp32 partial sums; on the CUDA-core kernel, the fragment kernel at
-M <= 4 and the swapped tiles the last split of each output tile to finish (an atomic count per
-tile, fp4_decode._last_split) sums them in order with scale, bias and cast (deterministic, one
-launch); elsewhere (fragment at M > 4, medium tiles, the register-A kernel) _splitk_reduce_kernel
-does, which measured faster there (bench/NOTES.md v9, v10).
+M <= 4 (M <= 8 where its steps load two windows, _mma_launch) and the swapped tiles the last split
+of each output tile to finish (an atomic count per tile, fp4_decode._last_split) sums them in
+order with scale, bias and cast (deterministic, one launch); elsewhere (the fragment kernel's
+other launches, medium tiles, the register-A kernel) _splitk_reduce_kernel does, which measured
+faster there (bench/NOTES.md v9, v10, v30).
 dx = dy·W takes the tile kernel, or the dequantized weight where use_dequant says so.
 Measured on an H100 (fwd, bench/NOTES.md v9): M = 1 1.6-3.4x over cuBLAS bf16 (1.1-2.6 TB/s of
 NVFP4 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.2x, M = 16 1.0-1.9x; M = 64 / 128 (v17)
@@ -98,6 +99,10 @@ MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded 
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
 GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
+FRAGMENT_REDUCE_MAX_M = 4  # to this M the fragment kernel's last split sums the partials (_mma) ...
+PAIR_REDUCE_MAX_M = 8    # ... and to this M (<= 8) where a step loads two windows; else the reduce kernel
+PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2x at M <= 4) load two
+                         # windows a step (_mma_launch; 0: one window a step everywhere)
 WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and routes differ)
 WGMMA_MIN_M = 16         # above this M (and where the route holds, in place of the two above) ...
 WGMMA_SMALL = True       # ... and on the big weights (> WGMMA_NARROW elements) above GEMV_MAX_M where
@@ -231,14 +236,18 @@ class GemvConfig:
 class MmaConfig:
     """Launch shape of the fragment kernel (M <= 16, K a multiple of 128). tiles: 16-row tiles per
     warp (a program owns 16·warps·tiles rows); split: programs along K (0 = choose: split until
-    ~4 programs per SM exist)."""
+    ~4 programs per SM exist); windows: 128-k windows a loop step loads before it decodes any (0 =
+    choose with the split, see _mma_launch; 1 where split is given)."""
     warps: int = 4
     tiles: int = 1
     split: int = 0
+    windows: int = 0
 
     def __post_init__(self):
-        if self.warps not in (1, 2, 4, 8) or self.tiles not in (1, 2, 4, 8) or self.split < 0:
-            raise ValueError(f"MmaConfig: warps and tiles in 1, 2, 4, 8, split >= 0, got {self}")
+        if self.warps not in (1, 2, 4, 8) or self.tiles not in (1, 2, 4, 8) or self.split < 0 \
+                or self.windows not in (0, 1, 2, 4):
+            raise ValueError(f"MmaConfig: warps and tiles in 1, 2, 4, 8, split >= 0, windows in 0, 1, 2, 4, "
+                             f"got {self}")
 
 
 @dataclass(frozen=True)
@@ -554,6 +563,27 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
+def _mma_launch(cfg, M, tiles, K, device):
+    """(split, windows a split, windows a step) of a fragment launch. The split as for the other
+    split-K kernels (~4 programs an SM, >= 4 windows each). Where that leaves a program at most
+    PAIR_WINDOWS windows (twice that at M <= 4), a step loads two windows before it decodes either,
+    and the run is rounded up to whole pairs of steps (3 -> 4, 5 -> 8): such programs are a chain
+    of load latencies more than a stream, and two windows in flight a warp shorten it. H100, same
+    run (bench/NOTES.md v30): 7B qkv / o M = 2 -7%, 32B qkv / o M = 2 -5%, 7B down M = 2 (5 -> 8
+    windows) 19.3 -> 18.0 us; at M = 8 32B qkv with 8 windows a program lost 5% (so 4 there), and
+    32B down (14 windows) loses 2-4%: its 61 registers allow 4 programs an SM, not 5. A given
+    split keeps its windows, one a step unless cfg says more."""
+    nwin = K // 128
+    split, chunk = _split(cfg.split, tiles, K, 128, 4 * _num_sms(device))
+    per = chunk // 128
+    if cfg.split or cfg.windows:
+        return split, per, cfg.windows or 1
+    if per > (2 * PAIR_WINDOWS if M <= 4 else PAIR_WINDOWS):
+        return split, per, 1
+    per = triton.cdiv(per, 4) * 4 if per > 2 else 2
+    return triton.cdiv(nwin, per), per, 2
+
+
 def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     """y = x·Wᵀ (+bias) with the fragment kernel: M <= 16, K a multiple of 128."""
     M, K = x.shape
@@ -563,22 +593,24 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
     if M == 0:
         return out
-    rows = 16 * cfg.warps * cfg.tiles
-    tiles = triton.cdiv(N, rows)
-    split, k_split = _split(cfg.split, tiles, K, 128, 4 * _num_sms(x.device))
+    tiles = triton.cdiv(N, 16 * cfg.warps * cfg.tiles)
+    split, per, step = _mma_launch(cfg, M, tiles, K, x.device)
     part = _partials(split, out)
-    # the last split sums the partials at M <= 4 only (H100, 7B decode, same run: batch 4 +4.3%,
-    # batch 8 -2.5% against the reduce kernel; bench/NOTES.md v9)
-    reduce = split > 1 and REDUCE_IN_KERNEL and M <= 4
+    # the last split sums the partials at M <= 4 (H100, 7B decode, same run: batch 4 +4.3%, batch 8
+    # -2.5% against the reduce kernel; bench/NOTES.md v9), and to M = 8 where a step loads two windows
+    # (7B qkv / o M = 8 -15% alone, v30; 32B qkv at 5 windows a step-by-one program and 7B qkv at
+    # M = 16 ran slower with it)
+    in_kernel = M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M)
+    reduce = split > 1 and REDUCE_IN_KERNEL and in_kernel
     targets, flags = _split_targets(out, tiles, split, reduce)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
     _nvfp4_mma_kernel[(tiles, split)](
         x2, p4, sb, global_scale, bias if bias is not None else out, part,
         *targets,
-        M, N, K // 128, k_split // 128,
+        M, N, K // 128, per,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, **flags,
-        W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il,
+        W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
         INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=1, **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 

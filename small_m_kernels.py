@@ -24,9 +24,11 @@ The fragment kernel, _nvfp4_mma_kernel (M <= FRAGMENT_MAX_M = 16 and K a multipl
 decodes the weights straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of
 fp4_decode.py) and lets each lane own the k of its own 16-byte loads, so no bits need to move
 inside a byte: ~3.5 SASS instructions per weight in the loop for any M <= 8 (NOTES v29). The
-comment above _decode_mma_ptx gives the register maps. Both kernels read either layout of W (IL:
-nvfp4.interleave, where the fragment kernel's warp loads are 512 contiguous bytes; marlin_kernel's
-docstring).
+comment above _decode_mma_ptx gives the register maps. A loop step loads U windows (U = 1, 2 or
+4: _mma_loads) before it decodes any (_mma_step): short programs (a few windows, the small
+weights) are a chain of load latencies, and two windows in flight a warp shorten it (NOTES v30).
+Both kernels read either layout of W (IL: nvfp4.interleave, where the fragment kernel's warp
+loads are 512 contiguous bytes; marlin_kernel's docstring).
 
     x2       int32 (M, K/2)      x viewed as bf16 pairs
     packed   uint8 (N, K/2)      (the fragment kernel reads it as int32 words, (N, K/8))
@@ -291,12 +293,12 @@ SCALE_TO_OPERAND = tl.constexpr(2.0 ** (126 - OPERAND_SHIFT.value))   # scale·2
 
 
 @triton.jit
-def _mma_x(x2_ptr, tok, stride_x2m, word0, M, T, Q, WP, j: tl.constexpr, INTERPRET: tl.constexpr):
-    """x words 16t + 4j .. +3 of the window for token `tok` (rows past M read 0): (4, 8, W, 1, 4)
+def _mma_x(x2_ptr, tok, stride_x2m, word0, M, valid, T, Q, WP, j: tl.constexpr, INTERPRET: tl.constexpr):
+    """x words 16t + 4j .. +3 of the window for token `tok` (rows past M, or not valid, read 0): (4, 8, W, 1, 4)
     int32, one copy per warp; re-paired for the B fragment on the GPU (the emulation reads k in
     order)."""
     ptrs = x2_ptr + tok * stride_x2m + word0 + 16 * T + 4 * j + Q + 0 * WP
-    x = tl.load(ptrs, mask=tok < M, other=0)
+    x = tl.load(ptrs, mask=(tok < M) & valid, other=0)
     if not INTERPRET:
         x = tl.inline_asm_elementwise(_X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.int32,
                                       is_pure=True, pack=4)
@@ -343,6 +345,62 @@ def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_
                  mask=mask)
 
 
+@triton.jit
+def _mma_loads(x2_ptr, p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, G, Q, WP, M,
+               stride_x2m, stride_p4n, stride_sn, NT: tl.constexpr, IL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Everything one 128-k window needs, loaded (zeros from win_end on): the lane's W words of
+    rows g and g + 8, its four scales as mma operands, and the x words of token tile 0 (and 1)."""
+    # the weights are read once per call: evict them first, keep x and the partials in L2
+    wo = 4 * T + Q                                                              # lane t's 4 words
+    valid = win + 0 * wo < win_end             # (4, 1, 1, 1, 4): a split's last step may pass its end
+    w0 = tl.load(p4_ptr + _tile_offsets(row0, win, wo, stride_p4n, 16, IL), mask=valid, other=0,
+                 eviction_policy="evict_first")
+    w1 = tl.load(p4_ptr + _tile_offsets(row1, win, wo, stride_p4n, 16, IL), mask=valid, other=0,
+                 eviction_policy="evict_first")
+    sb = tl.load(scale_ptr + _tile_offsets(srow, win, 2 * T + Q % 2, stride_sn, 8, IL), mask=valid, other=0)
+    if INTERPRET:
+        s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                                 # scale·2^-7
+    else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
+        s = (sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * SCALE_TO_OPERAND).to(tl.bfloat16)
+    word0 = win * 64
+    xa0 = _mma_x(x2_ptr, G, stride_x2m, word0, M, valid, T, Q, WP, 0, INTERPRET)
+    xa1 = _mma_x(x2_ptr, G, stride_x2m, word0, M, valid, T, Q, WP, 1, INTERPRET)
+    xa2 = _mma_x(x2_ptr, G, stride_x2m, word0, M, valid, T, Q, WP, 2, INTERPRET)
+    xa3 = _mma_x(x2_ptr, G, stride_x2m, word0, M, valid, T, Q, WP, 3, INTERPRET)
+    if NT == 2:
+        xb0 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, valid, T, Q, WP, 0, INTERPRET)
+        xb1 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, valid, T, Q, WP, 1, INTERPRET)
+        xb2 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, valid, T, Q, WP, 2, INTERPRET)
+        xb3 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, valid, T, Q, WP, 3, INTERPRET)
+    else:
+        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
+    return w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3
+
+
+@triton.jit
+def _mma_step(acc0, acc1, window, NT: tl.constexpr, W: tl.constexpr, R: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc0 (acc1) += one window of W (_mma_loads' values) times x's token tile 0 (1): decode +
+    mma.sync, or the emulation."""
+    w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = window
+    if NT == 1:
+        if INTERPRET:
+            acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+        else:
+            acc0 = tl.inline_asm_elementwise(
+                _DECODE_MMA_PTX_1, _MMA_CONSTRAINTS_1,
+                [acc0, w0, w1, s, xa0, xa1, xa2, xa3], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        if INTERPRET:
+            acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
+            acc1 = _mma_emulate(acc1, w0, w1, s, xb0, xb1, xb2, xb3, W, R)
+        else:
+            acc0, acc1 = tl.inline_asm_elementwise(
+                _DECODE_MMA_PTX_2, _MMA_CONSTRAINTS_2,
+                [acc0, acc1, w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    return acc0, acc1
+
+
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_mma_kernel(
     # pointers (x2: x as int32 words, a bf16 pair each; p4: packed as int32 words, 8 codes each)
@@ -359,6 +417,7 @@ def _nvfp4_mma_kernel(
     R: tl.constexpr,        # 16-row tiles per warp: a program owns 16·W·R rows of W
     NT: tl.constexpr,       # token tiles of 8: 1 for M <= 8, 2 for M <= 16
     IL: tl.constexpr,       # W interleaved (nvfp4.interleave)
+    U: tl.constexpr,        # windows a loop step loads before it decodes any
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
 ):
@@ -385,41 +444,14 @@ def _nvfp4_mma_kernel(
 
     acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 0..7
     acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
-    for win in range(win_start, win_end):
-        # the weights are read once per call: evict them first, keep x and the partials in L2
-        wo = 4 * T + Q                                                          # lane t's 4 words
-        w0 = tl.load(p4_ptr + _tile_offsets(row0, win, wo, stride_p4n, 16, IL), eviction_policy="evict_first")
-        w1 = tl.load(p4_ptr + _tile_offsets(row1, win, wo, stride_p4n, 16, IL), eviction_policy="evict_first")
-        sb = tl.load(scale_ptr + _tile_offsets(srow, win, 2 * T + Q % 2, stride_sn, 8, IL))    # E4M3 bits
-        if INTERPRET:
-            s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                             # scale·2^-7
-        else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
-            s = (sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * SCALE_TO_OPERAND).to(tl.bfloat16)
-        word0 = win * 64
-        xa0 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
-        xa1 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
-        xa2 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
-        xa3 = _mma_x(x2_ptr, G, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
-        if NT == 1:
-            if INTERPRET:
-                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
-            else:
-                acc0 = tl.inline_asm_elementwise(
-                    _DECODE_MMA_PTX_1, _MMA_CONSTRAINTS_1,
-                    [acc0, w0, w1, s, xa0, xa1, xa2, xa3], dtype=tl.float32, is_pure=True, pack=4)
-        else:
-            xb0 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 0, INTERPRET)
-            xb1 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 1, INTERPRET)
-            xb2 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 2, INTERPRET)
-            xb3 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, T, Q, WP, 3, INTERPRET)
-            if INTERPRET:
-                acc0 = _mma_emulate(acc0, w0, w1, s, xa0, xa1, xa2, xa3, W, R)
-                acc1 = _mma_emulate(acc1, w0, w1, s, xb0, xb1, xb2, xb3, W, R)
-            else:
-                acc0, acc1 = tl.inline_asm_elementwise(
-                    _DECODE_MMA_PTX_2, _MMA_CONSTRAINTS_2,
-                    [acc0, acc1, w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3],
-                    dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    for win in range(win_start, win_end, U):
+        # every load of the step's U windows first, then their decodes and mma.sync
+        step = ()
+        for u in tl.static_range(U):
+            step = step + (_mma_loads(x2_ptr, p4_ptr, scale_ptr, win + u, win_end, row0, row1, srow, T, G, Q, WP,
+                                      M, stride_x2m, stride_p4n, stride_sn, NT, IL, INTERPRET),)
+        for u in tl.static_range(U):
+            acc0, acc1 = _mma_step(acc0, acc1, step[u], NT, W, R, INTERPRET)
 
     # ---- epilogue: acc[t, g, w, r, q] is y at token 2t + q % 2 (+ 8 for acc1), row g + 8·(q // 2)
     rows = 16 * tile + G + 8 * (Q // 2)                                         # (1, 8, W, R, 4)
@@ -430,7 +462,7 @@ def _nvfp4_mma_kernel(
     if NT == 2:
         _mma_store(acc1, tok + 8, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
                    HAS_BIAS, PARTIAL, INTERPRET)
-    if REDUCE:                                 # the wrapper asks for it at M <= 4 only (NT = 1)
+    if REDUCE:                                 # the wrapper asks for it at M <= 8 only (NT = 1)
         tl.static_assert(NT == 1)
         if _last_split(count_ptr, pid_n, NSPLIT):
             _sum_splits(out_ptr, y_ptr, tok * stride_om + rows, (tok < M) & (rows < N), rows, N, stride_os,

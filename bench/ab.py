@@ -33,6 +33,10 @@ defaults, which are what ships):
                           (0: never; the tile kernels instead)
     wgmma_min=N           marlin_kernel.WGMMA_MIN_M: ... from M = N + 1 rows (16: above the fragment kernel)
     wgmma_small=0|1       marlin_kernel.WGMMA_SMALL: ... and at M <= 16 on the big weights (wgmma_rows)
+    pair=N                marlin_kernel.PAIR_WINDOWS: fragment programs of <= N windows (2N at M <= 4)
+                          load two windows a step (0: one a step, the split rule of before v30)
+    pair_reduce=N         marlin_kernel.PAIR_REDUCE_MAX_M: ... and sum their split-K partials in-kernel to
+                          M = N <= 8 (4: as at one window a step)
     ws_min_bt=N           marlin_kernel.WS_MIN_BT: that kernel warp-specialized from N tokens a program
                           (256: never; the cp.async ring kernel at every tile)
 
@@ -84,6 +88,8 @@ SWITCHES = {
     "wgmma_min": (marlin_kernel, "WGMMA_MIN_M", int),
     "wgmma_small": (marlin_kernel, "WGMMA_SMALL", lambda v: bool(int(v))),
     "ws_min_bt": (marlin_kernel, "WS_MIN_BT", int),
+    "pair": (marlin_kernel, "PAIR_WINDOWS", int),
+    "pair_reduce": (marlin_kernel, "PAIR_REDUCE_MAX_M", int),
 }
 
 

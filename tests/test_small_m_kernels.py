@@ -26,11 +26,12 @@ from test_marlin_kernel import DEV, LaunchSpy, assert_close, check_forward, rand
     ("gemv", 1, 48, 1056, mk.GemvConfig(bn=16, bk=64, split=3)),
     ("gemv", 2, 64, 512, mk.GemvConfig(bn=32, bk=64, split=4)),
     ("fragment", 3, 80, 512, mk.MmaConfig(warps=1, split=2)),
-    ("fragment", 4, 64, 384, mk.MmaConfig(warps=2, tiles=2, split=3))])
+    ("fragment", 4, 64, 384, mk.MmaConfig(warps=2, tiles=2, split=3)),
+    ("fragment", 7, 48, 640, mk.MmaConfig(warps=2, split=2, windows=2))])    # M <= 8: two windows a step
 def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, monkeypatch, poisoned):
     """Split-K summed by each tile's last split (atomic counts) gives the bits of the separate reduce
-    kernel (same order of the partials), on the CUDA-core, fragment (M <= 4) and swapped tile
-    kernels, for several tiles and splits, and leaves the counts at zero."""
+    kernel (same order of the partials), on the CUDA-core, fragment (M <= 4, or <= 8 at two windows
+    a step) and swapped tile kernels, for several tiles and splits, and leaves the counts at zero."""
     run = {"gemv": mk._gemv, "fragment": mk._mma, "tile": mk._matmul}[path]
     name = {"gemv": "_nvfp4_gemv_kernel", "fragment": "_nvfp4_mma_kernel", "tile": "_nvfp4_mm_kernel"}[path]
     launched = []
@@ -153,15 +154,36 @@ def test_silu_mul_only_where_it_folds():
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256), (6, 16, 640)])
-@pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2), mk.MmaConfig(warps=1, tiles=4, split=1)])
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(), mk.MmaConfig(warps=2, tiles=2, split=2),
+                                 mk.MmaConfig(warps=1, tiles=4, split=1), mk.MmaConfig(warps=2, split=3, windows=2),
+                                 mk.MmaConfig(warps=1, split=1, windows=4)])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
     """The fragment kernel (mma.sync on registers decoded in place; M <= 16, K a multiple of 128):
     one and two token tiles, odd M, N not a multiple of the program's rows (wrapped rows must not
-    be stored), several windows, a single pass and split-K. On the CPU the PTX is replaced by its
-    plain-fp32 emulation, so this checks the index maps; the GPU run checks the PTX itself."""
+    be stored), several windows, a single pass and split-K, one, two or four windows a step (a
+    split's last step part past its windows: loads masked to zero). On the CPU the PTX is replaced
+    by its plain-fp32 emulation, so this checks the index maps; the GPU run checks the PTX itself."""
     check_forward(lambda *a: mk._mma(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + cfg.tiles + has_bias,
                   f"mma M={M} N={N} K={K} {cfg}")
+
+
+@pytest.mark.parametrize("M", [2, 4, 8, 16])
+@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (5120, 27648), (7168, 5120), (48, 640)])
+def test_fragment_launch_covers_k_in_whole_steps(M, N, K, monkeypatch):
+    """_mma_launch on an H100's 132 SMs: the splits cover the K / 128 windows, none empty; two
+    windows a step only where the split rule leaves a program at most PAIR_WINDOWS windows (twice
+    that at M <= 4), and then whole pairs of steps; a given split or windows value is kept."""
+    monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
+    cfg, nwin, cpu = mk.fwd_config(M, N, K), K // 128, torch.device("cpu")
+    tiles = -(-N // (16 * cfg.warps * cfg.tiles))
+    split, per, step = mk._mma_launch(cfg, M, tiles, K, cpu)
+    assert (split - 1) * per < nwin <= split * per
+    rule_per = mk._split(0, tiles, K, 128, 4 * 132)[1] // 128
+    assert step == (2 if rule_per <= mk.PAIR_WINDOWS * (2 if M <= 4 else 1) else 1)
+    assert per == rule_per if step == 1 else (per >= rule_per and per % (4 if per > 2 else 2) == 0)
+    assert mk._mma_launch(mk.MmaConfig(warps=cfg.warps, split=3), M, tiles, K, cpu)[::2] == (min(3, nwin), 1)
+    assert mk._mma_launch(mk.MmaConfig(warps=cfg.warps, windows=4), M, tiles, K, cpu)[2] == 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,7 +192,8 @@ def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120)])
 @pytest.mark.parametrize("M", [1, 4, 5, 8, 13, 16])          # M <= 4: the in-kernel split-K sum
-@pytest.mark.parametrize("cfg", [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 2, split=1)])
+@pytest.mark.parametrize("cfg", [mk.MmaConfig(4, 1), mk.MmaConfig(4, 2), mk.MmaConfig(8, 2, split=1),
+                                 mk.MmaConfig(8, 1, split=5, windows=2), mk.MmaConfig(4, 1, split=9, windows=4)])
 def test_fragment_kernel_real_shapes_gpu(N, K, M, cfg, poisoned):
     gen = torch.Generator().manual_seed(N + K + M)
     packed, scale, gs = random_weight(N, K, gen)
