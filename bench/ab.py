@@ -32,7 +32,10 @@ defaults, which are what ships):
     wgmma=N               marlin_kernel.WGMMA_MAX_M: the register-A wgmma kernel up to M = N rows
                           (0: never; the tile kernels instead)
     wgmma_min=N           marlin_kernel.WGMMA_MIN_M: ... from M = N + 1 rows (16: above the fragment kernel)
-    wgmma_small=0|1       marlin_kernel.WGMMA_SMALL: ... and at M <= 16 on the big weights (wgmma_rows)
+    wgmma_small=0|1       marlin_kernel.WGMMA_SMALL: ... and at M <= 16 on the big weights (wgmma_rows) ...
+    wgmma_small_min=N     marlin_kernel.WGMMA_SMALL_MIN_M: ... above M = N on those that are not wide
+                          (16: the fragment kernel to M = 16 there, with the
+                          launch shapes of fwd_config; NOTES v30 item 9 tried it with others)
     pair=N                marlin_kernel.PAIR_WINDOWS: fragment programs of <= N windows (2N at M <= 4)
                           load two windows a step (0: one a step, the split rule of before v30)
     pair_reduce=N         marlin_kernel.PAIR_REDUCE_MAX_M: ... and sum their split-K partials in-kernel to
@@ -87,6 +90,7 @@ SWITCHES = {
     "wgmma": (marlin_kernel, "WGMMA_MAX_M", int),
     "wgmma_min": (marlin_kernel, "WGMMA_MIN_M", int),
     "wgmma_small": (marlin_kernel, "WGMMA_SMALL", lambda v: bool(int(v))),
+    "wgmma_small_min": (marlin_kernel, "WGMMA_SMALL_MIN_M", int),
     "ws_min_bt": (marlin_kernel, "WS_MIN_BT", int),
     "pair": (marlin_kernel, "PAIR_WINDOWS", int),
     "pair_reduce": (marlin_kernel, "PAIR_REDUCE_MAX_M", int),
