@@ -53,7 +53,7 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
     reach ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient
     bf16 copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
 Split-K: each split writes fp32 partial sums; on the CUDA-core kernel, the fragment kernel at
-M <= 4 (M <= 8 where its steps load two windows, _mma_launch) and the swapped tiles the last split
+M <= 4 (M <= 8 where a step loads several windows, _mma_launch) and the swapped tiles the last split
 of each output tile to finish (an atomic count per tile, fp4_decode._last_split) sums them in
 order with scale, bias and cast (deterministic, one launch); elsewhere (the fragment kernel's
 other launches, medium tiles, the register-A kernel) _splitk_reduce_kernel does, which measured
@@ -100,7 +100,7 @@ DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLA
 GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
 FRAGMENT_REDUCE_MAX_M = 4  # to this M the fragment kernel's last split sums the partials (_mma) ...
-PAIR_REDUCE_MAX_M = 8    # ... and to this M (<= 8) where a step loads two windows; else the reduce kernel
+PAIR_REDUCE_MAX_M = 8    # ... and to this M (<= 8) where a step loads several windows; else the reduce kernel
 PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2x at M <= 4) load two
                          # windows a step (_mma_launch; 0: one window a step everywhere)
 WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and routes differ)
@@ -235,9 +235,9 @@ class GemvConfig:
 @dataclass(frozen=True)
 class MmaConfig:
     """Launch shape of the fragment kernel (M <= 16, K a multiple of 128). tiles: 16-row tiles per
-    warp (a program owns 16·warps·tiles rows); split: programs along K (0 = choose: split until
-    ~4 programs per SM exist); windows: 128-k windows a loop step loads before it decodes any (0 =
-    choose with the split, see _mma_launch; 1 where split is given)."""
+    warp (a program owns 16·warps·tiles rows); split: programs along K (0 = choose: _mma_launch);
+    windows: 128-k windows a loop step loads before it decodes any (0 = choose with the split; 1
+    where split is given)."""
     warps: int = 4
     tiles: int = 1
     split: int = 0
@@ -567,8 +567,9 @@ def _mma_launch(cfg, M, tiles, K, device):
     """(split, windows a split, windows a step) of a fragment launch. The split as for the other
     split-K kernels (~4 programs an SM, >= 4 windows each). Where that leaves a program at most
     PAIR_WINDOWS windows (twice that at M <= 4), a step loads two windows before it decodes either,
-    and the run is rounded up to whole pairs of steps (3 -> 4, 5 -> 8): such programs are a chain
-    of load latencies more than a stream, and two windows in flight a warp shorten it. H100, same
+    and the run is rounded up to one step (<= 2 windows) or a multiple of 4 (3 -> 4, 5 -> 8: 7B down
+    ran 18.0 us at 8 windows, 19.6 at 6): such programs are a chain of load latencies more than a
+    stream, and two windows in flight a warp shorten it. H100, same
     run (bench/NOTES.md v30): 7B qkv / o M = 2 -7%, 32B qkv / o M = 2 -5%, 7B down M = 2 (5 -> 8
     windows) 19.3 -> 18.0 us; at M = 8 32B qkv with 8 windows a program lost 5% (so 4 there), and
     32B down (14 windows) loses 2-4%: its 61 registers allow 4 programs an SM, not 5. A given
@@ -597,10 +598,10 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     split, per, step = _mma_launch(cfg, M, tiles, K, x.device)
     part = _partials(split, out)
     # the last split sums the partials at M <= 4 (H100, 7B decode, same run: batch 4 +4.3%, batch 8
-    # -2.5% against the reduce kernel; bench/NOTES.md v9), and to M = 8 where a step loads two windows
-    # (7B qkv / o M = 8 -15% alone, v30; 32B qkv at 5 windows a step-by-one program and 7B qkv at
-    # M = 16 ran slower with it)
-    in_kernel = M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M)
+    # -2.5% against the reduce kernel; bench/NOTES.md v9), and to M = 8 where a step loads several
+    # windows (7B qkv / o M = 8 -15% alone, v30; 32B qkv with one window a step and 7B qkv at M = 16
+    # ran slower with it); the kernel sums one token tile only (M <= 8)
+    in_kernel = M <= 8 and (M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M))  # NT = 1
     reduce = split > 1 and REDUCE_IN_KERNEL and in_kernel
     targets, flags = _split_targets(out, tiles, split, reduce)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)

@@ -34,14 +34,14 @@ defaults, which are what ships):
     wgmma_min=N           marlin_kernel.WGMMA_MIN_M: ... from M = N + 1 rows (16: above the fragment kernel)
     wgmma_small=0|1       marlin_kernel.WGMMA_SMALL: ... and at M <= 16 on the big weights (wgmma_rows) ...
     wgmma_small_min=N     marlin_kernel.WGMMA_SMALL_MIN_M: ... above M = N on those that are not wide
-                          (16: the fragment kernel to M = 16 there, with the
-                          launch shapes of fwd_config; NOTES v30 item 9 tried it with others)
+                          (16: the fragment kernel to M = 16 there, with the launch shapes of
+                          fwd_config; NOTES v30 item 9 tried it with others)
+    ws_min_bt=N           marlin_kernel.WS_MIN_BT: the register-A kernel warp-specialized from N tokens
+                          a program (256: never; the cp.async ring kernel at every tile)
     pair=N                marlin_kernel.PAIR_WINDOWS: fragment programs of <= N windows (2N at M <= 4)
                           load two windows a step (0: one a step, the split rule of before v30)
     pair_reduce=N         marlin_kernel.PAIR_REDUCE_MAX_M: ... and sum their split-K partials in-kernel to
-                          M = N <= 8 (4: as at one window a step)
-    ws_min_bt=N           marlin_kernel.WS_MIN_BT: that kernel warp-specialized from N tokens a program
-                          (256: never; the cp.async ring kernel at every tile)
+                          M = min(N, 8) (4: as at one window a step)
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants lora_kernels=1 lora_kernels=0
