@@ -45,12 +45,15 @@ defaults, which are what ships):
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants lora_kernels=1 lora_kernels=0
+    python bench/ab.py --models 32b --workloads batch16 --variants wgmma_small_min=16 wgmma_small_min=8 --profile 16
 Prints a line per run and writes OUT/ab.json: rows (model, rep, variant, workload, tok/s: decode
-tok/s for batchB, total tok/s for grpo). --lora adds train.py's default adapters (rank 32 on all
-seven projections) to every variant: the rollout a GRPO step runs.
+tok/s for batchB, total tok/s for grpo); with --profile, OUT/profile.txt: per variant the kernels of
+one decode step on its critical path (bench/rollout.py's profile). --lora adds train.py's default
+adapters (rank 32 on all seven projections) to every variant: the rollout a GRPO step runs.
 """
 import argparse
 import contextlib
+import functools
 import gc
 import importlib.util
 import json
@@ -140,6 +143,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--profile", default="", help="batch sizes (comma-separated) whose decode step is also "
+                    "profiled per variant after the timed reps: OUT/profile.txt (bench/rollout.py's profile)")
     args = ap.parse_args()
     variants = {v: parse_variant(v) for v in args.variants}
     if not torch.cuda.is_available():
@@ -165,6 +170,12 @@ def main():
                         tok_s = r["new_tokens"] / r["total_s"] if wl == "grpo" else br.decode_tok_s(w, r)
                         rows.append(dict(model=model_name, rep=rep, variant=name, workload=wl, tok_s=tok_s))
                         print(f"{model_name} rep {rep} {name:24s} {wl:8s} {tok_s:9.1f} tok/s", flush=True)
+        for batch in (int(b) for b in args.profile.split(",") if b):
+            for name, variant in variants.items():
+                with switched(variant):
+                    engine.free_cache()
+                    br.profile(functools.partial(br.run_ours, engine), cfg["vocab_size"], batch, 40,
+                               os.path.join(args.out, "profile.txt"), f"{model_name} {name}")
         engine.free_cache()
         del engine, model
         gc.collect()
