@@ -569,11 +569,11 @@ def _mma_launch(cfg, M, tiles, K, device):
     PAIR_WINDOWS windows (twice that at M <= 4), a step loads two windows before it decodes either,
     and the run is rounded up to one step (<= 2 windows) or a multiple of 4 (3 -> 4, 5 -> 8: 7B down
     ran 18.0 us at 8 windows, 19.6 at 6): such programs are a chain of load latencies more than a
-    stream, and two windows in flight a warp shorten it. H100, same
-    run (bench/NOTES.md v30): 7B qkv / o M = 2 -7%, 32B qkv / o M = 2 -5%, 7B down M = 2 (5 -> 8
-    windows) 19.3 -> 18.0 us; at M = 8 32B qkv with 8 windows a program lost 5% (so 4 there), and
-    32B down (14 windows) loses 2-4%: its 61 registers allow 4 programs an SM, not 5. A given
-    split keeps its windows, one a step unless cfg says more."""
+    stream, and two windows in flight a warp shorten it. H100, same run (bench/NOTES.md v30): 7B
+    qkv / o M = 2 -7%, 32B qkv / o M = 2 -5%, 7B down M = 2 (5 -> 8 windows) 19.3 -> 18.0 us; at
+    M = 8 32B qkv with 8 windows a program lost 5% (so 4 there), and 32B down (14 windows) loses
+    2-4%: its 61 registers allow 4 programs an SM, not 5. A given split keeps its windows, one a
+    step unless cfg says more."""
     nwin = K // 128
     split, chunk = _split(cfg.split, tiles, K, 128, 4 * _num_sms(device))
     per = chunk // 128
