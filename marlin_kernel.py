@@ -100,9 +100,11 @@ DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLA
 GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
 FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
 FRAGMENT_REDUCE_MAX_M = 4  # to this M the fragment kernel's last split sums the partials (_mma) ...
-PAIR_REDUCE_MAX_M = 8    # ... and to this M (<= 8) where a step loads several windows; else the reduce kernel
+PAIR_REDUCE_MAX_M = 8    # ... and to this M where a step loads several windows; else the reduce kernel
 PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2x at M <= 4) load two
-                         # windows a step (_mma_launch; 0: one window a step everywhere)
+                         # windows a step (_mma_launch; 0: one window a step everywhere) ...
+LONG_RUN_WINDOWS = 12    # ... and at M 5..8 programs of >= this many are cut to LONG_RUN_CUT, two a step
+LONG_RUN_CUT = 8
 WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and routes differ)
 WGMMA_MIN_M = 16         # above this M (and where the route holds, in place of the two above) ...
 WGMMA_SMALL = True       # ... and on the big weights (> WGMMA_NARROW elements) above GEMV_MAX_M where
@@ -572,13 +574,18 @@ def _mma_launch(cfg, M, tiles, K, device):
     stream, and two windows in flight a warp shorten it. H100, same run (bench/NOTES.md v30): 7B
     qkv / o M = 2 -7%, 32B qkv / o M = 2 -5%, 7B down M = 2 (5 -> 8 windows) 19.3 -> 18.0 us; at
     M = 8 32B qkv with 8 windows a program lost 5% (so 4 there), and 32B down (14 windows) loses
-    2-4%: its 61 registers allow 4 programs an SM, not 5. A given split keeps its windows, one a
-    step unless cfg says more."""
+    2-4%: its 61 registers allow 4 programs an SM, not 5. Except at M = 5..8 (one token tile, the
+    split-K sum in-kernel with two windows a step): there a program of >= LONG_RUN_WINDOWS windows
+    is cut to runs of LONG_RUN_CUT at two a step, 32B down M = 8 35.7 -> 34.1 us (27-window runs ->
+    27 splits of 8; 7B down's 10-window runs stay: 20.2 us against 20.5 cut, NOTES v31). A given
+    split keeps its windows, one a step unless cfg says more."""
     nwin = K // 128
     split, chunk = _split(cfg.split, tiles, K, 128, 4 * _num_sms(device))
     per = chunk // 128
     if cfg.split or cfg.windows:
         return split, per, cfg.windows or 1
+    if 4 < M <= 8 and per >= LONG_RUN_WINDOWS:
+        return triton.cdiv(nwin, LONG_RUN_CUT), LONG_RUN_CUT, 2
     if per > (2 * PAIR_WINDOWS if M <= 4 else PAIR_WINDOWS):
         return split, per, 1
     per = triton.cdiv(per, 4) * 4 if per > 2 else 2
@@ -600,8 +607,9 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     # the last split sums the partials at M <= 4 (H100, 7B decode, same run: batch 4 +4.3%, batch 8
     # -2.5% against the reduce kernel; bench/NOTES.md v9), and to M = 8 where a step loads several
     # windows (7B qkv / o M = 8 -15% alone, v30; 32B qkv with one window a step and 7B qkv at M = 16
-    # ran slower with it); the kernel sums one token tile only (M <= 8)
-    in_kernel = M <= 8 and (M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M))  # NT = 1
+    # ran slower with it). Above M = 8 it sums both token tiles if the thresholds are raised: not by
+    # default (alone 7B o M = 16 -4%, 7B qkv +40%; the 7B batch-16 graph -2%, bench/NOTES.md v31)
+    in_kernel = M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M)
     reduce = split > 1 and REDUCE_IN_KERNEL and in_kernel
     targets, flags = _split_targets(out, tiles, split, reduce)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)

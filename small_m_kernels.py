@@ -463,8 +463,10 @@ def _nvfp4_mma_kernel(
     if NT == 2:
         _mma_store(acc1, tok + 8, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
                    HAS_BIAS, PARTIAL, INTERPRET)
-    if REDUCE:                                 # the wrapper asks for it at M <= 8 only (NT = 1)
-        tl.static_assert(NT == 1)
+    if REDUCE:
         if _last_split(count_ptr, pid_n, NSPLIT):
             _sum_splits(out_ptr, y_ptr, tok * stride_om + rows, (tok < M) & (rows < N), rows, N, stride_os,
                         gs_ptr, bias_ptr, None, NSPLIT, HAS_BIAS, INTERPRET)
+            if NT == 2:
+                _sum_splits(out_ptr, y_ptr, (tok + 8) * stride_om + rows, (tok + 8 < M) & (rows < N), rows, N,
+                            stride_os, gs_ptr, bias_ptr, None, NSPLIT, HAS_BIAS, INTERPRET)

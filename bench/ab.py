@@ -40,8 +40,12 @@ defaults, which are what ships):
                           a program (256: never; the cp.async ring kernel at every tile)
     pair=N                marlin_kernel.PAIR_WINDOWS: fragment programs of <= N windows (2N at M <= 4)
                           load two windows a step (0: one a step, the split rule of before v30)
+    frag_reduce=N         marlin_kernel.FRAGMENT_REDUCE_MAX_M: the fragment kernel's split-K partials summed
+                          in-kernel to M = N at any windows a step
+    long_run=N            marlin_kernel.LONG_RUN_WINDOWS: fragment programs of >= N windows at M = 5..8 cut
+                          to runs of LONG_RUN_CUT at two windows a step (999: never, as before v31)
     pair_reduce=N         marlin_kernel.PAIR_REDUCE_MAX_M: ... and sum their split-K partials in-kernel to
-                          M = min(N, 8) (4: as at one window a step)
+                          M = N (4: as at one window a step)
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce=1 reduce=0
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants lora_kernels=1 lora_kernels=0
@@ -97,6 +101,8 @@ SWITCHES = {
     "ws_min_bt": (marlin_kernel, "WS_MIN_BT", int),
     "pair": (marlin_kernel, "PAIR_WINDOWS", int),
     "pair_reduce": (marlin_kernel, "PAIR_REDUCE_MAX_M", int),
+    "long_run": (marlin_kernel, "LONG_RUN_WINDOWS", int),
+    "frag_reduce": (marlin_kernel, "FRAGMENT_REDUCE_MAX_M", int),
 }
 
 

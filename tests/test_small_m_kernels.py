@@ -172,36 +172,59 @@ def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
 @pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (5120, 27648), (7168, 5120), (48, 640), (64, 512)])
 def test_fragment_launch_covers_k_in_whole_steps(M, N, K, monkeypatch):
     """_mma_launch on an H100's 132 SMs: the splits cover the K / 128 windows, none empty, in whole
-    steps; more than one window a step only on short programs (<= 2·PAIR_WINDOWS windows), never
-    on 32B down's long ones (measured slower there, NOTES v30); a given split is covered the same
+    steps; more than one window a step only on short programs (<= 2·PAIR_WINDOWS windows) or the
+    long ones cut at M = 5..8 (32B down's: NOTES v31), never on 32B down's long ones elsewhere
+    (measured slower there, NOTES v30); a given split is covered the same
     way at one window a step, and a given windows value is kept."""
     monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
     cfg, nwin, cpu = mk.fwd_config(M, N, K), K // 128, torch.device("cpu")
     tiles = -(-N // (16 * cfg.warps * cfg.tiles))
     split, per, step = mk._mma_launch(cfg, M, tiles, K, cpu)
     assert (split - 1) * per < nwin <= split * per and step in (1, 2) and per % step == 0
-    assert step == 1 or per <= 2 * mk.PAIR_WINDOWS
-    if (N, K) == (5120, 27648):
-        assert step == 1
+    long_cut = 4 < M <= 8 and per == mk.LONG_RUN_CUT and step == 2      # the M = 5..8 long-run rule
+    assert step == 1 or per <= 2 * mk.PAIR_WINDOWS or long_cut
+    if (N, K) == (5120, 27648):     # 32B down: 27-window runs at M = 5..8 cut to 8 (v31), else one a step
+        assert long_cut if 4 < M <= 8 else step == 1
+    if long_cut:                    # cut only where the split rule's runs were long
+        assert mk._split(0, tiles, K, 128, 4 * 132)[1] // 128 >= mk.LONG_RUN_WINDOWS
     split, per, step = mk._mma_launch(mk.MmaConfig(warps=cfg.warps, split=3), M, tiles, K, cpu)
     assert (split - 1) * per < nwin <= split * per and split <= 3 and step == 1
     assert mk._mma_launch(mk.MmaConfig(warps=cfg.warps, windows=4), M, tiles, K, cpu)[2] == 4
 
 
-@pytest.mark.parametrize("M,cfg", [(12, mk.MmaConfig(warps=2, split=2, windows=2)),
-                                   (9, mk.MmaConfig(warps=2, split=3))])
-def test_fragment_kernel_sums_in_kernel_only_one_token_tile(M, cfg, monkeypatch, poisoned):
-    """The kernel sums its own split-K partials for one token tile only (M <= 8): at M > 8 the
-    wrapper leaves it to the reduce kernel whatever the thresholds say, and the result is right."""
-    monkeypatch.setattr(mk, "FRAGMENT_REDUCE_MAX_M", 16)
-    monkeypatch.setattr(mk, "PAIR_REDUCE_MAX_M", 16)
+@pytest.mark.parametrize("M", [6, 8])
+def test_fragment_kernel_cuts_long_runs_at_one_token_tile(M, monkeypatch, poisoned):
+    """At M = 5..8 a program the split rule leaves >= LONG_RUN_WINDOWS windows long is cut to runs
+    of LONG_RUN_CUT at two windows a step, its partials summed in-kernel; y is right (on 4 CPU
+    'SMs' 16 tiles of 16 rows need no split: 13 windows a program, cut to 2 splits of 8, the second
+    half empty past K)."""
+    launched = []
+    monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(mk._nvfp4_mma_kernel, launched))
+    gen = torch.Generator().manual_seed(M)
+    packed, scale, gs = random_weight(256, 13 * 128, gen)
+    x = torch.randn(M, 13 * 128, generator=gen).bfloat16().to(DEV)
+    got = mk._mma(x, packed, scale, gs, None, mk.MmaConfig(warps=1))
+    assert [(kw["U"], kw["REDUCE"], kw["NSPLIT"]) for _, kw in launched] == [(2, True, 2)]
+    assert_close(got, mk.reference_matmul(x, packed, scale, gs, None), f"mma M={M} long run cut")
+
+
+@pytest.mark.parametrize("M,cfg,reduce", [(12, mk.MmaConfig(warps=2, split=2, windows=2), True),
+                                          (9, mk.MmaConfig(warps=2, split=3), True),
+                                          (16, mk.MmaConfig(warps=2, split=3, windows=2), False)])
+def test_fragment_kernel_sums_two_token_tiles_in_kernel(M, cfg, reduce, monkeypatch, poisoned):
+    """At M > 8 (two token tiles) the kernel's last split sums both tiles' partials when the
+    thresholds ask for it (FRAGMENT_REDUCE_MAX_M at any step, PAIR_REDUCE_MAX_M at two windows
+    a step), else the reduce kernel does: the launch says which, and y is right either way (the
+    poisoned output catches a token tile left unsummed)."""
+    monkeypatch.setattr(mk, "FRAGMENT_REDUCE_MAX_M", 4 if M == 16 else 16)
+    monkeypatch.setattr(mk, "PAIR_REDUCE_MAX_M", 8 if M == 16 else 16)
     launched = []
     monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(mk._nvfp4_mma_kernel, launched))
     gen = torch.Generator().manual_seed(M)
     packed, scale, gs = random_weight(48, 640, gen)
     x = torch.randn(M, 640, generator=gen).bfloat16().to(DEV)
     got = mk._mma(x, packed, scale, gs, None, cfg)
-    assert [kw["REDUCE"] for _, kw in launched] == [False]
+    assert [(kw["REDUCE"], kw["NT"]) for _, kw in launched] == [(reduce, 2)]
     assert_close(got, mk.reference_matmul(x, packed, scale, gs, None), f"mma M={M} {cfg}")
 
 
