@@ -198,6 +198,7 @@ def test_fragment_kernel_cuts_long_runs_at_one_token_tile(M, monkeypatch, poison
     of LONG_RUN_CUT at two windows a step, its partials summed in-kernel; y is right (on 4 CPU
     'SMs' 16 tiles of 16 rows need no split: 13 windows a program, cut to 2 splits of 8, the second
     half empty past K)."""
+    monkeypatch.setattr(mk, "_num_sms", lambda device: 4)
     launched = []
     monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(mk._nvfp4_mma_kernel, launched))
     gen = torch.Generator().manual_seed(M)
