@@ -421,12 +421,13 @@ def _nvfp4_mma_kernel(
     U: tl.constexpr,        # windows a loop step loads before it decodes any
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
+    LATE_RELEASE: tl.constexpr,  # let the next kernel be scheduled after the main loop (pdl_release)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
     registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
     bits 2-4 (g), warp, tile, 4 values in the lane: the loads' natural layouts already are the
     fragments, so Triton moves nothing between lanes."""
-    pdl_start(USE_PDL)
+    pdl_start(USE_PDL, not LATE_RELEASE)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     T = tl.arange(0, 4)[:, None, None, None, None]
@@ -455,6 +456,8 @@ def _nvfp4_mma_kernel(
             acc0, acc1 = _mma_step(acc0, acc1, step[u], NT, W, R, INTERPRET)
 
     # ---- epilogue: acc[t, g, w, r, q] is y at token 2t + q % 2 (+ 8 for acc1), row g + 8·(q // 2)
+    if LATE_RELEASE:
+        pdl_release(USE_PDL)
     rows = 16 * tile + G + 8 * (Q // 2)                                         # (1, 8, W, R, 4)
     tok = 2 * T + Q % 2                                                         # (4, 1, 1, 1, 4)
     part_off = pid_k * stride_os
