@@ -10,6 +10,7 @@ addressing) must give the same bits, and the table says where it does not.
 
     git worktree add ../base main        # or any other checkout of the project
     python bench/kernel_ab.py --base ../base --ms 1,2,16,64,128,1024 --dx-ms 128,1024 --out DIR
+    python bench/kernel_ab.py --base ../base --ms 2,8,16 --between     # a small kernel after every call
 
 Prints a line per (shape, M) and writes DIR/kernel_ab.json: rows of (shape, M, op, base_us[],
 this_us[], cublas_us[], same_bits).
@@ -50,6 +51,10 @@ def main():
     ap.add_argument("--ms", default="1,2,4,8,16,64,128,256,1024", help="comma-separated M values")
     ap.add_argument("--dx-ms", default="", help="M values at which dx = dy·W is timed too (comma-separated)")
     ap.add_argument("--reps", type=int, default=2, help="times each of the three is timed, alternating")
+    ap.add_argument("--between", action="store_true",
+                    help="a small kernel after every call, as a layer's other ops follow a matmul in the decode "
+                         "graph: back-to-back launches of one kernel under PDL can time unlike the graph "
+                         "(bench/NOTES.md v31 item 8); its time is in every row, so compare this / base, not x")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -60,9 +65,19 @@ def main():
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     dx_ms = {int(m) for m in args.dx_ms.split(",") if m}
+    z = torch.zeros(4096, device=device)
+
+    def followed(fn):
+        """fn, then a one-wave elementwise kernel (z += 1): its time is in every row alike."""
+        def run(*a):
+            y = fn(*a)
+            z.add_(1.0)
+            return y
+        return run
+
     names = list(kb.SHAPES) if args.shapes == "all" else args.shapes.split(",")
     print(f"# {torch.cuda.get_device_name(device)}; base = {os.path.abspath(args.base)}; us, CUDA-graph medians; "
-          f"x = cuBLAS bf16 / route", flush=True)
+          f"x = cuBLAS bf16 / route{'; a small kernel after every call' if args.between else ''}", flush=True)
     rows = []
     for name in names:
         N, K = kb.SHAPES[name]
@@ -75,6 +90,8 @@ def main():
             ops = [("fwd", lambda mk, w: mk.nvfp4_matmul(x, *w, interleaved=True), lambda: x @ ws.next().t())]
             if M in dx_ms:
                 ops.append(("dx", lambda mk, w: mk.nvfp4_matmul_dx(dy, *w, interleaved=True), lambda: dy @ ws.next()))
+            if args.between:
+                ops = [(op, followed(fn), followed(cublas)) for op, fn, cublas in ops]
             for op, fn, cublas in ops:
                 same = torch.equal(fn(base, qs.items[0]), fn(this, qs.items[0]))
                 r = dict(shape=name, M=M, op=op, base_us=[], this_us=[], cublas_us=[], same_bits=same)
@@ -91,8 +108,8 @@ def main():
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "kernel_ab.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(device), base=os.path.abspath(args.base), rows=rows), f,
-                  indent=1)
+        json.dump(dict(device=torch.cuda.get_device_name(device), base=os.path.abspath(args.base),
+                       between=args.between, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,13 @@ def test_variants_switch_the_flags_and_restore_them():
     with ab.switched(ab.parse_variant("merge=64")):
         assert paged_attention.MERGE_MAX_PARTS == 64 and marlin_kernel.PDL == before[0]
     assert paged_attention.MERGE_MAX_PARTS == before[2]
+    kernel_flags = (marlin_kernel.LONG_RUN_WINDOWS, marlin_kernel.FRAGMENT_REDUCE_MAX_M,
+                    marlin_kernel.FRAGMENT_LATE_RELEASE)
+    with ab.switched(ab.parse_variant("long_run=999,frag_reduce=8,frag_late=1")):
+        assert (marlin_kernel.LONG_RUN_WINDOWS, marlin_kernel.FRAGMENT_REDUCE_MAX_M,
+                marlin_kernel.FRAGMENT_LATE_RELEASE) == (999, 8, True)
+    assert (marlin_kernel.LONG_RUN_WINDOWS, marlin_kernel.FRAGMENT_REDUCE_MAX_M,
+            marlin_kernel.FRAGMENT_LATE_RELEASE) == kernel_flags
 
 
 def test_a_bad_switch_names_the_known_ones():
