@@ -152,9 +152,10 @@ PDL = True       # bench/rollout.py and bench/kernel.py switch it off to measure
 # first cache tile, RMSNorm's weight and residual; see fp4_decode.pdl_start): bench/ab.py's early=
 EARLY_LOADS = True
 GEMV_LATE_RELEASE = True   # bench/ab.py's late= switch
-FRAGMENT_LATE_RELEASE = False  # the fragment kernel's release after its loop too (bench/ab.py's frag_late=;
-                               # H200: 7B batch 2 +1.5%, batch 16 -1.3%, alone 7B qkv / o M <= 8 10-20% slower,
-                               # same bits: NOTES v31 item 8)
+FRAGMENT_LATE_RELEASE = 0  # the fragment kernel's release after its loop too: 0 never, 1 always, 2 where it
+                           # sums its own partials (the next kernel is a layer op, not the reduce kernel);
+                           # bench/ab.py's frag_late=. H200, 1: 7B batch 2 +1.5%, batch 16 -1.3%, alone 7B
+                           # qkv / o M <= 8 10-20% slower, same bits (NOTES v31 item 8); 2 not yet measured
 REDUCE_FOLDS_LORA = True   # see reduce_folds_lora (bench/ab.py's lora_reduce= switch)
 
 
@@ -623,7 +624,8 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, **flags,
         W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
-        INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=1, LATE_RELEASE=FRAGMENT_LATE_RELEASE,
+        INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=1,
+        LATE_RELEASE=FRAGMENT_LATE_RELEASE == 1 or (FRAGMENT_LATE_RELEASE == 2 and reduce),
         **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 

@@ -29,9 +29,9 @@ def test_variants_switch_the_flags_and_restore_them():
     assert paged_attention.MERGE_MAX_PARTS == before[2]
     kernel_flags = (marlin_kernel.LONG_RUN_WINDOWS, marlin_kernel.FRAGMENT_REDUCE_MAX_M,
                     marlin_kernel.FRAGMENT_LATE_RELEASE)
-    with ab.switched(ab.parse_variant("long_run=999,frag_reduce=8,frag_late=1")):
+    with ab.switched(ab.parse_variant("long_run=999,frag_reduce=8,frag_late=2")):
         assert (marlin_kernel.LONG_RUN_WINDOWS, marlin_kernel.FRAGMENT_REDUCE_MAX_M,
-                marlin_kernel.FRAGMENT_LATE_RELEASE) == (999, 8, True)
+                marlin_kernel.FRAGMENT_LATE_RELEASE) == (999, 8, 2)
     assert (marlin_kernel.LONG_RUN_WINDOWS, marlin_kernel.FRAGMENT_REDUCE_MAX_M,
             marlin_kernel.FRAGMENT_LATE_RELEASE) == kernel_flags
 

@@ -209,6 +209,24 @@ def test_fragment_kernel_cuts_long_runs_at_one_token_tile(M, monkeypatch, poison
     assert_close(got, mk.reference_matmul(x, packed, scale, gs, None), f"mma M={M} long run cut")
 
 
+@pytest.mark.parametrize("mode,late", [(0, [False, False]), (1, [True, True]), (2, [True, False])])
+def test_fragment_kernel_late_release_modes(mode, late, monkeypatch):
+    """FRAGMENT_LATE_RELEASE: 0 releases the next kernel at the start, 1 after the loop, 2 after the
+    loop only where the launch sums its own partials (M = 3, split 2) and not where the reduce kernel
+    follows it (M = 12). The launch flag says which; y is the same either way."""
+    monkeypatch.setattr(mk, "FRAGMENT_LATE_RELEASE", mode)
+    launched = []
+    monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(mk._nvfp4_mma_kernel, launched))
+    gen = torch.Generator().manual_seed(mode)
+    packed, scale, gs = random_weight(48, 640, gen)
+    for M in (3, 12):
+        x = torch.randn(M, 640, generator=gen).bfloat16().to(DEV)
+        assert_close(mk._mma(x, packed, scale, gs, None, mk.MmaConfig(warps=2, split=2)),
+                     mk.reference_matmul(x, packed, scale, gs, None), f"mma M={M} late release {mode}")
+    assert [kw["REDUCE"] for _, kw in launched] == [True, False]
+    assert [kw["LATE_RELEASE"] for _, kw in launched] == late
+
+
 @pytest.mark.parametrize("M,cfg,reduce", [(12, mk.MmaConfig(warps=2, split=2, windows=2), True),
                                           (9, mk.MmaConfig(warps=2, split=3), True),
                                           (16, mk.MmaConfig(warps=2, split=3, windows=2), False)])
