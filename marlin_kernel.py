@@ -102,7 +102,7 @@ FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 
 FRAGMENT_REDUCE_MAX_M = 4  # to this M the fragment kernel's last split sums the partials (_mma) ...
 PAIR_REDUCE_MAX_M = 8    # ... and to this M where a step loads several windows; else the reduce kernel
 PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2x at M <= 4) load two
-                         # windows a step (_mma_launch; 0: one window a step everywhere) ...
+                         # windows a step (_mma_launch; 0 with LONG_RUN_WINDOWS = 999: one everywhere) ...
 LONG_RUN_WINDOWS = 12    # ... and at M 5..8 programs of >= this many are cut to LONG_RUN_CUT, two a step
 LONG_RUN_CUT = 8
 WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and routes differ)
@@ -152,8 +152,8 @@ PDL = True       # bench/rollout.py and bench/kernel.py switch it off to measure
 # first cache tile, RMSNorm's weight and residual; see fp4_decode.pdl_start): bench/ab.py's early=
 EARLY_LOADS = True
 GEMV_LATE_RELEASE = True   # bench/ab.py's late= switch
-FRAGMENT_LATE_RELEASE = 0  # the fragment kernel's release after its loop too: 0 never, 1 always, 2 where it
-                           # sums its own partials (the next kernel is a layer op, not the reduce kernel);
+FRAGMENT_LATE_RELEASE = 0  # the fragment kernel's release after its loop too: 0 never, 1 always, 2 where no
+                           # reduce kernel follows it (the next kernel is then a layer op);
                            # bench/ab.py's frag_late=. H200, 1: 7B batch 2 +1.5%, batch 16 -1.3%, alone 7B
                            # qkv / o M <= 8 10-20% slower, same bits (NOTES v31 item 8); 2 not yet measured
 REDUCE_FOLDS_LORA = True   # see reduce_folds_lora (bench/ab.py's lora_reduce= switch)
@@ -581,8 +581,9 @@ def _mma_launch(cfg, M, tiles, K, device):
     2-4%: its 61 registers allow 4 programs an SM, not 5. Except at M = 5..8 (one token tile, the
     split-K sum in-kernel with two windows a step): there a program of >= LONG_RUN_WINDOWS windows
     is cut to runs of LONG_RUN_CUT at two a step, 32B down M = 8 35.7 -> 34.1 us (27-window runs ->
-    27 splits of 8; 7B down's 10-window runs stay: 20.2 us against 20.5 cut, NOTES v31). A given
-    split keeps its windows, one a step unless cfg says more."""
+    27 splits of 8; 7B down's 10-window runs stay: 20.2 us against 20.5 cut, NOTES v31). Where gate_up
+    runs here (off the H100's routes) it is cut too: 7B gate_up M = 6 / 8 7-11% faster, 32B gate_up
+    M = 8 2.6% slower. A given split keeps its windows, one a step unless cfg says more."""
     nwin = K // 128
     split, chunk = _split(cfg.split, tiles, K, 128, 4 * _num_sms(device))
     per = chunk // 128
@@ -612,7 +613,8 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     # -2.5% against the reduce kernel; bench/NOTES.md v9), and to M = 8 where a step loads several
     # windows (7B qkv / o M = 8 -15% alone, v30; 32B qkv with one window a step and 7B qkv at M = 16
     # ran slower with it). Above M = 8 it sums both token tiles if the thresholds are raised: not by
-    # default (alone 7B o M = 16 -4%, 7B qkv +40%; the 7B batch-16 graph -2%, bench/NOTES.md v31)
+    # default (alone 7B o M = 16 4% faster, 7B qkv 40% slower; the 7B batch-16 graph 2% fewer tok/s,
+    # bench/NOTES.md v31)
     in_kernel = M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M)
     reduce = split > 1 and REDUCE_IN_KERNEL and in_kernel
     targets, flags = _split_targets(out, tiles, split, reduce)
@@ -625,7 +627,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
         HAS_BIAS=bias is not None, **flags,
         W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
         INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=1,
-        LATE_RELEASE=FRAGMENT_LATE_RELEASE == 1 or (FRAGMENT_LATE_RELEASE == 2 and reduce),
+        LATE_RELEASE=FRAGMENT_LATE_RELEASE == 1 or (FRAGMENT_LATE_RELEASE == 2 and (reduce or split == 1)),
         **pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 

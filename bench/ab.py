@@ -13,7 +13,7 @@ defaults, which are what ships):
     late=0|1              marlin_kernel.GEMV_LATE_RELEASE: the M = 1 GEMV (but gate/up) schedules the
                           next kernel after its main loop, not at its start
     frag_late=0|1|2       marlin_kernel.FRAGMENT_LATE_RELEASE: the same for the fragment kernel (M = 2..16):
-                          never, always, or where it sums its own split-K partials
+                          never, always, or where no reduce kernel follows it
     early=0|1             marlin_kernel.EARLY_LOADS: paged attention's first cache tile and RMSNorm's
                           weight and residual loaded before the PDL wait
     reduce=0|1            marlin_kernel.REDUCE_IN_KERNEL: split-K summed by the last split in-kernel
@@ -41,7 +41,7 @@ defaults, which are what ships):
     ws_min_bt=N           marlin_kernel.WS_MIN_BT: the register-A kernel warp-specialized from N tokens
                           a program (256: never; the cp.async ring kernel at every tile)
     pair=N                marlin_kernel.PAIR_WINDOWS: fragment programs of <= N windows (2N at M <= 4)
-                          load two windows a step (0: one a step, the split rule of before v30)
+                          load two windows a step (0, with long_run=999: one a step, as before v30)
     frag_reduce=N         marlin_kernel.FRAGMENT_REDUCE_MAX_M: the fragment kernel's split-K partials summed
                           in-kernel to M = N at any windows a step
     long_run=N            marlin_kernel.LONG_RUN_WINDOWS: fragment programs of >= N windows at M = 5..8 cut

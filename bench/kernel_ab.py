@@ -12,8 +12,8 @@ addressing) must give the same bits, and the table says where it does not.
     python bench/kernel_ab.py --base ../base --ms 1,2,16,64,128,1024 --dx-ms 128,1024 --out DIR
     python bench/kernel_ab.py --base ../base --ms 2,8,16 --between     # a small kernel after every call
 
-Prints a line per (shape, M) and writes DIR/kernel_ab.json: rows of (shape, M, op, base_us[],
-this_us[], cublas_us[], same_bits).
+Prints a line per (shape, M) and writes DIR/kernel_ab.json: between (the flag), and rows of (shape,
+M, op, base_us[], this_us[], cublas_us[], same_bits).
 """
 import argparse
 import importlib

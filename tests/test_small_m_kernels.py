@@ -172,7 +172,8 @@ def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
 @pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (5120, 27648), (7168, 5120), (48, 640), (64, 512)])
 def test_fragment_launch_covers_k_in_whole_steps(M, N, K, monkeypatch):
     """_mma_launch on an H100's 132 SMs: the splits cover the K / 128 windows, none empty, in whole
-    steps; more than one window a step only on short programs (<= 2·PAIR_WINDOWS windows) or the
+    steps; more than one window a step only on short programs (<= PAIR_WINDOWS windows, twice that
+    at M <= 4) or the
     long ones cut at M = 5..8 (32B down's: NOTES v31), never on 32B down's long ones elsewhere
     (measured slower there, NOTES v30); a given split is covered the same
     way at one window a step, and a given windows value is kept."""
@@ -182,7 +183,7 @@ def test_fragment_launch_covers_k_in_whole_steps(M, N, K, monkeypatch):
     split, per, step = mk._mma_launch(cfg, M, tiles, K, cpu)
     assert (split - 1) * per < nwin <= split * per and step in (1, 2) and per % step == 0
     long_cut = 4 < M <= 8 and per == mk.LONG_RUN_CUT and step == 2      # the M = 5..8 long-run rule
-    assert step == 1 or per <= 2 * mk.PAIR_WINDOWS or long_cut
+    assert step == 1 or long_cut or per <= (2 * mk.PAIR_WINDOWS if M <= 4 else mk.PAIR_WINDOWS)
     if (N, K) == (5120, 27648):     # 32B down: 27-window runs at M = 5..8 cut to 8 (v31), else one a step
         assert long_cut if 4 < M <= 8 else step == 1
     if long_cut:                    # cut only where the split rule's runs were long
@@ -197,7 +198,7 @@ def test_fragment_kernel_cuts_long_runs_at_one_token_tile(M, monkeypatch, poison
     """At M = 5..8 a program the split rule leaves >= LONG_RUN_WINDOWS windows long is cut to runs
     of LONG_RUN_CUT at two windows a step, its partials summed in-kernel; y is right (on 4 CPU
     'SMs' 16 tiles of 16 rows need no split: 13 windows a program, cut to 2 splits of 8, the second
-    half empty past K)."""
+    split's last 3 windows past K, masked)."""
     monkeypatch.setattr(mk, "_num_sms", lambda device: 4)
     launched = []
     monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(mk._nvfp4_mma_kernel, launched))
@@ -209,21 +210,25 @@ def test_fragment_kernel_cuts_long_runs_at_one_token_tile(M, monkeypatch, poison
     assert_close(got, mk.reference_matmul(x, packed, scale, gs, None), f"mma M={M} long run cut")
 
 
-@pytest.mark.parametrize("mode,late", [(0, [False, False]), (1, [True, True]), (2, [True, False])])
+@pytest.mark.parametrize("mode,late", [(0, [False] * 3), (1, [True] * 3), (2, [True, False, True])])
 def test_fragment_kernel_late_release_modes(mode, late, monkeypatch):
     """FRAGMENT_LATE_RELEASE: 0 releases the next kernel at the start, 1 after the loop, 2 after the
-    loop only where the launch sums its own partials (M = 3, split 2) and not where the reduce kernel
-    follows it (M = 12). The launch flag says which; y is the same either way."""
+    loop only where no reduce kernel follows: the launch that sums its own partials (M = 3, split 2)
+    and the one that does not split (M = 12, split 1), not the one the reduce kernel follows (M = 12,
+    split 2). The launch flag says which; y is right either way (on the CPU PDL is off, so the flag
+    changes nothing there; the H200 A/B of NOTES v31 item 8 gave the same bits)."""
     monkeypatch.setattr(mk, "FRAGMENT_LATE_RELEASE", mode)
+    monkeypatch.setattr(mk, "FRAGMENT_REDUCE_MAX_M", 4)
+    monkeypatch.setattr(mk, "PAIR_REDUCE_MAX_M", 8)
     launched = []
     monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(mk._nvfp4_mma_kernel, launched))
     gen = torch.Generator().manual_seed(mode)
     packed, scale, gs = random_weight(48, 640, gen)
-    for M in (3, 12):
+    for M, split in ((3, 2), (12, 2), (12, 1)):
         x = torch.randn(M, 640, generator=gen).bfloat16().to(DEV)
-        assert_close(mk._mma(x, packed, scale, gs, None, mk.MmaConfig(warps=2, split=2)),
-                     mk.reference_matmul(x, packed, scale, gs, None), f"mma M={M} late release {mode}")
-    assert [kw["REDUCE"] for _, kw in launched] == [True, False]
+        assert_close(mk._mma(x, packed, scale, gs, None, mk.MmaConfig(warps=2, split=split)),
+                     mk.reference_matmul(x, packed, scale, gs, None), f"mma M={M} split {split} late release {mode}")
+    assert [(kw["REDUCE"], kw["PARTIAL"]) for _, kw in launched] == [(True, True), (False, True), (False, False)]
     assert [kw["LATE_RELEASE"] for _, kw in launched] == late
 
 
