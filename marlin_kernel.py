@@ -617,6 +617,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     # bench/NOTES.md v31)
     in_kernel = M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M)
     reduce = split > 1 and REDUCE_IN_KERNEL and in_kernel
+    reduce_follows = split > 1 and not reduce           # the reduce kernel is the next launch
     targets, flags = _split_targets(out, tiles, split, reduce)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
     _nvfp4_mma_kernel[(tiles, split)](
@@ -627,9 +628,9 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
         HAS_BIAS=bias is not None, **flags,
         W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
         INTERPRET=interpreting(), num_warps=cfg.warps, num_stages=1,
-        LATE_RELEASE=FRAGMENT_LATE_RELEASE == 1 or (FRAGMENT_LATE_RELEASE == 2 and (reduce or split == 1)),
+        LATE_RELEASE=FRAGMENT_LATE_RELEASE == 1 or (FRAGMENT_LATE_RELEASE == 2 and not reduce_follows),
         **pdl_launch(x.device))
-    return out if reduce else _reduce(part, global_scale, bias, out)
+    return _reduce(part, global_scale, bias, out) if reduce_follows else out
 
 
 def _wgmma_wave(cfg, device) -> int:

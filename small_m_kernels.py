@@ -306,6 +306,15 @@ def _mma_x(x2_ptr, tok, stride_x2m, word0, M, valid, T, Q, WP, j: tl.constexpr, 
 
 
 @triton.jit
+def _mma_xs(x2_ptr, tok, stride_x2m, word0, M, valid, T, Q, WP, INTERPRET: tl.constexpr):
+    """The four _mma_x groups of a window for token `tok`: the x words of one token tile."""
+    return (_mma_x(x2_ptr, tok, stride_x2m, word0, M, valid, T, Q, WP, 0, INTERPRET),
+            _mma_x(x2_ptr, tok, stride_x2m, word0, M, valid, T, Q, WP, 1, INTERPRET),
+            _mma_x(x2_ptr, tok, stride_x2m, word0, M, valid, T, Q, WP, 2, INTERPRET),
+            _mma_x(x2_ptr, tok, stride_x2m, word0, M, valid, T, Q, WP, 3, INTERPRET))
+
+
+@triton.jit
 def _mma_emulate_rows(words, s, h: tl.constexpr, xv, W: tl.constexpr, R: tl.constexpr):
     """(8 g, 8 token, W, R): sum over the window of W[row g + 8h of tile (w, r), k] · x[token, k]."""
     J = tl.arange(0, 4)[None, None, None, None, :, None]
@@ -363,19 +372,11 @@ def _mma_loads(x2_ptr, p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, G, 
         s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                                 # scale·2^-7
     else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
         s = (sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * SCALE_TO_OPERAND).to(tl.bfloat16)
-    word0 = win * 64
-    xa0 = _mma_x(x2_ptr, G, stride_x2m, word0, M, valid, T, Q, WP, 0, INTERPRET)
-    xa1 = _mma_x(x2_ptr, G, stride_x2m, word0, M, valid, T, Q, WP, 1, INTERPRET)
-    xa2 = _mma_x(x2_ptr, G, stride_x2m, word0, M, valid, T, Q, WP, 2, INTERPRET)
-    xa3 = _mma_x(x2_ptr, G, stride_x2m, word0, M, valid, T, Q, WP, 3, INTERPRET)
+    xa = _mma_xs(x2_ptr, G, stride_x2m, win * 64, M, valid, T, Q, WP, INTERPRET)      # token tile 0
+    xb = xa
     if NT == 2:
-        xb0 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, valid, T, Q, WP, 0, INTERPRET)
-        xb1 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, valid, T, Q, WP, 1, INTERPRET)
-        xb2 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, valid, T, Q, WP, 2, INTERPRET)
-        xb3 = _mma_x(x2_ptr, G + 8, stride_x2m, word0, M, valid, T, Q, WP, 3, INTERPRET)
-    else:
-        xb0, xb1, xb2, xb3 = xa0, xa1, xa2, xa3
-    return w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3
+        xb = _mma_xs(x2_ptr, G + 8, stride_x2m, win * 64, M, valid, T, Q, WP, INTERPRET)  # token tile 1
+    return (w0, w1, s) + xa + xb
 
 
 @triton.jit

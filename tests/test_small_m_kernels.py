@@ -173,10 +173,9 @@ def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
 def test_fragment_launch_covers_k_in_whole_steps(M, N, K, monkeypatch):
     """_mma_launch on an H100's 132 SMs: the splits cover the K / 128 windows, none empty, in whole
     steps; more than one window a step only on short programs (<= PAIR_WINDOWS windows, twice that
-    at M <= 4) or the
-    long ones cut at M = 5..8 (32B down's: NOTES v31), never on 32B down's long ones elsewhere
-    (measured slower there, NOTES v30); a given split is covered the same
-    way at one window a step, and a given windows value is kept."""
+    at M <= 4) or the long ones cut at M = 5..8 (32B down's: NOTES v31), never on 32B down's long
+    ones elsewhere (measured slower there, NOTES v30); a given split is covered the same way at one
+    window a step, and a given windows value is kept."""
     monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
     cfg, nwin, cpu = mk.fwd_config(M, N, K), K // 128, torch.device("cpu")
     tiles = -(-N // (16 * cfg.warps * cfg.tiles))
