@@ -105,6 +105,8 @@ PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2
                          # windows a step (_mma_launch; 0 with LONG_RUN_WINDOWS = 999: one everywhere) ...
 LONG_RUN_WINDOWS = 12    # ... and at M 5..8 programs of >= this many are cut to LONG_RUN_CUT, two a step
 LONG_RUN_CUT = 8
+GEMV_WAVE = 5            # CUDA-core GEMV programs an SM holds at once (96 registers x 128 threads) ...
+GEMV_ONE_WAVE = True     # ... and with 1024-k steps its split fills one such wave (_gemv)
 WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and routes differ)
 WGMMA_MIN_M = 16         # above this M (and where the route holds, in place of the two above) ...
 WGMMA_SMALL = True       # ... and on the big weights (> WGMMA_NARROW elements) above GEMV_MAX_M where
@@ -154,8 +156,9 @@ EARLY_LOADS = True
 GEMV_LATE_RELEASE = True   # bench/ab.py's late= switch
 FRAGMENT_LATE_RELEASE = 0  # the fragment kernel's release after its loop too: 0 never, 1 always, 2 where no
                            # reduce kernel follows it (the next kernel is then a layer op);
-                           # bench/ab.py's frag_late=. H200, 1: 7B batch 2 +1.5%, batch 16 -1.3%, alone 7B
-                           # qkv / o M <= 8 10-20% slower, same bits (NOTES v31 item 8); 2 not yet measured
+                           # bench/ab.py's frag_late=. H100, 2: 7B decode batch 2 / 8 +0.8 / +0.9%, 32B
+                           # -0.6..+1.3%; back to back alone 7B qkv / o M <= 8 10-17% slower, with a
+                           # kernel between even (NOTES v32 item 1)
 REDUCE_FOLDS_LORA = True   # see reduce_folds_lora (bench/ab.py's lora_reduce= switch)
 
 
@@ -531,6 +534,22 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
+def _gemv_split(cfg, tiles, K, bk, silu_mul, sms):
+    """(split, k per split) of a CUDA-core GEMV launch of tiles programs along N.
+
+    ~8 programs per SM, each of >= 2 steps: the warps of a GEMV mostly wait on their loads (ncu:
+    long-scoreboard stalls), so more of them in flight (NOTES.md v11). Where a step is 1024 k (K a
+    multiple of 1024: the 32B weights), as many splits as fill one wave of GEMV_WAVE programs an SM
+    instead: 32B down 4 splits (640 programs) against 7 (1,120: 1.7 waves), 33.7-34.0 vs 34.4-34.9 us
+    alone (2.95 -> 3.02x cuBLAS), 32B batch-1 decode +0.8%. The 7B weights' 512-k steps keep the first rule: 7B down's one-wave
+    split ran 19.2 vs 19.4 us alone, yet 7B batch-1 decode lost 0.8% with it (H100, NOTES.md v32).
+    SiLU·mul needs whole rows (the gate/up weights have programs enough: 7B 1184, 32B 1728)."""
+    if silu_mul or cfg.split or bk < 1024 or not GEMV_ONE_WAVE:
+        return _split(1 if silu_mul else cfg.split, tiles, K, bk, 8 * sms, min_blocks=2)
+    split = min(GEMV_WAVE * sms // tiles, triton.cdiv(triton.cdiv(K, bk), 2))
+    return _split(max(split, 1), tiles, K, bk, 0)
+
+
 def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_mul=False):
     """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s)) on CUDA cores for M <= 4 (K a
     multiple of 16; padded to 32 if odd); with silu_mul, silu(y[:, :N/2])·y[:, N/2:] (see
@@ -547,10 +566,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         K = x.shape[1]
     bk = min(cfg.bk, triton.next_power_of_2(K))
     tiles = triton.cdiv(out.shape[1], cfg.bn // 2 if silu_mul else cfg.bn)
-    # ~8 programs per SM, each of >= 2 steps: the warps of a GEMV mostly wait on their loads
-    # (ncu: long-scoreboard stalls), so more of them in flight (NOTES.md v11); SiLU·mul needs
-    # whole rows (the gate/up weights have programs enough: 7B 1184, 32B 1728)
-    split, k_split = _split(1 if silu_mul else cfg.split, tiles, K, bk, 8 * _num_sms(x.device), min_blocks=2)
+    split, k_split = _gemv_split(cfg, tiles, K, bk, silu_mul, _num_sms(x.device))
     part = _partials(split, out)
     reduce = split > 1 and REDUCE_IN_KERNEL
     targets, flags = _split_targets(out, tiles, split, reduce)

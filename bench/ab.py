@@ -12,6 +12,8 @@ defaults, which are what ships):
     pdl=0|1               marlin_kernel.PDL: programmatic dependent launch of every Triton kernel
     late=0|1              marlin_kernel.GEMV_LATE_RELEASE: the M = 1 GEMV (but gate/up) schedules the
                           next kernel after its main loop, not at its start
+    gemv_wave=0|1         marlin_kernel.GEMV_ONE_WAVE: the M = 1 GEMV's split fills one wave of programs
+                          where its steps are 1024 k (0: ~8 programs an SM everywhere, as before v32)
     frag_late=0|1|2       marlin_kernel.FRAGMENT_LATE_RELEASE: the same for the fragment kernel (M = 2..16):
                           never, always, or where no reduce kernel follows it
     early=0|1             marlin_kernel.EARLY_LOADS: paged attention's first cache tile and RMSNorm's
@@ -84,6 +86,7 @@ import sampling
 SWITCHES = {
     "pdl": (marlin_kernel, "PDL", lambda v: bool(int(v))),
     "late": (marlin_kernel, "GEMV_LATE_RELEASE", lambda v: bool(int(v))),
+    "gemv_wave": (marlin_kernel, "GEMV_ONE_WAVE", lambda v: bool(int(v))),
     "frag_late": (marlin_kernel, "FRAGMENT_LATE_RELEASE", int),
     "early": (marlin_kernel, "EARLY_LOADS", lambda v: bool(int(v))),
     "reduce": (marlin_kernel, "REDUCE_IN_KERNEL", lambda v: bool(int(v))),

@@ -201,7 +201,7 @@ def test_fragment_kernel_refuses_what_it_cannot_do():
 # GPU: real shapes (Qwen2.5-7B / 32B projections)
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120)])
+@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120), (5120, 27648)])
 @pytest.mark.parametrize("M", [1, 7, 16, 33, 100, 256, 1000])
 def test_real_shapes_gpu(N, K, M, poisoned):
     gen = torch.Generator().manual_seed(N + K + M)
