@@ -541,9 +541,10 @@ def _gemv_split(cfg, tiles, K, bk, silu_mul, sms):
     long-scoreboard stalls), so more of them in flight (NOTES.md v11). Where a step is 1024 k (K a
     multiple of 1024: the 32B weights), as many splits as fill one wave of GEMV_WAVE programs an SM
     instead: 32B down 4 splits (640 programs) against 7 (1,120: 1.7 waves), 33.7-34.0 vs 34.4-34.9 us
-    alone (2.95 -> 3.02x cuBLAS), 32B batch-1 decode +0.8%. The 7B weights' 512-k steps keep the first rule: 7B down's one-wave
-    split ran 19.2 vs 19.4 us alone, yet 7B batch-1 decode lost 0.8% with it (H100, NOTES.md v32).
-    SiLU·mul needs whole rows (the gate/up weights have programs enough: 7B 1184, 32B 1728)."""
+    alone (2.95 -> 3.02x cuBLAS), 32B batch-1 decode +0.8%. The 7B weights' 512-k steps keep the
+    first rule: 7B down's one-wave split ran 19.2 vs 19.4 us alone, yet 7B batch-1 decode lost 0.8%
+    with it (H100, NOTES.md v32). SiLU·mul needs whole rows (the gate/up weights have programs
+    enough: 7B 1184, 32B 1728)."""
     if silu_mul or cfg.split or bk < 1024 or not GEMV_ONE_WAVE:
         return _split(1 if silu_mul else cfg.split, tiles, K, bk, 8 * sms, min_blocks=2)
     split = min(GEMV_WAVE * sms // tiles, triton.cdiv(triton.cdiv(K, bk), 2))
