@@ -105,6 +105,7 @@ PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2
                          # windows a step (_mma_launch; 0 with LONG_RUN_WINDOWS = 999: one everywhere) ...
 LONG_RUN_WINDOWS = 12    # ... and at M 5..8 programs of >= this many are cut to LONG_RUN_CUT, two a step
 LONG_RUN_CUT = 8
+WGMMA_FIT_STAGES = True  # fewer ring stages where that fits a register-A launch in one wave (_fit_stages)
 GEMV_WAVE = 5            # CUDA-core GEMV programs an SM holds at once (96 registers x 128 threads) ...
 GEMV_ONE_WAVE = True     # ... and with 1024-k steps its split fills one such wave (_gemv)
 WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and routes differ)
@@ -668,6 +669,23 @@ def _wgmma_split(M, N, K, cfg, device):
     return _split(cfg.split or max(1, min(nwin // 4, _wgmma_wave(cfg, device) // tiles)), tiles, nwin, 1, 0)
 
 
+def _fit_stages(M, N, cfg, device):
+    """cfg with fewer ring stages (3 at least) where that lets one wave hold every program of the
+    launch, else cfg. A launch whose programs exceed a wave does not split (_wgmma_split) and runs
+    a second, part-empty wave of programs that each read all of K: 32B gate_up at M = 9..16 has 864
+    row tiles, 792 of which fit at 4 stages and 1,056 at 3: 75.8 -> 62.2-63.8 us at M = 9..16
+    (2.62 -> 3.12-3.18x cuBLAS), 32B batch-16 decode +7.5%; 7B gate_up (592 tiles, one wave at 4
+    stages) would be 3.9% slower at 3 (H100, NOTES.md v32)."""
+    tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt)
+    if not WGMMA_FIT_STAGES or cfg.split or warp_specialized(cfg) or tiles <= _wgmma_wave(cfg, device):
+        return cfg
+    for stages in range(cfg.stages - 1, 2, -1):
+        fewer = replace(cfg, stages=stages)
+        if tiles <= _wgmma_wave(fewer, device):
+            return fewer
+    return cfg
+
+
 def _wgmma_launches(M, N, K, cfg, device):
     """The launches of one register-A product: [(config, first weight-row tile, weight-row tiles,
     split, windows per split)]. One launch (_wgmma_split), except where cfg's tiles fill whole waves
@@ -676,6 +694,7 @@ def _wgmma_launches(M, N, K, cfg, device):
     tile: its windows split into at most a wave of pieces where each keeps >= TAIL_MIN_WINDOWS (the
     pieces sum themselves: their fp32 tiles' round trip through L2 costs ~10 us a launch), else the
     rows in TAIL_CONFIG's smaller tiles (bench/NOTES.md v27)."""
+    cfg = _fit_stages(M, N, cfg, device)
     nt, mt, nwin = triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bt), K // 128
     split, chunk = _wgmma_split(M, N, K, cfg, device)
     wave = _wgmma_wave(cfg, device)

@@ -114,6 +114,26 @@ def test_wgmma_route_and_config(monkeypatch):
         assert [M for M in range(1, 1100) if mk.wgmma_rows(M, *big, dev, True)] == list(range(17, 1025))
 
 
+def test_fewer_stages_fit_a_launch_in_one_wave(monkeypatch):
+    """_fit_stages on an H100's 132 SMs: 32B gate_up at M = 9..16 (864 row tiles of 64; a 4-stage
+    ring of 16-token tiles lets 6 programs an SM share its shared memory, 792 a wave, a 3-stage one
+    8, 1,056) launches with 3 stages, unsplit; 7B gate_up (592 tiles) keeps 4; at M = 32 (3 stages
+    already, 660 a wave) there are none fewer to take; a given split, the warp-specialized kernel
+    and the switch off keep cfg."""
+    monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
+    cpu, g32, g7 = torch.device("cpu"), (55296, 5120), (37888, 3584)
+    c16 = mk.wgmma_config(16)
+    assert [mk._wgmma_wave(mk.WgmmaConfig(bt=16, stages=s), cpu) for s in (4, 3)] == [792, 1056]
+    assert mk._fit_stages(16, g32[0], c16, cpu) == mk.WgmmaConfig(bt=16, stages=3)
+    assert mk._wgmma_launches(12, *g32, c16, cpu) == [(mk.WgmmaConfig(bt=16, stages=3), 0, 864, 1, 40)]
+    assert mk._fit_stages(16, g7[0], c16, cpu) == c16
+    assert mk._fit_stages(32, g32[0], mk.wgmma_config(32), cpu) == mk.wgmma_config(32)
+    assert mk._fit_stages(16, g32[0], mk.WgmmaConfig(bt=16, stages=4, split=2), cpu).stages == 4
+    assert mk._fit_stages(1024, g32[0], mk.wgmma_config(1024), cpu) == mk.wgmma_config(1024)
+    monkeypatch.setattr(mk, "WGMMA_FIT_STAGES", False)
+    assert mk._fit_stages(16, g32[0], c16, cpu) == c16
+
+
 def _runs_here():
     return torch.cuda.is_available() and mk.wgmma_rows(64, 37888, 3584, torch.device("cuda"), True)
 
