@@ -105,6 +105,7 @@ PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2
                          # windows a step (_mma_launch; 0 with LONG_RUN_WINDOWS = 999: one everywhere) ...
 LONG_RUN_WINDOWS = 12    # ... and at M 5..8 programs of >= this many are cut to LONG_RUN_CUT, two a step
 LONG_RUN_CUT = 8
+WGMMA_DECODE_WAVE = 0.75  # register-A split-K at <= 16 tokens: up to this share of a wave (_wgmma_split)
 WGMMA_FIT_STAGES = True  # fewer ring stages where that fits a register-A launch in one wave (_fit_stages)
 GEMV_WAVE = 5            # CUDA-core GEMV programs an SM holds at once (96 registers x 128 threads) ...
 GEMV_ONE_WAVE = True     # ... and with 1024-k steps its split fills one such wave (_gemv)
@@ -663,10 +664,18 @@ def _wgmma_wave(cfg, device) -> int:
 
 def _wgmma_split(M, N, K, cfg, device):
     """(split, windows per split) of a register-A launch: split-K up to one wave of programs
-    (_wgmma_wave), each >= 4 windows of 128 k; more waves measured slower (NOTES v17)."""
+    (_wgmma_wave), each >= 4 windows of 128 k; more waves measured slower (NOTES v17). With decode
+    tiles (<= 16 tokens) up to WGMMA_DECODE_WAVE of a wave: each split adds M·N·8 bytes of fp32
+    partials (stored, then read by the reduce kernel), at M = 16 17% of 7B down's weight bytes at
+    its one-wave 14 splits. 3/4 of a wave, against one: 7B down at M = 9..16 (10 splits, not 14)
+    5-8% faster, 32B qkv / o 3-5% (M = 9 on 32B o even), 32B down 0-1% slower; decode batch 16
+    7B +1.1%, 32B +0.2% (1/2 a wave: 7B +2.0%, 32B -0.4%; H100, NOTES v32)."""
     nwin = K // 128
     tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt)
-    return _split(cfg.split or max(1, min(nwin // 4, _wgmma_wave(cfg, device) // tiles)), tiles, nwin, 1, 0)
+    wave = _wgmma_wave(cfg, device)
+    if cfg.bt <= 16:
+        wave = int(wave * WGMMA_DECODE_WAVE)
+    return _split(cfg.split or max(1, min(nwin // 4, wave // tiles)), tiles, nwin, 1, 0)
 
 
 def _fit_stages(M, N, cfg, device):

@@ -134,6 +134,24 @@ def test_fewer_stages_fit_a_launch_in_one_wave(monkeypatch):
     assert mk._fit_stages(16, g32[0], c16, cpu) == c16
 
 
+@pytest.mark.parametrize("N,K,M,split,before", [(3584, 18944, 16, 10, 14), (7168, 5120, 12, 5, 7),
+                                                  (5120, 5120, 9, 7, 8), (5120, 27648, 16, 7, 9),
+                                                  (55296, 5120, 16, 1, 1), (3584, 18944, 64, 4, 4)])
+def test_wgmma_split_at_decode_takes_part_of_a_wave(N, K, M, split, before, monkeypatch):
+    """_wgmma_split on an H100's 132 SMs (792 programs a wave for 16-token tiles, 4 stages): at <= 16
+    tokens up to 3/4 of it, 594: 7B down 56 row tiles x 10 splits (594 // 56 = 10; one wave: 14),
+    32B qkv 112 x 5 (of 40 windows: 8 each; 7 before), 32B o 80 x 7 (6 windows each; 8 before),
+    32B down 80 x 7 (31 windows; 9 before); gate_up unsplit either way; M = 64 left alone (7B down:
+    264 // 56 = 4 splits of 37 windows, its 64-token tiles fill at 3 stages 2 an SM). Every split
+    covers K's windows once, >= 4 each."""
+    monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
+    cpu, cfg, nwin = torch.device("cpu"), mk.wgmma_config(M), K // 128
+    got, per = mk._wgmma_split(M, N, K, cfg, cpu)
+    assert got == split and (got - 1) * per < nwin <= got * per and (per >= 4 or got == 1)
+    monkeypatch.setattr(mk, "WGMMA_DECODE_WAVE", 1.0)
+    assert mk._wgmma_split(M, N, K, cfg, cpu)[0] == before
+
+
 def _runs_here():
     return torch.cuda.is_available() and mk.wgmma_rows(64, 37888, 3584, torch.device("cuda"), True)
 
