@@ -106,6 +106,7 @@ PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2
 LONG_RUN_WINDOWS = 12    # ... and at M 5..8 programs of >= this many are cut to LONG_RUN_CUT, two a step
 LONG_RUN_CUT = 8
 WGMMA_DECODE_WAVE = 0.75  # register-A split-K at <= 16 tokens: up to this share of a wave (_wgmma_split)
+LONG_RING_WINDOWS = 32    # register-A programs of >= this many windows take a 4-stage ring if it is free
 WGMMA_FIT_STAGES = True  # fewer ring stages where that fits a register-A launch in one wave (_fit_stages)
 GEMV_WAVE = 5            # CUDA-core GEMV programs an SM holds at once (96 registers x 128 threads) ...
 GEMV_ONE_WAVE = True     # ... and with 1024-k steps its split fills one such wave (_gemv)
@@ -695,6 +696,20 @@ def _fit_stages(M, N, cfg, device):
     return cfg
 
 
+def _deeper_ring(cfg, programs, chunk, device):
+    """cfg with a 4-stage ring where it has 3, its programs fit one wave and run >= LONG_RING_WINDOWS
+    windows each, and the deeper ring leaves the programs an SM as they are (64-token tiles: 2 an
+    SM at 3 or 4 stages). So the down weights at M = 33..64: 7B down 4-5% faster (M = 64 1.93 ->
+    2.00x cuBLAS), 32B down 6-7%; the short runs of qkv / o gain nothing (1% slower), nor 32B
+    gate_up's 3.3 waves of 40-window programs (1-4% slower; H100, NOTES.md v32)."""
+    deeper = replace(cfg, stages=4)
+    if (cfg.stages != 3 or chunk < LONG_RING_WINDOWS or programs > _wgmma_wave(cfg, device)
+            or SMEM_PER_SM < rak.ring_bytes(cfg.bn, cfg.bt, 4) + 1024
+            or _wgmma_wave(deeper, device) != _wgmma_wave(cfg, device)):
+        return cfg
+    return deeper
+
+
 def _wgmma_launches(M, N, K, cfg, device):
     """The launches of one register-A product: [(config, first weight-row tile, weight-row tiles,
     split, windows per split)]. One launch (_wgmma_split), except where cfg's tiles fill whole waves
@@ -706,6 +721,7 @@ def _wgmma_launches(M, N, K, cfg, device):
     cfg = _fit_stages(M, N, cfg, device)
     nt, mt, nwin = triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bt), K // 128
     split, chunk = _wgmma_split(M, N, K, cfg, device)
+    cfg = _deeper_ring(cfg, nt * mt * split, chunk, device)
     wave = _wgmma_wave(cfg, device)
     main = nt * mt // wave * wave // mt                         # weight-row tiles of whole waves
     single = [(cfg, 0, nt, split, chunk)]

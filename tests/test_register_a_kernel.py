@@ -152,6 +152,22 @@ def test_wgmma_split_at_decode_takes_part_of_a_wave(N, K, M, split, before, monk
     assert mk._wgmma_split(M, N, K, cfg, cpu)[0] == before
 
 
+def test_long_runs_take_a_deeper_ring_where_it_is_free(monkeypatch):
+    """_deeper_ring on an H100's 132 SMs: 7B down at M = 64 (56 tiles x 4 splits of 37 windows, 224
+    programs) and 32B down (80 x 3 of 72) run 4 stages, since 64-token tiles fit 2 an SM (264 a
+    wave) at 3 or 4; 32B qkv there (2 of 20 windows) keeps 3, and 32B gate_up (864 unsplit programs
+    of 40 windows: 3.3 waves); 7B down at M = 128 keeps 3 (a 4-stage ring of 128-token tiles would
+    cost programs an SM) and at M = 1024 (256-token tiles: 4 stages do not fit the shared memory)."""
+    monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    stages = {(M, N, K): [c.stages for c, *_ in mk._wgmma_launches(M, N, K, mk.wgmma_config(M), cpu)]
+              for M, N, K in ((64, 3584, 18944), (48, 5120, 27648), (64, 7168, 5120), (128, 3584, 18944),
+                              (1024, 3584, 18944), (64, 55296, 5120))}
+    assert stages == {(64, 3584, 18944): [4], (48, 5120, 27648): [4], (64, 7168, 5120): [3],
+                      (128, 3584, 18944): [3], (1024, 3584, 18944): [3], (64, 55296, 5120): [3]}
+    assert mk._wgmma_split(64, 3584, 18944, mk.wgmma_config(64), cpu) == (4, 37)
+
+
 def _runs_here():
     return torch.cuda.is_available() and mk.wgmma_rows(64, 37888, 3584, torch.device("cuda"), True)
 
