@@ -33,7 +33,7 @@ kernel runs (it reads the interleaved layout only, and sums in its own order).
 
 Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, bench/NOTES.md):
   * M = 1 (batch-1 decode): the CUDA-core kernel, 32 weight rows x 512-1024 k per step, split
-    along K until ~8 programs per SM exist.
+    along K until ~8 programs per SM exist (with 1024-k steps: one wave of them, _gemv_split).
   * M <= 16 (decode; K a multiple of 128): the fragment kernel, mma.sync on weights decoded straight
     into its A registers, 64 or 128 weight rows per program.
   * 16 < M <= 1024 (M <= 128 on weights of <= 20M elements: 7B qkv, o; above 512 where its waves
@@ -98,6 +98,8 @@ MIN_RED = 64             # reduction tiles are >= 64 wide (16-wide ones decoded 
                          # a reduction dim that is not a multiple of 64 is zero-padded
 DEQUANT_MIN_M = 512      # from this M on: dequantize W to bf16 once, then cuBLAS (use_dequant)
 GEMV_MAX_M = 1           # up to this M: the CUDA-core kernel (no tensor cores; it takes <= 4 rows)
+GEMV_WAVE = 5            # CUDA-core GEMV programs an SM holds at once (96 registers x 128 threads) ...
+GEMV_ONE_WAVE = True     # ... and with 1024-k steps its split fills one such wave (_gemv_split)
 FRAGMENT_MAX_M = 16      # up to this M: the fragment kernel (mma.sync, K % 128 == 0); else tiles
 FRAGMENT_REDUCE_MAX_M = 4  # to this M the fragment kernel's last split sums the partials (_mma) ...
 PAIR_REDUCE_MAX_M = 8    # ... and to this M where a step loads several windows; else the reduce kernel
@@ -105,11 +107,10 @@ PAIR_WINDOWS = 4         # fragment programs of <= this many 128-k windows (<= 2
                          # windows a step (_mma_launch; 0 with LONG_RUN_WINDOWS = 999: one everywhere) ...
 LONG_RUN_WINDOWS = 12    # ... and at M 5..8 programs of >= this many are cut to LONG_RUN_CUT, two a step
 LONG_RUN_CUT = 8
-WGMMA_DECODE_WAVE = 0.75  # register-A split-K at <= 16 tokens: up to this share of a wave (_wgmma_split)
-LONG_RING_WINDOWS = 32    # register-A programs of >= this many windows take a 4-stage ring if it is free
+WGMMA_DECODE_WAVE = 0.75 # register-A split-K at <= 16 tokens: up to this share of a wave (_wgmma_split)
 WGMMA_FIT_STAGES = True  # fewer ring stages where that fits a register-A launch in one wave (_fit_stages)
-GEMV_WAVE = 5            # CUDA-core GEMV programs an SM holds at once (96 registers x 128 threads) ...
-GEMV_ONE_WAVE = True     # ... and with 1024-k steps its split fills one such wave (_gemv)
+LONG_RING_WINDOWS = 32   # one-wave register-A programs of >= this many windows take a 4-stage ring
+                         # where it costs no programs an SM (_deeper_ring; 999: never)
 WIDE_N = 16384           # a wide weight (gate_up): N >= this (launch shapes and routes differ)
 WGMMA_MIN_M = 16         # above this M (and where the route holds, in place of the two above) ...
 WGMMA_SMALL = True       # ... and on the big weights (> WGMMA_NARROW elements) above GEMV_MAX_M where
@@ -160,8 +161,8 @@ GEMV_LATE_RELEASE = True   # bench/ab.py's late= switch
 FRAGMENT_LATE_RELEASE = 0  # the fragment kernel's release after its loop too: 0 never, 1 always, 2 where no
                            # reduce kernel follows it (the next kernel is then a layer op);
                            # bench/ab.py's frag_late=. H100, 2: 7B decode batch 2 / 8 +0.8 / +0.9%, 32B
-                           # -0.6..+1.3%; back to back alone 7B qkv / o M <= 8 10-17% slower, with a
-                           # kernel between even (NOTES v32 item 1)
+                           # -0.6..+1.3%; back to back alone 7B qkv M <= 8 10-17% slower, 7B o 7-10%,
+                           # with a kernel between even (NOTES v32 item 1)
 REDUCE_FOLDS_LORA = True   # see reduce_folds_lora (bench/ab.py's lora_reduce= switch)
 
 
@@ -229,7 +230,7 @@ class TileConfig:
 class GemvConfig:
     """Launch shape of the CUDA-core kernel (M <= GEMV_MAX_M). bn: weight rows per program (bn /
     warps per warp); bk: k per loop step (bk/2 bytes of each row, 16 per thread); split: programs
-    along K (0 = choose: split until ~8 programs per SM exist)."""
+    along K (0 = choose: _gemv_split)."""
     bn: int = 32
     bk: int = 1024
     warps: int = 4
@@ -267,7 +268,8 @@ class WgmmaConfig:
     """Launch shape of the register-A wgmma kernel (register_a_kernel.py). bt: tokens per program
     (wgmma's N: 8 .. 256, a power of two); bn: weight rows per program (64 per warpgroup of 4 warps;
     the warp-specialized kernel runs 8 warps as two consumer warpgroups of bn/2 rows each); stages:
-    the ring; split: programs along K (0 = choose: up to one wave, >= 4 windows each)."""
+    the ring (the launch may take fewer or more: _fit_stages, _deeper_ring); split: programs along
+    K (0 = choose: _wgmma_split)."""
     bt: int
     bn: int = 64
     warps: int = 4
@@ -540,11 +542,12 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
 def _gemv_split(cfg, tiles, K, bk, silu_mul, sms):
     """(split, k per split) of a CUDA-core GEMV launch of tiles programs along N.
 
-    ~8 programs per SM, each of >= 2 steps: the warps of a GEMV mostly wait on their loads (ncu:
-    long-scoreboard stalls), so more of them in flight (NOTES.md v11). Where a step is 1024 k (K a
-    multiple of 1024: the 32B weights), as many splits as fill one wave of GEMV_WAVE programs an SM
-    instead: 32B down 4 splits (640 programs) against 7 (1,120: 1.7 waves), 33.7-34.0 vs 34.4-34.9 us
-    alone (2.95 -> 3.02x cuBLAS), 32B batch-1 decode +0.8%. The 7B weights' 512-k steps keep the
+    ~8 programs per SM of >= 2 steps on average: the warps of a GEMV mostly wait on their loads
+    (ncu: long-scoreboard stalls), so more of them in flight (NOTES.md v11). Where a step is 1024 k
+    (K a multiple of 1024: the 32B weights), as many splits as fill one wave of GEMV_WAVE programs
+    an SM instead, but not more than half the steps: 32B down 4 splits (640 programs) against 7
+    (1,120: 1.7 waves), 34.4-34.8 -> 33.6-34.0 us alone (2.98 -> 3.05x cuBLAS), 32B batch-1 decode
+    +0.8%. The 7B weights' 512-k steps keep the
     first rule: 7B down's one-wave split ran 19.2 vs 19.4 us alone, yet 7B batch-1 decode lost 0.8%
     with it (H100, NOTES.md v32). SiLU·mul needs whole rows (the gate/up weights have programs
     enough: 7B 1184, 32B 1728)."""
@@ -683,9 +686,9 @@ def _fit_stages(M, N, cfg, device):
     """cfg with fewer ring stages (3 at least) where that lets one wave hold every program of the
     launch, else cfg. A launch whose programs exceed a wave does not split (_wgmma_split) and runs
     a second, part-empty wave of programs that each read all of K: 32B gate_up at M = 9..16 has 864
-    row tiles, 792 of which fit at 4 stages and 1,056 at 3: 75.8 -> 62.2-63.8 us at M = 9..16
-    (2.62 -> 3.12-3.18x cuBLAS), 32B batch-16 decode +7.5%; 7B gate_up (592 tiles, one wave at 4
-    stages) would be 3.9% slower at 3 (H100, NOTES.md v32)."""
+    row tiles, 792 of which fit at 4 stages and 1,056 at 3: 75.7-75.9 -> 62.2-63.6 us at M = 9..16
+    (2.61-2.62 -> 3.12-3.18x cuBLAS), 32B batch-16 decode +7.5%; 7B gate_up (592 tiles, one wave at
+    4 stages) would be 3.9% slower at 3 (32.9 vs 34.2 us; H100, NOTES.md v32)."""
     tiles = triton.cdiv(N, cfg.bn) * triton.cdiv(M, cfg.bt)
     if not WGMMA_FIT_STAGES or cfg.split or warp_specialized(cfg) or tiles <= _wgmma_wave(cfg, device):
         return cfg
@@ -697,13 +700,15 @@ def _fit_stages(M, N, cfg, device):
 
 
 def _deeper_ring(cfg, programs, chunk, device):
-    """cfg with a 4-stage ring where it has 3, its programs fit one wave and run >= LONG_RING_WINDOWS
-    windows each, and the deeper ring leaves the programs an SM as they are (64-token tiles: 2 an
-    SM at 3 or 4 stages). So the down weights at M = 33..64: 7B down 4-5% faster (M = 64 1.93 ->
+    """cfg with a 4-stage ring where it has 3 (and no given split), its programs fit one wave and
+    run >= LONG_RING_WINDOWS windows each, and the deeper ring leaves the programs an SM as they
+    are. With 64-token tiles it does: shared memory would hold 3 programs an SM at 3 stages and 2
+    at 4, but the warp-specialized kernel's registers allow 2 either way (65536 / (MAX_REGS 128 x
+    32 lanes x 8 warps)). So the down weights at M = 33..64: 7B down 4-5% faster (M = 64 1.93 ->
     2.00x cuBLAS), 32B down 6-7%; the short runs of qkv / o gain nothing (1% slower), nor 32B
     gate_up's 3.3 waves of 40-window programs (1-4% slower; H100, NOTES.md v32)."""
     deeper = replace(cfg, stages=4)
-    if (cfg.stages != 3 or chunk < LONG_RING_WINDOWS or programs > _wgmma_wave(cfg, device)
+    if (cfg.stages != 3 or cfg.split or chunk < LONG_RING_WINDOWS or programs > _wgmma_wave(cfg, device)
             or SMEM_PER_SM < rak.ring_bytes(cfg.bn, cfg.bt, 4) + 1024
             or _wgmma_wave(deeper, device) != _wgmma_wave(cfg, device)):
         return cfg
@@ -717,7 +722,8 @@ def _wgmma_launches(M, N, K, cfg, device):
     waves' worth of weight-row tiles, then one for the rows left, which ends after a fraction of a
     tile: its windows split into at most a wave of pieces where each keeps >= TAIL_MIN_WINDOWS (the
     pieces sum themselves: their fp32 tiles' round trip through L2 costs ~10 us a launch), else the
-    rows in TAIL_CONFIG's smaller tiles (bench/NOTES.md v27)."""
+    rows in TAIL_CONFIG's smaller tiles (bench/NOTES.md v27). cfg's ring may be made shallower
+    (_fit_stages) or deeper (_deeper_ring) first."""
     cfg = _fit_stages(M, N, cfg, device)
     nt, mt, nwin = triton.cdiv(N, cfg.bn), triton.cdiv(M, cfg.bt), K // 128
     split, chunk = _wgmma_split(M, N, K, cfg, device)

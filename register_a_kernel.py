@@ -68,10 +68,11 @@ The scales are E4M3 bytes: the hardware's fp8 -> fp32 conversion, times 2^119, a
 the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAND_SHIFT).
 
 Split-K: a weight with few 64-row tiles (7B down: N = 3584) splits its windows among programs (up
-to one wave of them: marlin_kernel._wgmma_split), which write fp32 partials that
-tile_kernels._splitk_reduce_kernel sums in order with scale and bias (summed in the launch by the
-split that counts last it ran slower: one SM pulls every piece through L2, NOTES v27 item 3; only
-a tail launch's long pieces do so, where the reduce kernel would need the rows' strides).
+to one wave of them, 3/4 of one at <= 16 tokens: marlin_kernel._wgmma_split), which write fp32
+partials that tile_kernels._splitk_reduce_kernel sums in order with scale and bias (summed in the
+launch by the split that counts last it ran slower: one SM pulls every piece through L2, NOTES v27
+item 3; only a tail launch's long pieces do so, where the reduce kernel would need the rows'
+strides).
 Programmatic dependent launch as in every other kernel (pdl_start's two instructions as inline
 PTX): without it, a split launch after a PDL chain ran up to 8 µs slower
 (bench/results/kernel_v17_pdl_diag_h100.txt).

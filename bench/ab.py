@@ -42,6 +42,8 @@ defaults, which are what ships):
                           fwd_config; NOTES v30 item 9 tried it with others)
     dwave=F               marlin_kernel.WGMMA_DECODE_WAVE: ... split-K at <= 16 tokens up to F of a wave
                           (1.0: as before v32)
+    long_ring=N           marlin_kernel.LONG_RING_WINDOWS: ... with a 4-stage ring for one-wave launches of
+                          programs of >= N windows where it is free (999: never, as before v32)
     fit_stages=0|1        marlin_kernel.WGMMA_FIT_STAGES: ... with fewer ring stages where that fits its
                           programs in one wave (32B gate_up at M = 9..16; 0: as before v32)
     ws_min_bt=N           marlin_kernel.WS_MIN_BT: the register-A kernel warp-specialized from N tokens
@@ -93,6 +95,7 @@ SWITCHES = {
     "gemv_wave": (marlin_kernel, "GEMV_ONE_WAVE", lambda v: bool(int(v))),
     "fit_stages": (marlin_kernel, "WGMMA_FIT_STAGES", lambda v: bool(int(v))),
     "dwave": (marlin_kernel, "WGMMA_DECODE_WAVE", float),
+    "long_ring": (marlin_kernel, "LONG_RING_WINDOWS", int),
     "frag_late": (marlin_kernel, "FRAGMENT_LATE_RELEASE", int),
     "early": (marlin_kernel, "EARLY_LOADS", lambda v: bool(int(v))),
     "reduce": (marlin_kernel, "REDUCE_IN_KERNEL", lambda v: bool(int(v))),

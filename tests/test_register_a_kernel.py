@@ -119,7 +119,8 @@ def test_fewer_stages_fit_a_launch_in_one_wave(monkeypatch):
     ring of 16-token tiles lets 6 programs an SM share its shared memory, 792 a wave, a 3-stage one
     8, 1,056) launches with 3 stages, unsplit; 7B gate_up (592 tiles) keeps 4; at M = 32 (3 stages
     already, 660 a wave) there are none fewer to take; a given split, the warp-specialized kernel
-    and the switch off keep cfg."""
+    (128-token tiles at M = 100: 200 row tiles of N = 12800, 132 a wave at 4 stages, 264 at 3) and
+    the switch off keep cfg."""
     monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
     cpu, g32, g7 = torch.device("cpu"), (55296, 5120), (37888, 3584)
     c16 = mk.wgmma_config(16)
@@ -130,6 +131,10 @@ def test_fewer_stages_fit_a_launch_in_one_wave(monkeypatch):
     assert mk._fit_stages(32, g32[0], mk.wgmma_config(32), cpu) == mk.wgmma_config(32)
     assert mk._fit_stages(16, g32[0], mk.WgmmaConfig(bt=16, stages=4, split=2), cpu).stages == 4
     assert mk._fit_stages(1024, g32[0], mk.wgmma_config(1024), cpu) == mk.wgmma_config(1024)
+    ws4 = mk.WgmmaConfig(bt=128, stages=4)
+    assert mk.warp_specialized(ws4) and [mk._wgmma_wave(mk.WgmmaConfig(bt=128, stages=st), cpu)
+                                         for st in (4, 3)] == [132, 264]
+    assert mk._fit_stages(100, 12800, ws4, cpu) == ws4
     monkeypatch.setattr(mk, "WGMMA_FIT_STAGES", False)
     assert mk._fit_stages(16, g32[0], c16, cpu) == c16
 
@@ -143,7 +148,7 @@ def test_wgmma_split_at_decode_takes_part_of_a_wave(N, K, M, split, before, monk
     32B qkv 112 x 5 (of 40 windows: 8 each; 7 before), 32B o 80 x 7 (6 windows each; 8 before),
     32B down 80 x 7 (31 windows; 9 before); gate_up unsplit either way; M = 64 left alone (7B down:
     264 // 56 = 4 splits of 37 windows, its 64-token tiles fill at 3 stages 2 an SM). Every split
-    covers K's windows once, >= 4 each."""
+    covers K's windows once, in runs of >= 4 (the last may be shorter)."""
     monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
     cpu, cfg, nwin = torch.device("cpu"), mk.wgmma_config(M), K // 128
     got, per = mk._wgmma_split(M, N, K, cfg, cpu)
@@ -154,10 +159,11 @@ def test_wgmma_split_at_decode_takes_part_of_a_wave(N, K, M, split, before, monk
 
 def test_long_runs_take_a_deeper_ring_where_it_is_free(monkeypatch):
     """_deeper_ring on an H100's 132 SMs: 7B down at M = 64 (56 tiles x 4 splits of 37 windows, 224
-    programs) and 32B down (80 x 3 of 72) run 4 stages, since 64-token tiles fit 2 an SM (264 a
-    wave) at 3 or 4; 32B qkv there (2 of 20 windows) keeps 3, and 32B gate_up (864 unsplit programs
-    of 40 windows: 3.3 waves); 7B down at M = 128 keeps 3 (a 4-stage ring of 128-token tiles would
-    cost programs an SM) and at M = 1024 (256-token tiles: 4 stages do not fit the shared memory)."""
+    programs) and 32B down at M = 48 (80 x 3 of 72) run 4 stages, since 64-token tiles fit 2 an SM
+    (264 a wave) at 3 or 4; 32B qkv at M = 64 (2 of 20 windows) keeps 3, and 32B gate_up (864
+    unsplit programs of 40 windows: 3.3 waves); 7B down at M = 128 keeps 3 (a 4-stage ring of
+    128-token tiles would cost programs an SM) and at M = 1024 (256-token tiles: 4 stages do not
+    fit the shared memory); so does a given split, and LONG_RING_WINDOWS = 999 (off)."""
     monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
     cpu = torch.device("cpu")
     stages = {(M, N, K): [c.stages for c, *_ in mk._wgmma_launches(M, N, K, mk.wgmma_config(M), cpu)]
@@ -166,6 +172,10 @@ def test_long_runs_take_a_deeper_ring_where_it_is_free(monkeypatch):
     assert stages == {(64, 3584, 18944): [4], (48, 5120, 27648): [4], (64, 7168, 5120): [3],
                       (128, 3584, 18944): [3], (1024, 3584, 18944): [3], (64, 55296, 5120): [3]}
     assert mk._wgmma_split(64, 3584, 18944, mk.wgmma_config(64), cpu) == (4, 37)
+    given = mk.WgmmaConfig(bt=64, split=4)
+    assert [c.stages for c, *_ in mk._wgmma_launches(64, 3584, 18944, given, cpu)] == [3]
+    monkeypatch.setattr(mk, "LONG_RING_WINDOWS", 999)
+    assert [c.stages for c, *_ in mk._wgmma_launches(64, 3584, 18944, mk.wgmma_config(64), cpu)] == [3]
 
 
 def _runs_here():
@@ -217,7 +227,7 @@ def test_wgmma_kernel_eight_warps_gpu(bt, M, poisoned):
 
 @pytest.mark.gpu
 @gluon_gpu
-@pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (55296, 5120), (4608, 3584)])
+@pytest.mark.parametrize("N,K", [(37888, 3584), (3584, 18944), (55296, 5120), (4608, 3584), (5120, 27648)])
 @pytest.mark.parametrize("M", [2, 9, 16, 17, 64, 100, 256, 300, 600, 1024])
 def test_wgmma_route_real_shapes_gpu(N, K, M, poisoned, monkeypatch):
     """nvfp4_matmul on interleaved real weights launches the wgmma kernel where wgmma_rows says so

@@ -169,14 +169,16 @@ def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
 
 
 @pytest.mark.parametrize("N,K,split,before", [(5120, 27648, 4, 7), (7168, 5120, 2, 3), (5120, 5120, 3, 3),
-                                                (3584, 18944, 13, 13), (4608, 3584, 4, 4), (37888, 3584, 1, 1)])
+                                                (3584, 18944, 13, 13), (4608, 3584, 4, 4), (37888, 3584, 1, 1),
+                                                (32, 2048, 1, 2)])
 def test_gemv_split_fills_one_wave_with_1024_k_steps(N, K, split, before, monkeypatch):
     """The CUDA-core GEMV's split on an H100's 132 SMs: with 1024-k steps (the 32B weights) as many
     splits as fill one wave of GEMV_WAVE programs an SM (32B down: 160 tiles x 4 = 640 <= 660, not
     the ~8-an-SM rule's 7), with 512-k steps (the 7B weights) that rule (7B down 13). Counted by
     hand: 32B down 660 // 160 = 4 splits of 7 steps; 32B qkv 660 // 224 = 2 of 3 steps (5 steps in
     all); 32B o min(660 // 160, ceil(5 / 2)) = 3 (chunks of 2, 2, 1 steps); 7B down doubles to 16 >=
-    1056 / 112, chunks of ceil(37 / 16) = 3 steps: 13 splits. Every split covers K once, none empty,
+    1056 / 112, chunks of ceil(37 / 16) = 3 steps: 13 splits; one tile of 2 steps: 660 splits wanted,
+    capped at half the steps, 1 (the rule of before: 2 of one step). Every split covers K once, none empty,
     each >= 1 step; SiLU·mul and a given split keep theirs; switched off, the rule of before
     (32B down 7, 32B qkv 3: doubled to 4, chunks of ceil(5 / 4) = 2 steps)."""
     monkeypatch.setattr(mk, "_num_sms", lambda device: 132)
@@ -192,9 +194,9 @@ def test_gemv_split_fills_one_wave_with_1024_k_steps(N, K, split, before, monkey
 
 @pytest.mark.parametrize("M", [1, 3])
 def test_gemv_one_wave_split_is_right(M, monkeypatch, poisoned):
-    """A GEMV launch through the one-wave split (1024-k steps, 1 CPU 'SM': 5 program slots over 2
-    tiles, 2 splits of 3 steps where the rule of before gives 3 of 2), summed in-kernel, against
-    float64."""
+    """A GEMV launch through the one-wave split (1024-k steps on a pretend 1-SM device: 5 program
+    slots over 2 tiles, 2 splits of 3 steps where the rule of before gives 3 of 2), summed
+    in-kernel, against float64."""
     monkeypatch.setattr(mk, "_num_sms", lambda device: 1)
     launched = []
     monkeypatch.setattr(mk, "_nvfp4_gemv_kernel", LaunchSpy(mk._nvfp4_gemv_kernel, launched))
