@@ -547,10 +547,9 @@ def _gemv_split(cfg, tiles, K, bk, silu_mul, sms):
     (K a multiple of 1024: the 32B weights), as many splits as fill one wave of GEMV_WAVE programs
     an SM instead, but not more than half the steps: 32B down 4 splits (640 programs) against 7
     (1,120: 1.7 waves), 34.4-34.8 -> 33.6-34.0 us alone (2.98 -> 3.05x cuBLAS), 32B batch-1 decode
-    +0.8%. The 7B weights' 512-k steps keep the
-    first rule: 7B down's one-wave split ran 19.2 vs 19.4 us alone, yet 7B batch-1 decode lost 0.8%
-    with it (H100, NOTES.md v32). SiLU·mul needs whole rows (the gate/up weights have programs
-    enough: 7B 1184, 32B 1728)."""
+    +0.8%. The 7B weights' 512-k steps keep the first rule: 7B down's one-wave split ran 19.2 vs
+    19.4 us alone, yet 7B batch-1 decode lost 0.8% with it (H100, NOTES.md v32). SiLU·mul needs
+    whole rows (the gate/up weights have programs enough: 7B 1184, 32B 1728)."""
     if silu_mul or cfg.split or bk < 1024 or not GEMV_ONE_WAVE:
         return _split(1 if silu_mul else cfg.split, tiles, K, bk, 8 * sms, min_blocks=2)
     split = min(GEMV_WAVE * sms // tiles, triton.cdiv(triton.cdiv(K, bk), 2))
@@ -707,10 +706,9 @@ def _deeper_ring(cfg, programs, chunk, device):
     32 lanes x 8 warps)). So the down weights at M = 33..64: 7B down 4-5% faster (M = 64 1.93 ->
     2.00x cuBLAS), 32B down 6-7%; the short runs of qkv / o gain nothing (1% slower), nor 32B
     gate_up's 3.3 waves of 40-window programs (1-4% slower; H100, NOTES.md v32)."""
-    deeper = replace(cfg, stages=4)
-    if (cfg.stages != 3 or cfg.split or chunk < LONG_RING_WINDOWS or programs > _wgmma_wave(cfg, device)
-            or SMEM_PER_SM < rak.ring_bytes(cfg.bn, cfg.bt, 4) + 1024
-            or _wgmma_wave(deeper, device) != _wgmma_wave(cfg, device)):
+    deeper, wave = replace(cfg, stages=4), _wgmma_wave(cfg, device)
+    if (cfg.stages != 3 or cfg.split or chunk < LONG_RING_WINDOWS or programs > wave
+            or SMEM_PER_SM < rak.ring_bytes(cfg.bn, cfg.bt, 4) + 1024 or _wgmma_wave(deeper, device) != wave):
         return cfg
     return deeper
 

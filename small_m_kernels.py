@@ -359,10 +359,10 @@ def _mma_loads(x2_ptr, p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, G, 
                stride_x2m, stride_p4n, stride_sn, NT: tl.constexpr, IL: tl.constexpr, INTERPRET: tl.constexpr):
     """Everything one 128-k window needs, loaded (zeros from win_end on): the lane's W words of
     rows g and g + 8, its four scales as mma operands, and the x words of token tile 0 (and 1)."""
-    # the weights are read once per call: evict them first, keep x and the partials in L2
     wo = 4 * T + Q                                                              # lane t's 4 words
     # a split's last step may pass its end; a tensor, since the interpreter takes no scalar masks
     valid = win + 0 * wo < win_end                                              # (4, 1, 1, 1, 4)
+    # the weights are read once per call: evict them first, keep x and the partials in L2
     w0 = tl.load(p4_ptr + _tile_offsets(row0, win, wo, stride_p4n, 16, IL), mask=valid, other=0,
                  eviction_policy="evict_first")
     w1 = tl.load(p4_ptr + _tile_offsets(row1, win, wo, stride_p4n, 16, IL), mask=valid, other=0,
