@@ -631,14 +631,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     tiles = triton.cdiv(N, 16 * cfg.warps * cfg.tiles)
     split, per, step = _mma_launch(cfg, M, tiles, K, x.device)
     part = _partials(split, out)
-    # the last split sums the partials at M <= 4 (H100, 7B decode, same run: batch 4 +4.3%, batch 8
-    # -2.5% against the reduce kernel; bench/NOTES.md v9), and to M = 8 where a step loads several
-    # windows (7B qkv / o M = 8 -15% alone, v30; 32B qkv with one window a step and 7B qkv at M = 16
-    # ran slower with it). Above M = 8 it sums both token tiles if the thresholds are raised: not by
-    # default (alone 7B o M = 16 4% faster, 7B qkv 40% slower; the 7B batch-16 graph 2% fewer tok/s,
-    # bench/NOTES.md v31)
-    in_kernel = M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M)
-    reduce = split > 1 and REDUCE_IN_KERNEL and in_kernel
+    reduce = split > 1 and REDUCE_IN_KERNEL and fragment_sums_in_kernel(M, step)
     reduce_follows = split > 1 and not reduce           # the reduce kernel is the next launch
     targets, flags = _split_targets(out, tiles, split, reduce)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
@@ -653,6 +646,18 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
         LATE_RELEASE=FRAGMENT_LATE_RELEASE == 1 or (FRAGMENT_LATE_RELEASE == 2 and not reduce_follows),
         **pdl_launch(x.device))
     return _reduce(part, global_scale, bias, out) if reduce_follows else out
+
+
+def fragment_sums_in_kernel(M: int, step: int) -> bool:
+    """Whether a split fragment launch of M rows, `step` windows a loop step, sums its own
+    partials (its last split, see _mma) rather than leaving them to the reduce kernel: at M <= 4
+    (H100, 7B decode, same run: batch 4 +4.3%, batch 8 -2.5% against the reduce kernel; bench/NOTES.md
+    v9), and to M = 8 where a step loads several windows (7B qkv / o M = 8 -15% alone, v30; 32B qkv
+    with one window a step and 7B qkv at M = 16 ran slower with it). Above M = 8 it sums both token
+    tiles if the thresholds are raised: not by default (alone 7B o M = 16 4% faster, 7B qkv 40%
+    slower; the 7B batch-16 graph 2% fewer tok/s, v31). What the sum costs where it runs: python
+    bench/kernel.py --split-cost (v33: 0.8-1.2 us on 7B qkv / o)."""
+    return M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M)
 
 
 def _wgmma_wave(cfg, device) -> int:

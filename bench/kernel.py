@@ -18,12 +18,14 @@ and speedup = cuBLAS time / our time.
     python bench/kernel.py --small-variants --no-check --no-bench    # M = 1..16: route vs launch shapes (plain layout)
     python bench/kernel.py --once "7B gate_up:1,7B down:16"   # one call each, for ncu (NOTES.md v11)
     python bench/kernel.py --floor            # what no kernel reading the weight can beat (see floor())
+    python bench/kernel.py --split-cost --no-bench --no-check   # M = 2..16: the fragment route's split-K sum
     python bench/kernel.py --out DIR          # where the JSON and log go
 
 The weights are random codes and random E4M3 scales (the kernel's speed does not depend on the
 values; the correctness check uses fresh random data against a float64 reference).
 """
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -506,6 +508,53 @@ def floor_table(floors, rows, log):
             f"{r['dx_speedup']:5.2f} {dcap:6.2f} | {r['path']} / {r['dx_path']}")
 
 
+@contextlib.contextmanager
+def unsummed_splits():
+    """The fragment route's split-K partials written and left unsummed (no in-kernel sum, no
+    reduce kernel): y is wrong, so this is for timing only."""
+    saved = mk.REDUCE_IN_KERNEL, mk._reduce
+    mk.REDUCE_IN_KERNEL, mk._reduce = False, (lambda part, global_scale, bias, out, lora=None: out)
+    try:
+        yield
+    finally:
+        mk.REDUCE_IN_KERNEL, mk._reduce = saved
+
+
+def split_cost(device, log, names, Ms):
+    """What the in-kernel split-K sum costs where the fragment kernel runs (the route's MmaConfig,
+    M >= 2): cuBLAS, the shipped launch, and the same launch with its partials left unsummed, timed
+    like the table. cuBLAS / unsummed bounds what any cheaper sum of the same launch could reach.
+    Only launches whose last split sums (fragment_sums_in_kernel): where the reduce kernel follows
+    instead, leaving it out also changes how back-to-back calls overlap under PDL, and the
+    difference came out negative as often as not (H100, bench/NOTES.md v33)."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    rows = []
+    log(f"{'shape':>11} {'M':>3} | {'cuBLAS':>7} {'route':>7} {'x':>5} | {'unsummed':>8} {'x':>5} | split sum us")
+    for name in names:
+        N, K = SHAPES[name]
+        qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 / 16, device))])
+        ws = Rotating([torch.randn(N, K, device=device, generator=gen).bfloat16()
+                       for _ in range(copies_for(N * K * 2, device))])
+        for M in Ms:
+            cfg = mk.fwd_config(M, N, K)
+            if not isinstance(cfg, mk.MmaConfig):
+                continue
+            split, _, step = mk._mma_launch(cfg, M, triton.cdiv(N, 16 * cfg.warps * cfg.tiles), K, device)
+            if split == 1 or not mk.fragment_sums_in_kernel(M, step):
+                continue
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            cublas = bench_ms(lambda: x @ ws.next().t())
+            route = bench_ms(lambda: mk._mma(x, *qs.next(), None, cfg, il=True))
+            with unsummed_splits():
+                bare = bench_ms(lambda: mk._mma(x, *qs.next(), None, cfg, il=True))
+            rows.append(dict(shape=name, M=M, cublas_ms=cublas, route_ms=route, unsummed_ms=bare))
+            log(f"{name:>11} {M:3d} | {cublas * 1e3:7.2f} {route * 1e3:7.2f} {cublas / route:5.2f} | "
+                f"{bare * 1e3:8.2f} {cublas / bare:5.2f} | {(route - bare) * 1e3:5.2f}")
+        del qs, ws
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------
 # main
 
@@ -528,6 +577,8 @@ def main():
     ap.add_argument("--once", default="", help='only one call per "shape:M" case, e.g. "7B o:1,7B o:16" (for ncu)')
     ap.add_argument("--floor", action="store_true",
                     help="also time each shape's streaming-read and dequantize floors (floor())")
+    ap.add_argument("--split-cost", action="store_true",
+                    help="M = 2..16 on the fragment route: the split-K sum's cost (split_cost())")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -575,6 +626,10 @@ def main():
         t1 = time.time()
         out["floor"] = floor(device, log, names)
         log(f"# floors took {time.time() - t1:.0f} s")
+    if args.split_cost:
+        t1 = time.time()
+        out["split_cost"] = split_cost(device, log, names, [m for m in map(int, args.ms.split(",")) if 1 < m <= 16])
+        log(f"# split cost took {time.time() - t1:.0f} s")
     if not args.no_bench:
         gen = torch.Generator(device=device).manual_seed(0)
         rows = []
