@@ -656,7 +656,7 @@ def fragment_sums_in_kernel(M: int, step: int) -> bool:
     with one window a step and 7B qkv at M = 16 ran slower with it). Above M = 8 it sums both token
     tiles if the thresholds are raised: not by default (alone 7B o M = 16 4% faster, 7B qkv 40%
     slower; the 7B batch-16 graph 2% fewer tok/s, v31). What the sum costs where it runs: python
-    bench/kernel.py --split-cost (v33: 0.8-1.2 us on 7B qkv / o)."""
+    bench/kernel.py --split-cost (v33: 0.7-1.2 us on 7B qkv / o)."""
     return M <= FRAGMENT_REDUCE_MAX_M or (step > 1 and M <= PAIR_REDUCE_MAX_M)
 
 

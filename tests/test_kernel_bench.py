@@ -1,4 +1,4 @@
-"""bench/kernel.py's --split-cost on CPU (interpreter): which fragment launches it times, and the
+"""bench/kernel.py's --split-cost (CPU under the interpreter, or the GPU): which fragment launches it times, and the
 switch that leaves a launch's split-K partials unsummed, then puts the route back."""
 import pytest
 import torch
