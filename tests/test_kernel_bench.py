@@ -1,5 +1,5 @@
-"""bench/kernel.py's --split-cost (CPU under the interpreter, or the GPU): which fragment launches it times, and the
-switch that leaves a launch's split-K partials unsummed, then puts the route back."""
+"""bench/kernel.py's --split-cost (CPU under the interpreter, or the GPU): which fragment launches
+it times, and the switch that leaves a launch's split-K partials unsummed, then puts the route back."""
 import pytest
 import torch
 
