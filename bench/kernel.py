@@ -628,7 +628,8 @@ def main():
         log(f"# floors took {time.time() - t1:.0f} s")
     if args.split_cost:
         t1 = time.time()
-        out["split_cost"] = split_cost(device, log, names, [m for m in map(int, args.ms.split(",")) if 1 < m <= 16])
+        small = [m for m in map(int, args.ms.split(",")) if 1 < m <= 16]
+        out["split_cost"] = split_cost(device, log, names, small)
         log(f"# split cost took {time.time() - t1:.0f} s")
     if not args.no_bench:
         gen = torch.Generator(device=device).manual_seed(0)
