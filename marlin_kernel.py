@@ -53,11 +53,11 @@ Paths the wrapper chooses from (M = rows of x; tile shapes from an H100 sweep, b
     reach ~45% of cuBLAS, so W is dequantized to bf16 once (one pass over the weight, a transient
     bf16 copy) and cuBLAS multiplies: 0.76-0.84x of cuBLAS bf16 at M = 1024, ~0.97x from M = 4096.
 Split-K: each split writes fp32 partial sums; on the CUDA-core kernel, the fragment kernel at
-M <= 4 (M <= 8 where a step loads several windows, _mma_launch) and the swapped tiles the last split
-of each output tile to finish (an atomic count per tile, fp4_decode._last_split) sums them in
-order with scale, bias and cast (deterministic, one launch); elsewhere (the fragment kernel's
-other launches, medium tiles, the register-A kernel) _splitk_reduce_kernel does, which measured
-faster there (bench/NOTES.md v9, v10, v30).
+M <= 4 (M <= 8 where a step loads several windows: fragment_sums_in_kernel) and the swapped tiles
+the last split of each output tile to finish (an atomic count per tile, fp4_decode._last_split)
+sums them in order with scale, bias and cast (deterministic, one launch); elsewhere (the fragment
+kernel's other launches, medium tiles, the register-A kernel) _splitk_reduce_kernel does, which
+measured faster there (bench/NOTES.md v9, v10, v30, v33 item 4).
 dx = dy·W takes the tile kernel, or the dequantized weight where use_dequant says so.
 Measured on an H100 (fwd, bench/NOTES.md v9): M = 1 1.6-3.4x over cuBLAS bf16 (1.1-2.6 TB/s of
 NVFP4 weights), M = 2 1.2-2.5x, M = 4..8 1.4-2.2x, M = 16 1.0-1.9x; M = 64 / 128 (v17)

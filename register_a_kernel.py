@@ -69,10 +69,11 @@ the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAN
 
 Split-K: a weight with few 64-row tiles (7B down: N = 3584) splits its windows among programs (up
 to one wave of them, 3/4 of one at <= 16 tokens: marlin_kernel._wgmma_split), which write fp32
-partials that tile_kernels._splitk_reduce_kernel sums in order with scale and bias (summed in the
-launch by the split that counts last it ran slower: one SM pulls every piece through L2, NOTES v27
-item 3; only a tail launch's long pieces do so, where the reduce kernel would need the rows'
-strides).
+partials that tile_kernels._splitk_reduce_kernel sums in order with scale and bias. Summed in the
+launch by the split that counts last, it ran slower at M >= 64 (one SM pulls every piece through
+L2, NOTES v27 item 3) and, at <= 16 tokens, faster alone but 0.3-0.5% slower in the batch-16
+decode graph (NOTES v33 item 4); only a tail launch's long pieces sum themselves, where the reduce
+kernel would need the rows' strides.
 Programmatic dependent launch as in every other kernel (pdl_start's two instructions as inline
 PTX): without it, a split launch after a PDL chain ran up to 8 µs slower
 (bench/results/kernel_v17_pdl_diag_h100.txt).
