@@ -591,6 +591,11 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
+def mma_tiles(N: int, cfg) -> int:
+    """Programs of a fragment launch along N: 16·warps·tiles weight rows each."""
+    return triton.cdiv(N, 16 * cfg.warps * cfg.tiles)
+
+
 def _mma_launch(cfg, M, tiles, K, device):
     """(split, windows a split, windows a step) of a fragment launch. The split as for the other
     split-K kernels (~4 programs an SM, >= 4 windows each). Where that leaves a program at most
@@ -628,7 +633,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
     if M == 0:
         return out
-    tiles = triton.cdiv(N, 16 * cfg.warps * cfg.tiles)
+    tiles = mma_tiles(N, cfg)
     split, per, step = _mma_launch(cfg, M, tiles, K, x.device)
     part = _partials(split, out)
     reduce = split > 1 and REDUCE_IN_KERNEL and fragment_sums_in_kernel(M, step)

@@ -539,7 +539,7 @@ def split_cost(device, log, names, Ms):
             cfg = mk.fwd_config(M, N, K)
             if not isinstance(cfg, mk.MmaConfig):
                 continue
-            split, _, step = mk._mma_launch(cfg, M, triton.cdiv(N, 16 * cfg.warps * cfg.tiles), K, device)
+            split, _, step = mk._mma_launch(cfg, M, mk.mma_tiles(N, cfg), K, device)
             if split == 1 or not mk.fragment_sums_in_kernel(M, step):
                 continue
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
