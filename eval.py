@@ -22,7 +22,7 @@ import torch
 import lora
 import rollout
 import tasks
-from model import load_model, load_tokenizer
+from checkpoint import load_model, load_tokenizer
 
 # ----------------------------------------------------------------------------------------------
 

@@ -21,20 +21,13 @@ The cost of the cast: each forward reads A and B in fp32 and writes bf16 copies 
 per adapted linear, ~8 bytes per adapter weight). Without autograd (sampling) the bf16 copies are
 kept between calls instead: every eager call refreshes them in place, and CUDA-graph replays (which
 run no Python) read them as they are, so a graphed decode step has no cast kernels. A version
-counter cannot tell when to refresh (fused AdamW did not bump it when tried here); the rule that
-makes this safe is that rollout.py's prefill, which starts every generate() call, runs eagerly.
-The output add is fused too: y + s·(h Bᵀ) is one addmm (beta 1, alpha s; in place without
-autograd, _add_update), so an adapted linear is the base kernel plus two small GEMMs; at batch-1
-decode each small kernel costs as much as a few megabytes of weight traffic, and a 7B model has
-196 adapted linears. So when sampling on CUDA with at most 16 rows (decode steps of up to 16
-sequences), two Triton kernels launched with programmatic
-dependent launch (where it pays: lora_kernels.pdl_for) do the update in place instead
-(lora_kernels.py: shrink x Aᵀ, expand into y); on an NVFP4 base the shrink runs before the base
-matmul where that measured faster (lora_kernels.early_shrink), and where the GEMV or the swapped tiles
-compute y (marlin_kernel.folds_lora) the NVFP4 kernel adds the update itself as it stores y
-(lora_kernels.fold_expand: one launch per adapter group). Beyond 16 rows (the GRPO batch) the
-shrink stays F.linear, and where the NVFP4 matmul splits K the kernel that sums its partials adds
-s·h Bᵀ instead of the addmm (lora_kernels.fold_in_reduce: qkv, o and down; _update).
+counter cannot tell when to refresh (fused AdamW does not always bump it), so the rule that makes
+this safe is that rollout.py's prefill, which starts every generate() call, runs eagerly.
+
+The update itself is two small GEMMs and an add, y + s · (x Aᵀ) Bᵀ as one addmm (ops.add_update,
+in place without autograd). A 7B model has 196 adapted linears and a decode step runs each of them,
+so on the sampler's GPU path ops.lora_linear hands the update to the kernel wing, which fuses it
+into the base matmul where it can (kernels/lora.py); training always takes the torch path above.
 
 Names follow PEFT, so adapters move between this code and the Hugging Face stack:
 
@@ -62,7 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import lora_kernels
+import ops
 
 # ---------------------------------------------------------------------------------------------
 # constants
@@ -116,53 +109,6 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _decode_kernels(x2: torch.Tensor) -> bool:
-    """A no-grad CUDA forward (sampling, scoring) of at most lora_kernels.MAX_M rows x2 (rows, in):
-    the Triton path, which adds the update into the base output y in place."""
-    return (x2.is_cuda and lora_kernels.triton is not None and not torch.is_grad_enabled()
-            and x2.shape[0] <= lora_kernels.MAX_M)
-
-
-def _delta_kernels(x2, A, B, y, scale, base):
-    """The Triton path of add_delta / add_group_delta: y += scale · (x Aᵀ) Bᵀ in place. y may be a
-    function (the base matmul, taking an optional lora= update to fold in): where
-    lora_kernels.early_shrink says so, x Aᵀ runs before it and both kernels take PDL, and where
-    lora_kernels.fold_expand says so the base matmul adds the update itself (no expand kernel);
-    otherwise both run after it, with PDL as lora_kernels.pdl_for(base) says."""
-    early = callable(y) and lora_kernels.early_shrink(base, x2.shape[0])
-    pdl = early or lora_kernels.pdl_for(base)
-    if early:
-        hp = lora_kernels.lora_shrink(x2, A, B, pdl)
-        if lora_kernels.fold_expand(base, x2):
-            return y(lora=(hp, B.contiguous(), float(scale)))
-        y = y()
-    else:
-        y = y() if callable(y) else y
-        hp = lora_kernels.lora_shrink(x2, A, B, pdl)
-    return lora_kernels.lora_expand_(hp, B, y.reshape(-1, y.shape[-1]), scale, pdl).view(y.shape)
-
-
-def _update(y, h, B, scale, base):
-    """y + scale · h Bᵀ where y may be a function computing the base output (given lora=, see
-    LoRALinear.add_delta): folded into its split-K reduce where lora_kernels.fold_in_reduce says
-    so (no addmm launch), else _add_update after it."""
-    if callable(y) and lora_kernels.fold_in_reduce(base, h, B):
-        return y(lora=(h.reshape(-1, h.shape[-1]), B.contiguous(), float(scale)))
-    return _add_update(y() if callable(y) else y, h, B, scale)
-
-
-def _add_update(y, h, B, scale):
-    """y + scale · h Bᵀ (y (..., out), h (..., r), B (out, r)) as one addmm. Without autograd, on a
-    y whose rows are one view (2-D, or contiguous), in place: y is the base's fresh output, as on the
-    Triton path, and an out-of-place addmm first copies it (9.7 MB for 7B gate_up at the GRPO
-    batch: 350 us of copies a decode step, bench/NOTES.md v18)."""
-    h2 = h.reshape(-1, h.shape[-1])
-    if not torch.is_grad_enabled() and (y.dim() == 2 or y.is_contiguous()):
-        y.view(-1, y.shape[-1]).addmm_(h2, B.t(), alpha=scale)
-        return y
-    return torch.addmm(y.reshape(-1, y.shape[-1]), h2, B.t(), alpha=scale).view(y.shape)
-
-
 def _capturing(t: torch.Tensor) -> bool:
     """Is a CUDA graph being captured on t's device? Then the kept casts are read, not refreshed."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -193,55 +139,13 @@ class LoRALinear(nn.Module):
         self._casts = None   # (A, B) in the activation dtype, kept for sampling (see _cast)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_delta(x, lambda **kw: self.base_layer(x, **kw))
-
-    def add_delta(self, x: torch.Tensor, y) -> torch.Tensor:
-        """y + scaling · dropout(x) Aᵀ Bᵀ for a base output y (..., out) computed here or elsewhere
-        (stacked_linear.StackedLinear computes q, k and v in one matmul, then each adapter adds its part).
-        y may be a function that computes it (given lora=(hp, B, s), with the update folded in:
-        NVFP4Linear.forward): the Triton path then runs its first kernel (x Aᵀ) before the base
-        matmul where that pays, and folds the second into it where it can (_delta_kernels). Without
-        autograd (the Triton path, and _add_update's) y itself may be updated and returned: pass a
-        fresh output."""
         if not self.enabled:
-            return y() if callable(y) else y
+            return self.base_layer(x)
         A, B = self._cast(x.dtype)
-        x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
-        if _decode_kernels(x2) and (isinstance(self.lora_dropout, nn.Identity) or not self.training):
-            return _delta_kernels(x2, A, B, y, self.scaling, self.base_layer)
-        return _update(y, F.linear(self.lora_dropout(x), A), B, self.scaling, self.base_layer)  # h: (..., r)
-
-    @staticmethod
-    def add_group_delta(mods, x: torch.Tensor, y):
-        """y + every adapter's update for LoRALinears `mods` that share the input x and whose base
-        outputs are the column blocks of y (..., Σ out) (or of what the function y returns, called
-        only where the update goes ahead), as stacked_linear.StackedLinear computes q/k/v:
-        one GEMM with the A's stacked (Σr, in) and one addmm with the B's as a block-diagonal
-        (Σ out, Σr) matrix: two kernels for the group instead of two per adapter. Sampling only
-        (no autograd, dropout off, one scaling for the group), else None. The stacked bf16 copies
-        follow _cast's rule: refreshed by each eager call, read as they are by a CUDA graph."""
-        first = mods[0]
-        if torch.is_grad_enabled() or not all(
-                isinstance(m, LoRALinear) and m.enabled and m.scaling == first.scaling
-                and (isinstance(m.lora_dropout, nn.Identity) or not m.training) for m in mods):
-            return None
-        casts = first.__dict__.get("_group_casts")
-        if casts is None or casts[0].dtype != x.dtype or casts[0].device != x.device:
-            R, N = sum(m.r for m in mods), sum(m.out_features for m in mods)
-            with torch.inference_mode(False):
-                casts = first._group_casts = (torch.empty(R, first.in_features, dtype=x.dtype, device=x.device),
-                                              torch.zeros(N, R, dtype=x.dtype, device=x.device))
-        A, B = casts                                                               # (Σr, in), (Σout, Σr)
-        if not _capturing(x):
-            r0 = n0 = 0
-            for m in mods:
-                A[r0:r0 + m.r].copy_(m.lora_A)
-                B[n0:n0 + m.out_features, r0:r0 + m.r].copy_(m.lora_B)
-                r0, n0 = r0 + m.r, n0 + m.out_features
-        x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
-        if _decode_kernels(x2):
-            return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer)
-        return _update(y, F.linear(x, A), B, first.scaling, first.base_layer)    # h: (..., Σr)
+        if self.training and not isinstance(self.lora_dropout, nn.Identity):
+            h = F.linear(self.lora_dropout(x), A)                           # (..., r), before the base
+            return ops.add_update(self.base_layer(x), h, B, self.scaling)   # as in ops.lora_linear
+        return ops.lora_linear(x, self.base_layer, A, B, self.scaling)
 
     def _cast(self, dtype):
         """A, B in the activation dtype: bf16 matmuls, fp32 gradients (the cast's backward upcasts).

@@ -201,7 +201,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
 
 
 # ----------------------------------------------------------------------------------------------
-# fast path: marlin_kernel (Triton, CUDA) when it can be imported, else the reference above
+# fast path: marlin_kernel (Triton) on CUDA when it can be imported, else the reference above
 
 @functools.cache
 def _marlin():
@@ -222,8 +222,8 @@ def interleave(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
     W cut into 16-row x 128-k tiles, each stored whole (its 16 x 64 packed bytes, and its 16 x 8
     scales, row-major), the tiles of a 16-row group one after another along K. A decode kernel gives each
     lane 16 bytes of one row and each warp 8 or 16 rows at a time (the mma.sync fragments); in
-    the plain layout those rows lie K/2 bytes apart, here a warp's load is 512 contiguous bytes
-    (H100: the fragment kernel 10-25% faster, bench/NOTES.md v15). Needs N % 16 == K % 128 == 0."""
+    the plain layout those rows lie K/2 bytes apart, here a warp's load is 512 contiguous bytes,
+    which the memory system serves in far fewer transactions. Needs N % 16 == K % 128 == 0."""
     return _tiles(packed, scale, inverse=False)
 
 
@@ -253,27 +253,18 @@ def _plain(packed, scale, interleaved):
     return deinterleave(packed, scale) if interleaved else (packed, scale)
 
 
-def linear(x, packed, scale, global_scale, bias=None, lora=None, interleaved=False, silu_mul=False):
-    """y = x·W'ᵀ (+ bias) without autograd: x (..., K) -> (..., N) in x.dtype. lora: a LoRA update
-    for the kernel to fold in; silu_mul: W' stacks gate and up, and the kernel returns
-    silu(gate)·up (..., N/2) (marlin_kernel.nvfp4_matmul; both bf16 on CUDA only, where
-    folds_silu says). interleaved: packed and scale hold interleave()'s layout."""
+def linear(x, packed, scale, global_scale, bias=None, interleaved=False):
+    """y = x·W'ᵀ (+ bias) without autograd: x (..., K) -> (..., N) in x.dtype. On CUDA with bf16
+    activations, marlin_kernel.nvfp4_matmul (4-bit weights read as they are); elsewhere W' is
+    dequantized and F.linear multiplies. interleaved: packed and scale hold interleave()'s layout."""
     x2d = x.reshape(-1, x.shape[-1])                                      # (M, K)
     if _use_kernel(x2d):
         b = bias.to(torch.bfloat16) if bias is not None else None
-        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b, lora, interleaved, silu_mul)
-    elif lora is not None or silu_mul:
-        raise ValueError("nvfp4.linear: a LoRA update or SiLU·mul folds in only on the CUDA kernel (bf16 activations)")
+        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b, interleaved)
     else:
         b = bias.to(x.dtype) if bias is not None else None
         y = F.linear(x2d, dequantize(*_plain(packed, scale, interleaved), global_scale, x.dtype), b)
-    return y.view(*x.shape[:-1], y.shape[-1])                             # (..., N or N/2)
-
-
-def folds_silu(x: torch.Tensor) -> bool:
-    """Can linear(x, ..., silu_mul=True) run (the GEMV's epilogue: marlin_kernel.folds_silu)?"""
-    x2d = x.reshape(-1, x.shape[-1])
-    return _use_kernel(x2d) and _marlin().folds_silu(x2d.shape[0])
+    return y.view(*x.shape[:-1], y.shape[-1])                             # (..., N)
 
 
 class _NVFP4Matmul(torch.autograd.Function):
@@ -283,7 +274,7 @@ class _NVFP4Matmul(torch.autograd.Function):
     def forward(ctx, x, packed, scale, global_scale, bias, interleaved):
         ctx.save_for_backward(packed, scale, global_scale)
         ctx.interleaved = interleaved
-        return linear(x, packed, scale, global_scale, bias, interleaved=interleaved)
+        return linear(x, packed, scale, global_scale, bias, interleaved)
 
     @staticmethod
     def backward(ctx, dy):
@@ -362,17 +353,14 @@ class NVFP4Linear(nn.Module):
         if again:
             self.interleave_()
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """lora: a LoRA update folded into the no-grad kernel (linear; lora.LoRALinear passes it)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear: input has {x.shape[-1]} features, expected {self.in_features}")
         args = (x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
         needs_grad = x.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if torch.is_grad_enabled() and needs_grad:
-            if lora is not None:
-                raise ValueError("NVFP4Linear: a folded LoRA update is for no-grad forwards only")
             return _NVFP4Matmul.apply(*args, self.interleaved)
-        return linear(*args, lora=lora, interleaved=self.interleaved)   # no autograd (rollout)
+        return linear(*args, interleaved=self.interleaved)                # no autograd (rollout)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -9,30 +9,28 @@ the public API and the tensor half, the others one concern each:
                         blocks, reference counts, a free list), Scheduler (waiting / running
                         queues, prefill first, then decode steps, preemption by recompute when
                         blocks run out, never an out-of-memory crash): pure Python, no tensors
-    paged_attention.py  the KV store and attention over the paged cache: the torch reference and
-                        the Triton kernels (paged decode split over the context, RoPE + KV store)
+    attention.py        the KV cache's slot layout, and the store and attention over it in torch
+                        (their one-launch Triton version, which also applies RoPE, is the wing's)
     sampling.py         logits -> tokens and their logprobs (temperature, top-k, top-p; no host sync)
     rollout.py          SamplingParams, Completion, LLMEngine and generate (the public API); the
                         attention contexts the model's layers call; the Runner: all tensor work
                         (the KV cache, packed prefill, paged decode, CUDA graphs)
 
 KV cache. One tensor per K and V of shape (L, num_blocks, block_size, Hkv, D), held by the Runner;
-paged_attention.py describes the slots. The model never sees it: each layer calls
-`attn_ctx.attend(layer, q, k, v)` with RoPE already applied, and the context object
-(PrefillContext / DecodeContext below, passed explicitly, no module globals) stores k, v in the
-cache and returns the attention output. Decode on the Triton backend sets `rope_in_store`: the
-model then hands it q, k unrotated with cos/sin, and the attention kernel rotates them, stores
-the new k and v in the cache and attends (RoPE, the KV store and attention in one launch).
+attention.py describes the slots. The model never sees it: each layer calls
+`attn_ctx.attend(layer, q, k, v, cos, sin)` with q, k not yet rotated, and the context object
+(PrefillContext / DecodeContext below, passed explicitly, no module globals) applies RoPE, stores
+k, v in the cache and returns the attention output. On the GPU ("triton" backend) a decode step does
+all three in one kernel launch per layer.
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
-    logits:  the lm_head of 1-2 rows on CUDA is fused_ops.gemv_triton (a GEMV that streams the
-             1 GB bf16 weight of a 7B model faster than cuBLAS at M <= 2); more rows: F.linear.
+    logits:  ops.logits (a GEMV on the GPU for one or two rows, else the lm_head's matmul).
     decode:  one token per sequence (B, 1); attention reads K/V through the block tables
-             (Triton kernel on GPU, torch reference on CPU); split over the context into
-             partitions (32·B tokens, 16..512) merged by log-sum-exp (flash-decoding), so batch 1
-             still fills the GPU. CUDA graphs: one per batch-size bucket, padded rows write nothing;
-             a graph also fills in the tokens of the step in flight (_fill_tokens_kernel), and
+             (Triton kernel on GPU, split over the context into partitions merged by log-sum-exp,
+             so batch 1 still fills the GPU; torch reference on CPU). CUDA graphs: one per
+             batch-size bucket, padded rows write nothing; a graph also fills in the tokens of the
+             step in flight (kernels.fill_tokens), and
              where sampling is the Triton path (no top-k / top-p) it runs the lm_head and the
              sampler too (one graph per temperature), keyed by the Runner's seed tensor, which the
              sampler advances in place: a step is then two small copies in (three after a
@@ -59,7 +57,7 @@ Left out: prefix caching across calls, chunked prefill, speculative decoding, te
 Tests: tests/test_rollout.py (CPU: greedy == transformers' generate, logprobs == a dense forward,
 stops and preemption, the Triton backend under TRITON_INTERPRET=1 == the torch backend; GPU-marked:
 CUDA graphs, PDL, bf16 logprobs vs a dense forward); each layer's own units in
-tests/test_scheduler.py, tests/test_paged_attention.py, tests/test_sampling.py. Benchmark:
+tests/test_scheduler.py, tests/test_attention.py, tests/test_sampling.py. Benchmark:
 bench/rollout.py.
 """
 import time
@@ -67,10 +65,9 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_attention import (causal_attention, paged_attention_ref, paged_attention_triton,
-                             store_kv_ref, store_kv_triton)
-from paged_attention import triton   # None where the kernels cannot be built: the torch path only
-from fused_ops import GEMV_MAX_M, fused, gemv_triton
+import kernels
+import ops
+from attention import causal_attention, paged_attention_ref, store_kv_ref
 from sampling import sample, uses_kernels
 from scheduler import BlockManager, Scheduler, Sequence
 
@@ -121,8 +118,9 @@ class PrefillContext:
     def __init__(self, runner, slots, cu_seqlens):
         self.runner, self.slots, self.cu_seqlens = runner, slots, cu_seqlens  # slots (N,); list
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, cos, sin):
         r = self.runner
+        q, k = ops.rope(q, k, cos, sin)
         r.store_kv(r.k_cache[layer], r.v_cache[layer], k[0], v[0], self.slots)
         out = torch.empty_like(q[0])
         for s, e in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]):
@@ -131,32 +129,28 @@ class PrefillContext:
 
 
 class DecodeContext:
-    """One new token per sequence: q (B, 1, Hq, D); K/V come from the cache via block tables.
-    On the Triton backend it takes RoPE too (rope_in_store): see the module docstring."""
+    """One new token per sequence: q (B, 1, Hq, D); K/V come from the cache via block tables."""
 
     def __init__(self, runner, slots, block_tables, context_lens):
         self.runner, self.slots = runner, slots                     # (B,) int32
         self.block_tables, self.context_lens = block_tables, context_lens  # (B, nb) / (B,) int32
-        self.rope_in_store = runner.attn_backend == "triton"
 
-    def attend(self, layer, q, k, v, rope=None):
-        """rope: None when q, k come rotated, else their (cos, sin) (B, 1, 1, D/2)."""
+    def attend(self, layer, q, k, v, cos, sin):
+        """cos, sin (B, 1, 1, D/2). On the Triton backend's fast path one kernel rotates q and k,
+        stores k and v, and attends (taking the new token's k and v from registers)."""
         r = self.runner
         k_cache, v_cache = r.k_cache[layer], r.v_cache[layer]
-        args = (q[:, 0], k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
-        if rope is None:
-            r.store_kv(k_cache, v_cache, k[:, 0], v[:, 0], self.slots)
-            return r.paged_attention(*args)[:, None]
-        cos, sin = (t[:, 0, 0] for t in rope)                       # (B, D/2)
-        return r.paged_attention(*args, rope=(k[:, 0], v[:, 0], cos, sin, self.slots))[:, None]
+        meta = (k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
+        if r.attn_backend == "triton" and kernels.runs(q):
+            cos, sin = (t[:, 0, 0] for t in (cos, sin))              # (B, D/2)
+            return r.paged_attention(q[:, 0], *meta, rope=(k[:, 0], v[:, 0], cos, sin, self.slots))[:, None]
+        q, k = ops.rope(q, k, cos, sin)
+        r.store_kv(k_cache, v_cache, k[:, 0], v[:, 0], self.slots)
+        return r.paged_attention(q[:, 0], *meta)[:, None]
 
 
 # ----------------------------------------------------------------------------------------------
 # Runner: the KV cache, packed prefill, paged decode, CUDA graphs
-
-LM_HEAD_GEMV = True     # bench/ab.py's lm_gemv= switch: the lm_head of <= GEMV_MAX_M rows by gemv_triton
-PARTITION_TOKENS = 32   # decode attention splits the context into partitions of this many positions per row
-
 
 class Runner:
     def __init__(self, model, block_size, max_model_len, attn_backend, cuda_graphs, partition_size):
@@ -169,11 +163,11 @@ class Runner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         if attn_backend not in ("triton", "torch"):
             raise ValueError(f"attn_backend must be 'triton' or 'torch', got {attn_backend!r}")
-        if attn_backend == "triton" and triton is None:
+        if attn_backend == "triton" and not kernels.available:
             raise ValueError("attn_backend='triton' needs triton installed")
         self.partition_size, self.attn_backend = partition_size, attn_backend
         if attn_backend == "triton":
-            self.store_kv, self.paged_attention = store_kv_triton, self._paged_attention_triton
+            self.store_kv, self.paged_attention = kernels.store_kv, self._paged_attention_triton
         else:
             self.store_kv, self.paged_attention = store_kv_ref, paged_attention_ref
         # graphs need the sync-free Triton path (the torch reference reads lengths on the host)
@@ -188,21 +182,17 @@ class Runner:
         self.seed.random_(0, 2 ** 62, generator=generator)
 
     def _paged_attention_triton(self, q, *args, rope=None):
-        # split the context finer for small batches so that batch 1 still fills the GPU, into at most
-        # 64 partitions (more than 8: a merge kernel, see paged_attention.py); a partition count
-        # fixed per batch size keeps captured CUDA graphs valid for every context length
-        tokens = PARTITION_TOKENS * q.shape[0]
-        part = self.partition_size or max(self.block_size, min(512, triton.next_power_of_2(tokens)),
-                                          triton.next_power_of_2(-(-self.max_model_len // 64)))
+        """kernels.paged_attention with the counters its partitions merge by. The partitioning it
+        picks is fixed per batch size (not per step), so captured CUDA graphs stay valid."""
         if self.attn_counts is None or self.attn_counts.shape[0] < q.shape[0]:
             # never during a capture (the bucket's warm-up call comes first); graphs read the counts
             # by address, so a larger eager batch (> the biggest bucket) drops them before the old
             # buffer is freed
             self.graphs, self.graph_pool = {}, None
-            self.attn_counts = torch.zeros(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,
-                                           dtype=torch.int32, device=self.device)
-        return paged_attention_triton(q, *args, num_parts=-(-self.max_model_len // part), counts=self.attn_counts,
-                                      partition_size=part, rope=rope)
+            self.attn_counts = kernels.attention_counts(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,
+                                                        self.device)
+        return kernels.paged_attention(q, *args, max_model_len=self.max_model_len, counts=self.attn_counts,
+                                       partition_size=self.partition_size, rope=rope)
 
     # ---- cache
     def bytes_per_block(self):
@@ -239,11 +229,7 @@ class Runner:
 
     def _logits(self, hidden):
         """(rows, H) -> (rows, V) in the model's dtype: sample() reads it as is."""
-        head = self.model.lm_head
-        if LM_HEAD_GEMV and type(head) is torch.nn.Linear and head.bias is None and fused(hidden) \
-                and hidden.shape[0] <= GEMV_MAX_M:
-            return gemv_triton(hidden, head.weight)
-        return head(hidden)
+        return ops.logits(hidden, self.model.lm_head)
 
     def sample(self, logits, params, generator, record=None):
         """logits (B, V) -> the step's record (split_record): the sampled tokens and their logprobs
@@ -292,12 +278,11 @@ class Runner:
     @staticmethod
     def _fill_tokens(meta, prev_tokens):
         """meta[0] = prev_tokens[meta[4]] where meta[4] >= 0: tokens that never visited the host.
-        On CUDA one Triton kernel (_fill_tokens_kernel); the torch ops are its reference."""
+        On CUDA one Triton kernel (kernels.fill_tokens); the torch ops are its reference."""
         if prev_tokens is None:
             return
-        if meta.is_cuda and triton is not None:
-            B = meta.shape[1]
-            _fill_tokens_kernel[(triton.cdiv(B, 512),)](meta, prev_tokens, meta.stride(0), B, BLOCK=512)
+        if meta.is_cuda and kernels.available:
+            kernels.fill_tokens(meta, prev_tokens)
             return
         src = meta[4].long()
         meta[0].copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)].to(meta.dtype), meta[0]))
@@ -394,18 +379,6 @@ def split_record(record):
     """A record (12·n,) uint8 -> its views tokens (n,) int64, logprobs (n,) fp32."""
     n = record.numel() // 12
     return record[:8 * n].view(torch.int64), record[8 * n:].view(torch.float32)
-
-
-if triton is not None:
-    import triton.language as tl
-
-    @triton.jit
-    def _fill_tokens_kernel(meta_ptr, prev_ptr, stride_meta, B, BLOCK: tl.constexpr):
-        """meta[0, i] = prev[meta[4, i]] for the rows i < B with meta[4, i] >= 0 (Runner._fill_tokens)."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        src = tl.load(meta_ptr + 4 * stride_meta + i, mask=i < B, other=-1)
-        token = tl.load(prev_ptr + tl.maximum(src, 0), mask=src >= 0, other=0)
-        tl.store(meta_ptr + i, token.to(tl.int32), mask=src >= 0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,23 +19,13 @@ There is one model in memory: the sampler and the trainer are the same modules, 
 weight sync, and the only sampler/trainer mismatch is the numerics of decode vs dense attention
 (logged as `sampling/sampling_logp_difference/mean`). The KV cache is released before backward.
 
-The output directory holds run_config.json (the arguments), metrics.jsonl (one line per step,
-TRL's metric names where they exist), plots.png, and checkpoints `checkpoint-<step>/` (PEFT
-adapter + optimizer + schedule + step + data position). Checkpoints are written under a temporary
-name and renamed, and `latest` names the newest complete one, so a run killed at any instant
-resumes from its last checkpoint with `--resume` and never reads a half-written one. Every
-random draw (data order, AQN noise, sampling) is seeded from (seed, step), so a resumed run
-samples what the uninterrupted run would have.
-
-Data parallel: `torchrun --nproc-per-node N train.py ...` (one process never touches torch.distributed).
-The N ranks are replicas of one policy (same adapters, same AQN noise, same AdamW steps). Each
-samples its share of the global --prompts-per-step with its own seed, and one all_gather_object
-per sampling round gives every rank the whole generation batch (ids and rewards: small), so the
-advantages, dynamic sampling (filling the *global* batch), data position and loss normalisers are
-those of one process. Each rank trains on its slice of the groups; the adapter gradients are summed
-(one flat all_reduce) before clipping, which gives the one-process gradient for dapo, grpo and
-dr_grpo, and for bnpo the mean of micro-batch means as TRL does. Rank 0 writes all files. A run
-may resume with another N (the same global batch; the per-rank sampling seeds make it a new draw).
+The loop reads as its stages: `rollout_step` (sample and score the generation batch), `train_step`
+(advantages, the training forward and backward in micro-batches, AdamW), then log, evaluate and
+checkpoint. The run directory (run_config.json, metrics.jsonl, plots.png, crash-safe checkpoints
+that `--resume` continues from) is run_dir.py's; data parallel over torchrun (`torchrun
+--nproc-per-node N train.py ...`, ranks as replicas of one policy) is distributed.py's. Every random
+draw (data order, AQN noise, sampling) is seeded from (seed, step), so a resumed run samples what the
+uninterrupted run would have.
 
 Left out here: multi-node (the output directory must be shared), a learning-rate decay schedule.
 Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run);
@@ -47,7 +37,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import time
 
 # The KV cache is freed before each backward and re-allocated for the next rollout: with the
@@ -65,192 +54,23 @@ import grpo
 import lora
 import rollout
 import tasks
-from model import build_model, load_model, load_tokenizer, random_init_config
+from checkpoint import build_model, load_model, load_tokenizer, random_init_config
+from distributed import all_reduce_grads, dist_setup, gather, rank_world
+from run_dir import (METRICS, RUN_CONFIG, load_checkpoint, plot_metrics, prepare_output_dir, save_checkpoint,
+                     truncate_metrics, write_atomic)
 
 # ----------------------------------------------------------------------------------------------
 # constants
 
-RUN_CONFIG = "run_config.json"
-METRICS = "metrics.jsonl"
-LATEST = "latest"
-TRAINER_STATE = "trainer_state.pt"
 # grpo.policy_loss metric -> the name TRL logs it under.
 METRIC_NAMES = {"logprob_mismatch": "sampling/sampling_logp_difference/mean",
                 "tis_weight_mean": "sampling/importance_sampling_ratio/mean"}
-# Arguments that must match for --resume to continue the same run (max_steps sets the AQN schedule).
-RUN_IDENTITY = ("max_steps", "model", "quant", "dataset", "lora_rank", "lora_alpha", "group_size", "prompts_per_step", "seed")
 
 
 def step_seed(seed: int, step: int, stream: str) -> int:
     """A distinct, reproducible seed for each (run seed, step, stream): resume-safe randomness."""
     digest = hashlib.sha256(f"{seed}/{step}/{stream}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-# ----------------------------------------------------------------------------------------------
-# the output directory: run config, checkpoints, metrics
-
-
-def prepare_output_dir(args, write: bool = True) -> str | None:
-    """Check (and, if write, create) the output directory; return the checkpoint to resume from.
-
-    A directory that holds another run is never overwritten: without --resume that is an error,
-    and with --resume the run's identity (model, dataset, LoRA shape, ...) must match. Every rank
-    checks, before rank 0 writes anything, so a refusal stops all ranks with the same message."""
-    out = args.output_dir
-    cfg_path = os.path.join(out, RUN_CONFIG)
-    if os.path.exists(cfg_path):
-        if not args.resume:
-            raise SystemExit(f"error: {out} already holds a run ({RUN_CONFIG}); pass --resume to continue it "
-                             f"or choose another --output-dir")
-        with open(cfg_path) as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), getattr(args, k)) for k in RUN_IDENTITY if old.get(k) != getattr(args, k)}
-        if diff:
-            raise SystemExit(f"error: --resume with settings that differ from the run in {out}: "
-                             + ", ".join(f"{k}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items()))
-    elif os.path.isdir(out) and os.listdir(out):
-        raise SystemExit(f"error: {out} is not empty and holds no qerl run ({RUN_CONFIG} missing); "
-                         f"choose another --output-dir")
-    if write:
-        os.makedirs(out, exist_ok=True)
-        for name in os.listdir(out):  # half-written checkpoints of a killed run
-            if name.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-    return latest_checkpoint(out) if args.resume else None
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write under a temporary name, flush to disk, rename: readers see the old or the new file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def latest_checkpoint(out: str) -> str | None:
-    """The newest complete checkpoint, as named by `latest` (written after the rename)."""
-    path = os.path.join(out, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        name = f.read().strip()
-    ckpt = os.path.join(out, name)
-    if not os.path.exists(os.path.join(ckpt, TRAINER_STATE)):
-        raise SystemExit(f"error: {path} names {name}, which is missing or incomplete")
-    return ckpt
-
-
-def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: int, base_model: str, keep: int):
-    """checkpoint-<step>/ = PEFT adapter + trainer_state.pt, written as .tmp-... and renamed."""
-    name = f"checkpoint-{step:06d}"
-    tmp, final = os.path.join(out, f".tmp-{name}"), os.path.join(out, name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    lora.save_adapter(model, tmp, base_model)
-    state = {"step": step, "data_pos": data_pos, "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict()}
-    torch.save(state, os.path.join(tmp, TRAINER_STATE))
-    for f in os.listdir(tmp):  # on disk before the rename makes them the checkpoint (power loss, not just kill)
-        with open(os.path.join(tmp, f), "rb") as fh:
-            os.fsync(fh.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    write_atomic(os.path.join(out, LATEST), name)
-    old = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-") and d != name)
-    for d in old[:max(0, len(old) - (keep - 1))]:
-        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
-
-
-def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> dict:
-    lora.load_adapter(model, ckpt, base_model)
-    # Optimizer state holds only tensors and numbers: weights_only refuses anything that would unpickle code.
-    state = torch.load(os.path.join(ckpt, TRAINER_STATE), map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return state
-
-
-def truncate_metrics(out: str, step: int) -> None:
-    """Keep the metric lines of steps before `step`: a resumed run rewrites what came after."""
-    path = os.path.join(out, METRICS)
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for ln in f:
-            try:
-                kept += [ln] if json.loads(ln)["step"] < step else []
-            except (ValueError, KeyError):  # a blank line, or one cut by a kill mid-write
-                pass
-    write_atomic(path, "".join(kept))
-
-
-def plot_metrics(out: str) -> None:
-    """plots.png: reward, eval accuracy, entropy and completion length against step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    with open(os.path.join(out, METRICS)) as f:
-        rows = [json.loads(ln) for ln in f if ln.strip()]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
-    for ax, key in zip(axes, ("reward", "eval/accuracy", "entropy", "completions/mean_length")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if key == "eval/accuracy":  # x = optimizer updates applied when it was measured
-            pts = [(0, r["eval/accuracy_initial"]) for r in rows if "eval/accuracy_initial" in r]
-            pts += [(r["eval/updates"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None)
-        ax.set(title=key, xlabel="step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "plots.png"), dpi=100)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------------------
-# distributed: torchrun's environment, one process per GPU; all no-ops in a single process
-
-
-def dist_setup(device_arg: str | None) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Joins the process group only when torchrun set WORLD_SIZE > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device(device_arg or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if world == 1:
-        return 0, 1, device
-    if device.type == "cuda":  # one GPU per rank; Triton kernels and CUDA graphs use the current device
-        per_node, n_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.cuda.device_count()
-        if per_node > n_gpus:
-            raise SystemExit(f"error: {per_node} processes per node asked for, but {n_gpus} CUDA devices visible")
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                         device_id=device if device.type == "cuda" else None)
-    return torch.distributed.get_rank(), world, device
-
-
-def rank_world() -> tuple[int, int]:
-    """(rank, world size); (0, 1) in a single process."""
-    d = torch.distributed
-    return (d.get_rank(), d.get_world_size()) if d.is_available() and d.is_initialized() else (0, 1)
-
-
-def gather(obj) -> list:
-    """Every rank's obj (any picklable value), in rank order; [obj] in a single process."""
-    out = [obj] * rank_world()[1]
-    if len(out) > 1:
-        torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def all_reduce_grads(params: list) -> None:
-    """Sum the adapter gradients over ranks: one flat buffer, one collective (not one per tensor)."""
-    if rank_world()[1] > 1:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
-        torch.distributed.all_reduce(flat)
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad = g.view_as(p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -522,6 +342,74 @@ def build_policy(args, device):
     return model, optimizer, scheduler, gcfg, acfg, engine
 
 
+class PromptStream:
+    """The training prompts in a per-epoch seeded order. `position` counts the prompts taken so far:
+    a checkpoint stores it, so a resumed run takes the prompts the uninterrupted run would have."""
+
+    def __init__(self, examples: list, ids: list, seed: int, position: int = 0):
+        self.examples, self.ids, self.seed, self.position = examples, ids, seed, position
+
+    @functools.lru_cache(maxsize=2)
+    def _order(self, epoch: int) -> list:
+        gen = torch.Generator().manual_seed(step_seed(self.seed, epoch, "data"))
+        return torch.randperm(len(self.examples), generator=gen).tolist()
+
+    def take(self, n: int) -> list[int]:
+        """The next n prompt indices."""
+        start, self.position = self.position, self.position + n
+        return [self._order(i // len(self.examples))[i % len(self.examples)] for i in range(start, self.position)]
+
+
+def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg):
+    """The step's generation batch: P prompts × G samples from the policy under the AQN noise, each
+    completion scored (tasks.rewards, + DAPO overlong shaping). With dynamic sampling, groups whose G
+    rewards are all equal are dropped and more prompts sampled (grpo.fill_batch). Each rank samples
+    its share; every rank returns the whole batch. -> (groups [(example, prompt ids, completions,
+    rewards)], rewards (P·G,), metrics)."""
+    rank, world = rank_world()
+    per_rank = f"/rank{rank}" if world > 1 else ""   # the ranks' own streams (AQN noise is the same on all)
+    stats, completions = tasks.RewardStats(), []
+
+    def sample_round(r):  # this rank's slice of the prompts; returns every rank's groups
+        idx = stream.take(args.prompts_per_step)[rank::world]
+        sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
+                                    n=args.group_size, seed=step_seed(args.seed, step, f"sample{r}{per_rank}"))
+        with aqn.noise_applied(engine.model, noise):
+            comps = engine.generate([stream.ids[i] for i in idx], sp)
+        groups, correct = [], []
+        for i, cs in zip(idx, comps):
+            texts = tokenizer.batch_decode([c.token_ids for c in cs], skip_special_tokens=True)
+            rs = torch.tensor(tasks.rewards([stream.examples[i]] * len(cs), texts, stats))      # (G,)
+            shaped = rs
+            if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
+                lens = torch.tensor([len(c.token_ids) for c in cs])
+                shaped = rs + grpo.overlong_penalty(lens, gcfg.max_completion_len, gcfg.overlong_cache_len)
+            groups.append((stream.examples[i], stream.ids[i], cs, shaped))
+            correct.append(rs)
+        parts = gather((torch.cat(correct).float(), groups))
+        groups = [g for _, gs in parts for g in gs]
+        completions.extend(c for g in groups for c in g[2])
+        return torch.cat([rs for rs, _ in parts]), groups
+
+    t0 = time.perf_counter()
+    if gcfg.dynamic_sampling:
+        filled = grpo.fill_batch(sample_round, args.prompts_per_step, args.group_size,
+                                 gcfg.max_sampling_rounds, gcfg.dynamic_sampling_tol)
+        groups, rounds = filled.groups, filled.rounds
+    else:
+        groups, rounds = sample_round(0)[1], 1
+    rewards = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)   # (P·G,)
+    engine.free_cache()  # the KV cache goes before the backward pass needs the memory
+    t_rollout = time.perf_counter() - t0
+    new_tokens = sum(len(c.token_ids) for c in completions)   # of all ranks
+    errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
+    return groups, rewards, {
+        "time/rollout": t_rollout, "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
+        "reward_errors": errors, "reward_timeouts": timeouts,
+        "completions/mean_length": new_tokens / len(completions),
+        "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = dist_setup(args.device)
@@ -555,24 +443,13 @@ def main(argv=None):
     if rank == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # it exists once it can start
         write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps({**vars(args), "world_size": world}, indent=2))
 
-    start, data_pos = 0, 0
+    start, stream = 0, PromptStream(train_set, train_ids, args.seed)
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, args.model)
-        start, data_pos = state["step"], state["data_pos"]
+        start, stream.position = state["step"], state["data_pos"]
         log(f"resumed from {resume_from} at step {start}")
     if rank == 0:
         truncate_metrics(args.output_dir, start)
-
-    def next_prompts(n):
-        """n prompt indices in a per-epoch seeded order; data_pos makes it resumable."""
-        nonlocal data_pos
-        data_pos += n
-        return [epoch_order(i // len(train_set))[i % len(train_set)] for i in range(data_pos - n, data_pos)]
-
-    @functools.lru_cache(maxsize=2)
-    def epoch_order(epoch):
-        return torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
-            step_seed(args.seed, epoch, "data"))).tolist()
 
     def run_eval():  # each rank answers every world-th question
         params_eval = rollout.SamplingParams(temperature=0.0, max_tokens=eval_new)
@@ -580,59 +457,20 @@ def main(argv=None):
         hits = gather((sum(sum(r["scores"]) for r in recs), sum(len(r["scores"]) for r in recs)))
         return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
 
-    # ---- the loop
+    # ---- the loop: noise, rollout + reward, train, log / eval / checkpoint
     initial = {}
     if eval_set and args.eval_every and start == 0:  # the starting point of the learning curve
         initial = {"eval/accuracy_initial": run_eval()["eval/accuracy"]}
         log(f"accuracy before training: {initial['eval/accuracy_initial']:.4f}")
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="train", disable=rank > 0)
-    per_rank = f"/rank{rank}" if world > 1 else ""  # the ranks' own streams (AQN noise is the same on all)
+    per_rank = f"/rank{rank}" if world > 1 else ""
     for step in bar:
         t_step = time.perf_counter()
         torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
         sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
         noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
-        stats = tasks.RewardStats()
-        completions_all = []
-
-        def sample_round(r):  # this rank's slice of the prompts; returns every rank's groups
-            idx = next_prompts(args.prompts_per_step)[rank::world]
-            sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                        n=args.group_size, seed=step_seed(args.seed, step, f"sample{r}{per_rank}"))
-            with aqn.noise_applied(model, noise):
-                comps = engine.generate([train_ids[i] for i in idx], sp)
-            groups, correct = [], []
-            for i, cs in zip(idx, comps):
-                texts = tokenizer.batch_decode([c.token_ids for c in cs], skip_special_tokens=True)
-                rs = torch.tensor(tasks.rewards([train_set[i]] * len(cs), texts, stats))      # (G,)
-                shaped = rs
-                if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
-                    lens = torch.tensor([len(c.token_ids) for c in cs])
-                    shaped = rs + grpo.overlong_penalty(lens, gcfg.max_completion_len, gcfg.overlong_cache_len)
-                groups.append((train_set[i], train_ids[i], cs, shaped))
-                correct.append(rs)
-            parts = gather((torch.cat(correct).float(), groups))
-            groups = [g for _, gs in parts for g in gs]
-            completions_all.extend(c for g in groups for c in g[2])
-            return torch.cat([rs for rs, _ in parts]), groups
-
-        t0 = time.perf_counter()
-        if gcfg.dynamic_sampling:
-            filled = grpo.fill_batch(sample_round, args.prompts_per_step, args.group_size,
-                                     gcfg.max_sampling_rounds, gcfg.dynamic_sampling_tol)
-            groups, rounds = filled.groups, filled.rounds
-        else:
-            groups, rounds = sample_round(0)[1], 1
-        rewards = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)   # (P·G,)
-        engine.free_cache()  # the KV cache goes before the backward pass needs the memory
-        t_rollout = time.perf_counter() - t0
-        new_tokens = sum(len(c.token_ids) for c in completions_all)   # of all ranks
-        errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
-        m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, "time/rollout": t_rollout,
-             "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
-             "reward_errors": errors, "reward_timeouts": timeouts,
-             "completions/mean_length": new_tokens / len(completions_all),
-             "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions_all) / len(completions_all)}
+        groups, rewards, rollout_metrics = rollout_step(step, engine, tokenizer, stream, noise, args, gcfg)
+        m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, **rollout_metrics}
         if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
             m.update(skipped=True)
         else:
@@ -652,7 +490,7 @@ def main(argv=None):
         bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}")
         stop = step + 1 == args.max_steps or step + 1 == args.stop_at
         if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
-            save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, data_pos, args.model,
+            save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, stream.position, args.model,
                             args.keep_checkpoints)
         if world > 1:
             torch.distributed.barrier()  # rank 0 has finished the checkpoint before any rank goes on

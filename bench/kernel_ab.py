@@ -1,12 +1,14 @@
-"""Same-run A/B of the NVFP4 matmul: this tree's marlin_kernel against another checkout's, in one process.
+"""Same-run A/B of the NVFP4 matmul: this tree's kernels against another checkout's, in one process.
 
-Why. bench/kernel.py times one tree; two of its runs differ by a few percent on a shared machine
-(bench/NOTES.md v22), more than many kernel changes gain. Here both trees' kernel modules are
-loaded side by side (the other checkout's under its own module objects), and for every (shape, M)
-the two routes and cuBLAS bf16 are timed in turn, --reps times, on the same inputs and the same
-rotated weight copies, timed like bench/kernel.py (CUDA-graph replays, median). Each output is
-also compared bit for bit: a change meant to leave the arithmetic alone (a shorter decode, other
-addressing) must give the same bits, and the table says where it does not.
+Why. bench/kernel.py times one tree; two of its runs differ by a few percent on a shared machine,
+more than many kernel changes gain. Here both trees' kernel packages are loaded side by side (the
+other checkout's `kernels` under the module name kernels_base, so its relative imports stay within
+it), and for every (shape, M) the two routes and cuBLAS bf16 are timed in turn, --reps times, on the
+same inputs and the same rotated weight copies, timed like bench/kernel.py (CUDA-graph replays,
+median). Each output is also compared bit for bit: a change meant to leave the arithmetic alone (a
+shorter decode, other addressing, a file moved) must give the same bits, and the table says where it
+does not. A checkout from before the kernels/ package (its marlin_kernel.py and the kernel modules
+beside it) loads too, so a layout change can be A/B'd against the tree it came from.
 
     git worktree add ../base main        # or any other checkout of the project
     python bench/kernel_ab.py --base ../base --ms 1,2,16,64,128,1024 --dx-ms 128,1024 --out DIR
@@ -17,6 +19,7 @@ M, op, base_us[], this_us[], cublas_us[], same_bits).
 """
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -26,25 +29,35 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 
 import torch
 
-# the modules of the kernel stack, loaded once per tree (each imports the others by these names)
-STACK = ("fp4_decode", "small_m_kernels", "tile_kernels", "register_a_kernel", "register_a_dx", "marlin_kernel")
+# a checkout from before kernels/: its kernel modules, loaded once per tree (each imports the others by these names)
+FLAT = ("fp4_decode", "small_m_kernels", "tile_kernels", "register_a_kernel", "register_a_dx", "marlin_kernel")
 
 
-def load_tree(root: str):
-    """marlin_kernel as the checkout at root has it, its stack in module objects of its own."""
-    saved = {name: sys.modules.pop(name) for name in STACK if name in sys.modules}
+def load_tree(root: str, name: str = "kernels_base"):
+    """The kernel entry point of the checkout at root, beside this tree's: its `kernels` package as
+    module `name` (its submodules name.gemm, ...), or, in a checkout without one, its marlin_kernel
+    with the modules under it in module objects of their own. Either has nvfp4_matmul and
+    nvfp4_matmul_dx taking interleaved=."""
+    init = os.path.join(os.path.abspath(root), "kernels", "__init__.py")
+    if os.path.exists(init):
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[os.path.dirname(init)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    saved = {m: sys.modules.pop(m) for m in FLAT if m in sys.modules}
     sys.path.insert(0, os.path.abspath(root))
     try:
         mk = importlib.import_module("marlin_kernel")
     finally:
         sys.path.pop(0)
-        for name in STACK:
-            sys.modules.pop(name, None)
+        for m in FLAT:
+            sys.modules.pop(m, None)
         sys.modules.update(saved)
     return mk
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="the other checkout's root directory")
     ap.add_argument("--shapes", default="all", help="comma-separated bench/kernel.py shape names, or all")
@@ -53,15 +66,15 @@ def main():
     ap.add_argument("--reps", type=int, default=2, help="times each of the three is timed, alternating")
     ap.add_argument("--between", action="store_true",
                     help="a small kernel after every call, as a layer's other ops follow a matmul in the decode "
-                         "graph: back-to-back launches of one kernel under PDL can time unlike the graph "
-                         "(bench/NOTES.md v31 item 8); its time is in every row, so compare this / base, not x")
+                         "graph: back-to-back launches of one kernel under PDL can time unlike the graph; its "
+                         "time is in every row, so compare this / base, not x")
     ap.add_argument("--out", default=".")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernel_ab.py needs a CUDA GPU")
     base = load_tree(args.base)
     import kernel as kb                      # bench/kernel.py: weights, timing, copies (this tree)
-    this = kb.mk
+    import kernels as this
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     dx_ms = {int(m) for m in args.dx_ms.split(",") if m}

@@ -1,16 +1,16 @@
 """Benchmark of the paged sampler (rollout.py) on random-init Qwen2.5 shapes, against HF generate.
 
-Engines, on the same random weights (model.build_model, real Qwen2.5 config values, ANCHORS.md):
+Engines, on the same random weights (checkpoint.build_model, real Qwen2.5 config values, ANCHORS.md):
     ours-nvfp4   LLMEngine over the NVFP4 model (Triton FP4 x BF16 linears), CUDA graphs
     ours-bf16    LLMEngine over the bf16 model, CUDA graphs
     hf-bf16      transformers' generate on a Qwen2ForCausalLM that shares the bf16 weights (7B only)
     *-nopdl      (e.g. ours-nvfp4-nopdl) Triton kernels launched without programmatic dependent launch
-                 (marlin_kernel.PDL): what PDL buys
+                 (the Tuning field pdl=False, kernels/tuning.py): what PDL buys
     *-lora       (e.g. ours-nvfp4-lora) with train.py's default adapters (rank 32 on q/k/v/o/gate/up/down,
                  B = 0 as initialised): the rollout a GRPO step actually runs, live adapters included
-    *-unfused    (e.g. ours-nvfp4-unfused) norms, RoPE and SiLU·mul as plain torch ops instead of the
-                 fused Triton kernels of fused_ops.py, and q/k/v, gate/up one linear at a time instead of
-                 one stacked matmul each (stacked_linear.StackedLinear): what the fusion buys
+    *-unfused    (e.g. ours-nvfp4-unfused) every op of ops.py as its torch reference (fused=False):
+                 norms, RoPE and SiLU·mul as plain torch ops, q/k/v and gate/up one linear at a time,
+                 LoRA updates as torch GEMMs: what the fast path of the seam buys
 Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
     batchB   B = 1, 2, 4, 8, 16 prompts of 256 random tokens, 512 new each:
              decode tok/s = B·(new - 1) / (total - TTFT)
@@ -26,12 +26,11 @@ backward). TTFT therefore includes prefill and the first decode graph's capture.
     python bench/rollout.py --workloads batch1 --out DIR      # table on stdout, DIR/rollout.json
     python bench/rollout.py --models tiny --engines ours-nvfp4,ours-bf16   # a 1-minute smoke test
     python bench/rollout.py --engines ours-nvfp4 --profile    # + per-kernel GPU time, OUT/profile.txt
-    python bench/rollout.py --attention --out DIR             # paged attention alone, per tile size
-    python bench/rollout.py --lm-head --out DIR               # the lm_head alone: gemv_triton vs cuBLAS
 Each model is built, measured and freed in turn; results merge into the JSON by (model, engine,
 workload), so separate invocations (e.g. under a 10-minute limit) add up to one table.
 """
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -43,15 +42,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
-import fused_ops
 import lora
-import marlin_kernel
-import paged_attention
 import rollout
-from model import SHAPES, build_model
+from checkpoint import SHAPES, build_model
+from kernels import tuning
 
 # ----------------------------------------------------------------------------------------------
-# Qwen2.5 shapes (model.SHAPES, ANCHORS.md)
+# Qwen2.5 shapes (checkpoint.SHAPES, ANCHORS.md)
 
 CONFIGS = {"7b": SHAPES["qwen2.5-7b"], "14b": SHAPES["qwen2.5-14b"], "32b": SHAPES["qwen2.5-32b"],
            "tiny": dict(SHAPES["qwen2.5-7b"], hidden_size=512, intermediate_size=1024,   # a smoke test
@@ -172,68 +169,16 @@ def profile(run, vocab, batch, new, path, label=""):
     print(table + "\n" + critical, flush=True)
 
 
-def attention(path):
-    """Paged decode attention alone at 7B heads (28 q / 4 kv, D 128, 16-token blocks, contexts of
-    768 = GRPO's mean): µs and KV TB/s per tile size (positions read per program step)."""
-    import triton
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    rows = []
-    for B, part in ((1, 32), (16, 512), (128, 512)):
-        ctx, bs = 768, 16
-        nb = B * ctx // bs
-        kc, vc = (torch.randn(nb, bs, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        tables = torch.randperm(nb, device="cuda", dtype=torch.int32).view(B, ctx // bs)
-        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
-        q = torch.randn(B, 28, 128, device="cuda", dtype=torch.bfloat16)
-        for tile in (16, 32, 64, 128):
-            counts = torch.zeros(B, 4, device="cuda", dtype=torch.int32)
-            fn = functools.partial(paged_attention.paged_attention_triton, q, kc, vc, tables, lens, 0.088,
-                                   num_parts=2048 // part, counts=counts, partition_size=part, tile=tile)
-            fn()
-            us = triton.testing.do_bench_cudagraph(fn) * 1e3
-            rows.append(dict(batch=B, ctx=ctx, partition=part, tile=tile, us=us,
-                             kv_tb_s=2 * kc.numel() * 2 / us / 1e6))
-            print(f"  attention B={B} ctx={ctx} partition={part} tile={tile}: {us:.1f} us, "
-                  f"{rows[-1]['kv_tb_s']:.2f} TB/s of KV", flush=True)
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-
-
-def lm_head(path, sweep=((8, 256), (8, 512), (16, 256), (16, 512), (32, 256))):
-    """The sampler's lm_head alone (bf16, vocabulary 152,064 x hidden 3584 / 5120): cuBLAS
-    (F.linear, what nn.Linear runs) against fused_ops.gemv_triton at 1 and 2 rows, each (BN, BK) of
-    the sweep, CUDA-graph timing in one run: µs and weight TB/s. The weight (1.1 / 1.6 GB) is far
-    larger than the L2, so every call streams it from HBM."""
-    import triton
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    rows = []
-    for name, H in (("7b", 3584), ("32b", 5120)):
-        w = (torch.randn(152064, H, device="cuda") * 0.02).bfloat16()
-        for M in (1, 2):
-            x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-
-            def timed(kernel, fn):
-                us = triton.testing.do_bench_cudagraph(fn) * 1e3
-                rows.append(dict(model=name, M=M, kernel=kernel, us=us, tb_s=w.numel() * 2 / us / 1e6))
-                print(f"  lm_head {name} M={M} {kernel}: {us:.1f} us, {rows[-1]['tb_s']:.2f} TB/s", flush=True)
-
-            shipped = fused_ops.GEMV_CONFIGS[M]
-            for bn, bk in sweep:
-                fused_ops.GEMV_CONFIGS[M] = (bn, bk)
-                timed(f"gemv {bn}x{bk}", functools.partial(fused_ops.gemv_triton, x, w))
-            fused_ops.GEMV_CONFIGS[M] = shipped
-            timed("cublas", functools.partial(torch.nn.functional.linear, x, w))
-        del w
-        torch.cuda.empty_cache()
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-
-
 def measure(model_name, engine_name, workloads, max_model_len, profile_path=None, profile_batches=(1, 16, 128)):
     cfg = CONFIGS[model_name]
     quant = "nvfp4" if engine_name.startswith("ours-nvfp4") else "bf16"
-    fused_ops.FUSED = not engine_name.endswith("-unfused")   # Triton norm/RoPE/SiLU kernels or torch ops
-    marlin_kernel.PDL = not engine_name.endswith("-nopdl")      # programmatic dependent launch or not
+    variant = dataclasses.replace(tuning.current(), fused=not engine_name.endswith("-unfused"),
+                                  pdl=not engine_name.endswith("-nopdl"))
+    with tuning.using(variant):
+        return _measure(model_name, engine_name, cfg, quant, workloads, max_model_len, profile_path, profile_batches)
+
+
+def _measure(model_name, engine_name, cfg, quant, workloads, max_model_len, profile_path, profile_batches):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -298,16 +243,10 @@ def main():
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--profile", action="store_true", help="also write per-kernel GPU time to OUT/profile.txt")
     ap.add_argument("--profile-batches", default="1,16,128", help="batch sizes --profile runs")
-    ap.add_argument("--attention", action="store_true", help="only time paged attention per tile size (OUT/attention.json)")
-    ap.add_argument("--lm-head", action="store_true", help="only time the lm_head, gemv_triton vs cuBLAS (OUT/lm_head.json)")
     args = ap.parse_args()
     print(vars(args))
     if not torch.cuda.is_available():
         sys.exit("bench/rollout.py needs a CUDA GPU")
-    if args.attention:
-        return attention(os.path.join(args.out, "attention.json"))
-    if args.lm_head:
-        return lm_head(os.path.join(args.out, "lm_head.json"))
     path = os.path.join(args.out, "rollout.json")
     old = json.load(open(path))["rows"] if os.path.exists(path) else []
     rows = []

@@ -1,7 +1,7 @@
 """One GRPO step at the paper's shapes: where the time and the memory of a training step go.
 
 A configuration is (model shape, base-weight format, completion length). For each one this builds
-a random-init Qwen2.5 model (model.SHAPES: no checkpoint, no network) through train.build_policy,
+a random-init Qwen2.5 model (checkpoint.SHAPES: no checkpoint, no network) through train.build_policy,
 i.e. with train.py's defaults: LoRA r32 α64 on every linear, AdamW, DAPO loss, micro-batches,
 gradient checkpointing, lm_head log-probs in chunks, AQN noise on (σ of stage 1, 1e-2). Then it
 runs train.py's step on synthetic data:
@@ -23,7 +23,7 @@ A warm-up step comes first (Triton JIT, cuBLAS, allocator), by default with 64-t
 (`--full-warmup`: the same step twice); both are in the JSON, the table shows the timed one.
 
 Each configuration runs in its own Python process, so one's peak memory, OOM or leftover cache never
-touches the next. Before building, the process applies model.check_fits's rule (model.load_bytes:
+touches the next. Before building, the process applies checkpoint.check_fits's rule (checkpoint.load_bytes:
 weights + the bf16 weights in flight, vs free memory); a model that fails it is reported "does not fit" with both numbers
 and never built. That rule is necessary, not sufficient: bf16 32B (61 GiB of weights) passes it on an
 80 GB H100, and whether the KV cache, adapters, optimizer and activations fit too is found by running
@@ -31,7 +31,7 @@ it, where an out-of-memory error is caught and reported ("oom", with the phase i
 --available-gib replaces the free memory in the check and, on a GPU, caps what the process may allocate
 (torch.cuda.set_per_process_memory_fraction): a smaller card, emulated (the KV cache is still sized from
 the real free memory: lower --gpu-memory-utilization to match), and the CPU test. --force skips the
-check and model.check_fits itself, to watch the allocation fail for real.
+check and checkpoint.check_fits itself, to watch the allocation fail for real.
 
     python bench/step.py --models 7b --quants nvfp4,bf16 --completion 1024       # ~2.5 min on an H100
     python bench/step.py --models 32b --quants bf16 --completion 1024     # passes check_fits; does the step?
@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 import aqn
+import checkpoint as qckpt
 import model as qmodel
 import rollout
 import train
@@ -61,19 +62,19 @@ import train
 # ----------------------------------------------------------------------------------------------
 # configurations
 
-MODELS = {"7b": qmodel.SHAPES["qwen2.5-7b"], "14b": qmodel.SHAPES["qwen2.5-14b"],
-          "32b": qmodel.SHAPES["qwen2.5-32b"],
-          "tiny": dict(qmodel.SHAPES["qwen2.5-7b"], vocab_size=512, hidden_size=64, intermediate_size=128,
+MODELS = {"7b": qckpt.SHAPES["qwen2.5-7b"], "14b": qckpt.SHAPES["qwen2.5-14b"],
+          "32b": qckpt.SHAPES["qwen2.5-32b"],
+          "tiny": dict(qckpt.SHAPES["qwen2.5-7b"], vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}  # a smoke test
 KEY = ("model", "quant", "completion")
 GIB = 2 ** 30
 
 
 def needed_bytes(cfg: dict, quant: str, dtype) -> tuple[int, int]:
-    """(weight bytes, model.load_bytes): exact bytes of the meta model, and + the bf16 weights in flight."""
+    """(weight bytes, checkpoint.load_bytes): exact bytes of the meta model, and + the bf16 weights in flight."""
     with torch.device("meta"):
         meta = qmodel.Transformer(qmodel.ModelConfig.from_hf(cfg), quant, dtype)
-    return qmodel.weight_bytes(meta), qmodel.load_bytes(meta)
+    return qckpt.weight_bytes(meta), qckpt.load_bytes(meta)
 
 
 def train_args(spec: dict, model_dir: str):
@@ -147,7 +148,7 @@ def run_config(spec: dict) -> dict:
                weights_gib=weights / GIB, needed_gib=need / GIB, available_gib=None if free is None else free / GIB,
                device_total_gib=None if total is None else total / GIB)
     if spec["force"]:
-        qmodel.check_fits = lambda model, device: None  # let the allocation itself succeed or fail
+        qckpt.check_fits = lambda model, device: None  # let the allocation itself succeed or fail
     elif free is not None and need > free:
         return dict(rec, status="does not fit")
     if spec["available_gib"] is not None and device.type == "cuda":

@@ -213,9 +213,9 @@ def test_bf16_norm_weights_would_lose_the_noise():
 
 @pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
 def test_noise_on_our_model(tiny_hf_dir, quant):
-    model_py = pytest.importorskip("model")
+    from checkpoint import load_model
     path, _ = tiny_hf_dir("qwen2", seed=3)
-    m = model_py.load_model(path, quant=quant, device="cpu")  # bf16 activations, fp32 norm weights
+    m = load_model(path, quant=quant, device="cpu")  # bf16 activations, fp32 norm weights
     norms = noisy_norms(m)
     assert sorted(norms) == sorted(f"model.layers.{i}.{n}" for i in range(2)
                                    for n in ("input_layernorm", "post_attention_layernorm"))
@@ -235,9 +235,9 @@ def test_noise_on_our_model(tiny_hf_dir, quant):
 
 @pytest.mark.gpu
 def test_noise_on_cuda_is_deterministic_and_restored(tiny_hf_dir):
-    model_py = pytest.importorskip("model")
+    from checkpoint import load_model
     path, _ = tiny_hf_dir("llama", tie=True, seed=2)
-    m = model_py.load_model(path, quant="nvfp4", device="cuda")
+    m = load_model(path, quant="nvfp4", device="cuda")
     x = ids().cuda()
     before, snap = logits(m, x), snapshot(m)
     a = sample_noise(m, 1e-2, torch.Generator("cuda").manual_seed(0))

@@ -13,6 +13,8 @@ import sys
 import pytest
 import torch
 
+import distributed
+import run_dir
 import train
 from test_train import FAST, ROOT, lora_update, make_groups, make_tiny_model, read_metrics
 
@@ -33,13 +35,13 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, device: str) -> None:
-    """One rank: torchrun's environment, train.dist_setup, then one update per loss type."""
+    """One rank: torchrun's environment, distributed.dist_setup, then one update per loss type."""
     torch.set_num_threads(1)
     # As under torchrun, the rendezvous store lives outside the ranks (here: in the test process), so
     # no rank takes it down while the other is still tearing its process group down.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
-    rank_, world_, dev = train.dist_setup(device)   # gloo on CPU, nccl on cuda:<rank>
+    rank_, world_, dev = distributed.dist_setup(device)   # gloo on CPU, nccl on cuda:<rank>
     assert (rank_, world_) == (rank, world)
     for loss_type in LOSS_TYPES:
         update, metrics = lora_update(model_dir, make_groups(4, seed=5), REWARDS, loss_type, micro_batch=2, device=dev)
@@ -95,9 +97,9 @@ def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[1], rows
     assert "loss" in rows[0] and rows[1]["sampling/rounds"] in (1, 2), rows
-    state = torch.load(os.path.join(out, "checkpoint-000002", train.TRAINER_STATE), weights_only=True)
+    state = torch.load(os.path.join(out, "checkpoint-000002", run_dir.TRAINER_STATE), weights_only=True)
     assert state["data_pos"] == 2 * (1 + rows[1]["sampling/rounds"]), "--prompts-per-step is the global count"
-    with open(os.path.join(out, train.RUN_CONFIG)) as f:
+    with open(os.path.join(out, run_dir.RUN_CONFIG)) as f:
         assert '"world_size": 2' in f.read()
 
 
@@ -118,5 +120,5 @@ def test_more_processes_than_gpus_are_refused(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(SystemExit, match="4 processes per node asked for, but 2 CUDA devices visible"):
-        train.dist_setup("cuda")
+        distributed.dist_setup("cuda")
     assert not torch.distributed.is_initialized()

@@ -1,261 +1,218 @@
-"""Tests for marlin_kernel.py: the wrappers' choice of kernel, the input checks, the float64
-reference and nvfp4_matmul / nvfp4_matmul_dx end to end.
+"""Tests for marlin_kernel.py: the teaching kernel against float64, its exact decode of every byte
+and scale, its input checks, the float64 reference against nvfp4.dequantize, and the dispatch
+(the fast path where kernels.gemm_runs, else the teaching kernel; dx: dequantize + matmul).
 
-On CPU the kernels run in the Triton interpreter (conftest sets TRITON_INTERPRET=1), so shapes
-are tiny; the `gpu` tests use the real Qwen2.5 projection shapes. Every test draws fresh random
-codes and scales (all 16 E2M1 codes, E4M3 scales from subnormal to large) and poisons every
-buffer the wrappers allocate with NaN (conftest's `poisoned`), so an element the kernel forgets to
-write fails. References: float64 (reference_matmul / reference_dequantize, plain torch), itself
-checked against nvfp4.dequantize; the kernel a wrapper launched is recorded by LaunchSpy.
-
-The kernels marlin_kernel.py launches are tested in their own files, through marlin_kernel's
-wrappers and with the helpers below (random_weight, assert_close, check_forward, LaunchSpy, SMALL,
-DEV): test_fp4_decode.py (exact decoding of every code and scale), test_small_m_kernels.py (the
-CUDA-core GEMV and the fragment kernel), test_tile_kernels.py (tile, medium-M, dx, split-K reduce,
-dequantize).
+Tensors live on DEV (tests/nvfp4_cases.py): on a GPU the kernel runs its bf16 MMA path on CUDA
+tensors; without one, conftest sets TRITON_INTERPRET=1 and it runs in the Triton interpreter on
+CPU tensors (its fp32-dot branch), so the shapes are small. Every test draws fresh random codes
+and scales (all 16 E2M1 codes, E4M3 scales from subnormal to large) and poisons the buffers the
+wrapper allocates with NaN (conftest's `poisoned`): an element the kernel forgets to write fails.
+The `gpu` test compares the fast kernels (kernels.nvfp4_matmul, interleaved weights) with this
+kernel and with float64 on the real Qwen2.5-7B projection shapes.
 """
 import pytest
 import torch
 
+import kernels
 import marlin_kernel as mk
-from small_m_kernels import _nvfp4_gemv_kernel, _nvfp4_mma_kernel
-from tile_kernels import _nvfp4_mm_kernel
+import nvfp4
+from nvfp4_cases import DEV, LaunchSpy, random_weight, rel_err
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def random_weight(N, K, gen, device=DEV):
-    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen).to(device)
-    s = torch.exp2(torch.rand(N, K // 16, generator=gen) * 20 - 12)       # 2^-12 .. 2^8
-    scale = s.to(torch.float8_e4m3fn).to(device)                          # incl. E4M3 subnormals
-    global_scale = torch.tensor([448.0 * 6 / (0.5 + torch.rand(1, generator=gen).item())], device=device)
-    return packed, scale, global_scale
+M_CASES = [0, 1, 2, 5, 17, 64, 130]           # empty, decode, odd, one tile and a bit, several tiles
+NK_CASES = [(16, 16), (48, 80), (80, 272), (272, 48)]   # N, K multiples of 16, not of the 64 tiles
 
 
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
+def float64(x, packed, scale, gs, bias=None):
+    """(y, mag): the float64 product and |x|·|W|ᵀ + |bias|, the size of fp32's summation error."""
+    W = mk.reference_dequantize(packed, scale, gs)                   # (N, K) float64
+    mag = x.double().abs() @ W.abs().t()                             # (M, N)
+    if bias is not None:
+        mag = mag + bias.double().abs()
+    return mk.reference_matmul(x, packed, scale, gs, bias), mag
 
 
-def assert_close(out, ref, what, worst=1e-2):
-    assert torch.isfinite(out).all(), f"{what}: non-finite output (an element was not written?)"
-    e = rel_err(out, ref)
-    assert e < worst, f"{what}: relative error {e:.2e} (max abs err {(out.double() - ref).abs().max():.3e})"
-    return e
+def assert_rounded_once(y, ref, mag, what):
+    """y (bf16) is the float64 ref rounded once: every element finite (written) and within half a
+    bf16 ulp (2^-8 of its size) plus a hair of fp32 summation error (2^-14 of mag)."""
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape, f"{what}: {y.dtype} {tuple(y.shape)}"
+    assert torch.isfinite(y).all(), f"{what}: non-finite output (an element was not written?)"
+    err = (y.double() - ref).abs()
+    bound = ref.abs() * 2**-8 + mag * 2**-14
+    bad = (err > bound).sum().item()
+    assert bad == 0, (f"{what}: {bad} elements past the bound; max |err| {err.max():.3e}, "
+                      f"mean {err.mean():.3e}, relative {rel_err(y, ref):.2e}")
 
 
-def check_forward(run, M, N, K, has_bias, seed, what):
-    """run(x, packed, scale, global_scale, bias) on fresh random data against float64: shape, dtype,
-    every element written (poisoned buffers), worst error < 1e-2 and typical < 4e-3 (bf16 output
-    rounding is ~1.5e-3)."""
-    gen = torch.Generator().manual_seed(seed)
+# ----------------------------------------------------------------------------------------------
+# the teaching kernel against float64
+
+@pytest.mark.parametrize("M", M_CASES)
+@pytest.mark.parametrize("N,K", NK_CASES)
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_matmul_matches_float64(M, N, K, has_bias, poisoned):
+    gen = torch.Generator().manual_seed(M * 1000 + N + K + has_bias)
     packed, scale, gs = random_weight(N, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
     bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
-    y = run(x, packed, scale, gs, bias)
-    assert y.shape == (M, N) and y.dtype == torch.bfloat16
-    e = assert_close(y, mk.reference_matmul(x, packed, scale, gs, bias), what)
-    assert e < 4e-3, f"{what}: typical error too large: {e:.2e}"
+    y = mk.matmul(x, packed, scale, gs, bias)
+    assert_rounded_once(y, *float64(x, packed, scale, gs, bias), f"M={M} N={N} K={K} bias={has_bias}")
 
 
-class LaunchSpy:
-    """Stands in for a Triton kernel: records (kernel, launch keyword arguments), then launches.
-    Installed under the name marlin_kernel's wrappers launch (mk._nvfp4_..._kernel)."""
-    def __init__(self, kernel, launched):
-        self.kernel, self.launched = kernel, launched
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launched.append((self.kernel, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-# ----------------------------------------------------------------------------------------------
-# CPU (interpreter) and GPU: small shapes, every path
-
-SMALL = [(1, 16, 16), (3, 32, 64), (5, 48, 80), (17, 64, 32), (2, 16, 272), (4, 128, 320)]
-
-
-@pytest.mark.parametrize("M,N,K", SMALL)
-@pytest.mark.parametrize("has_bias", [False, True])
-def test_forward_matches_float64(M, N, K, has_bias, poisoned):
-    check_forward(mk.nvfp4_matmul, M, N, K, has_bias, M * 1000 + N + K + has_bias, f"fwd M={M} N={N} K={K}")
-
-
-@pytest.mark.parametrize("M", [1])
-def test_wrapper_picks_cuda_core_path_for_tiny_m(M, monkeypatch):
-    """nvfp4_matmul must run the CUDA-core kernel (and not the MMA one) for M <= GEMV_MAX_M."""
-    launched = []
-    monkeypatch.setattr(mk, "_nvfp4_gemv_kernel", LaunchSpy(_nvfp4_gemv_kernel, launched))
-    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(_nvfp4_mm_kernel, launched))
-    gen = torch.Generator().manual_seed(M)
-    packed, scale, gs = random_weight(32, 64, gen)
-    x = torch.randn(M, 64, generator=gen).bfloat16().to(DEV)
-    assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
-    assert launched and all(k is _nvfp4_gemv_kernel for k, _ in launched), "MMA kernel used"
-    assert M <= mk.GEMV_MAX_M and isinstance(mk.fwd_config(M, 32, 64), mk.GemvConfig)
-    assert not isinstance(mk.fwd_config(mk.GEMV_MAX_M + 1, 32, 64), mk.GemvConfig)
-
-
-@pytest.mark.parametrize("M,K,fragment", [(2, 128, True), (8, 256, True), (16, 128, True), (4, 192, False),
-                                         (2, 192, False), (17, 128, False)])
-def test_wrapper_routes_small_m_to_fragment_kernel(M, K, fragment, monkeypatch):
-    """nvfp4_matmul runs the fragment kernel for GEMV_MAX_M < M <= FRAGMENT_MAX_M when K is a
-    multiple of 128, and the swapped wgmma kernel otherwise."""
-    launched = []
-    monkeypatch.setattr(mk, "_nvfp4_mma_kernel", LaunchSpy(_nvfp4_mma_kernel, launched))
-    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(_nvfp4_mm_kernel, launched))
-    gen = torch.Generator().manual_seed(M + K)
-    packed, scale, gs = random_weight(32, K, gen)
+def test_grouped_order_covers_every_tile(poisoned):
+    """More row tiles than GROUP_M (a full group and a short one) and several column tiles: every
+    tile of y is computed once (a tile the grouping misses stays NaN)."""
+    M, N, K = (mk.GROUP_M + 2) * mk.BLOCK_M - 7, 3 * mk.BLOCK_N - 16, 32
+    gen = torch.Generator().manual_seed(1)
+    packed, scale, gs = random_weight(N, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
-    assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
-    kernels = {k for k, _ in launched}
-    assert kernels == {_nvfp4_mma_kernel if fragment else _nvfp4_mm_kernel}, kernels
-    assert mk.GEMV_MAX_M == 1 and mk.FRAGMENT_MAX_M == 16
+    assert_rounded_once(mk.matmul(x, packed, scale, gs), *float64(x, packed, scale, gs), f"M={M} N={N}")
 
 
-@pytest.mark.parametrize("M,swapped", [(64, True), (65, False), (97, False)])
-def test_wrapper_routes_medium_m_to_unswapped_kernel(M, swapped, monkeypatch):
-    """nvfp4_matmul runs the MMA kernel with SWAP_AB=False (MEDIUM_CONFIG) exactly for 64 < M,
-    up to where dequantize + cuBLAS takes over; M <= 64 stays swapped."""
-    launched = []
-    monkeypatch.setattr(mk, "_nvfp4_mm_kernel", LaunchSpy(_nvfp4_mm_kernel, launched))
-    gen = torch.Generator().manual_seed(M)
-    packed, scale, gs = random_weight(16, 64, gen)
-    x = torch.randn(M, 64, generator=gen).bfloat16().to(DEV)
-    assert_close(mk.nvfp4_matmul(x, packed, scale, gs), mk.reference_matmul(x, packed, scale, gs), f"M={M}")
-    mm = [kw for k, kw in launched if k is _nvfp4_mm_kernel]
-    assert len(mm) == 1 and mm[0]["SWAP_AB"] == swapped, f"launches: {mm}"
-    assert mm[0]["BM"] == (64 if swapped else mk.MEDIUM_CONFIG.bm)
-    for m in (65, 128, 256, mk.DEQUANT_MIN_M - 1):       # a 7B gate_up-sized weight: never dequantized
-        assert not mk.use_dequant(m, 37888, 3584) and mk.fwd_config(m, 37888, 3584) == mk.MEDIUM_CONFIG
-    assert mk.use_dequant(mk.DEQUANT_MIN_M, 37888, 3584)
+def test_decode_is_exact_for_every_byte_and_scale(poisoned):
+    """x = I makes y = Wᵀ: with global_scale 1 each e2m1 · scale is a bf16 number, so the kernel must
+    return the float64 weight exactly, for all 256 bytes (both nibbles) and all 254 finite E4M3
+    scales (the two NaN patterns stand in for 0 and -0)."""
+    gen = torch.Generator().manual_seed(0)
+    N = K = 64
+    packed = torch.arange(256, dtype=torch.uint8).repeat(8)[torch.randperm(2048, generator=gen)]
+    scale_bits = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=gen)]
+    scale_bits[scale_bits == 0x7F], scale_bits[scale_bits == 0xFF] = 0x00, 0x80    # no NaN scales
+    packed, scale = packed.view(N, K // 2).to(DEV), scale_bits.view(N, K // 16).view(torch.float8_e4m3fn).to(DEV)
+    gs = torch.ones(1, device=DEV)
+    y = mk.matmul(torch.eye(K, dtype=torch.bfloat16, device=DEV), packed, scale, gs)
+    W = mk.reference_dequantize(packed, scale, gs)
+    bad = (y.double() != W.t()).sum().item()
+    assert bad == 0, f"{bad} of {W.numel()} weights decoded wrong, max |err| {(y.double() - W.t()).abs().max():.3e}"
 
 
-def test_reference_agrees_with_nvfp4_dequantize():
-    """Our float64 reference reads the format the same way as nvfp4.py (helper A's module)."""
-    nvfp4 = pytest.importorskip("nvfp4")
-    gen = torch.Generator().manual_seed(5)
-    w = torch.randn(32, 64, generator=gen)
-    packed, scale, gs = nvfp4.quantize(w)
-    ref = mk.reference_dequantize(packed, scale, gs)
-    theirs = nvfp4.dequantize(packed, scale, gs, dtype=torch.float64)
-    assert torch.allclose(ref, theirs, rtol=1e-6, atol=0), "format disagreement with nvfp4.dequantize"
-    x = torch.randn(3, 64, generator=gen).bfloat16().to(DEV)
-    y = mk.nvfp4_matmul(x, packed.to(DEV), scale.to(DEV), gs.to(DEV))
-    assert_close(y, x.double() @ theirs.to(DEV).t(), "fwd on nvfp4.quantize weights")
+def test_matmul_on_nvfp4_quantize_weights(poisoned):
+    """The kernel reads what nvfp4.quantize writes (a Gaussian weight, as a checkpoint's)."""
+    gen = torch.Generator().manual_seed(3)
+    packed, scale, gs = nvfp4.quantize((torch.randn(96, 160, generator=gen) * 0.02).to(DEV))
+    x = torch.randn(7, 160, generator=gen).bfloat16().to(DEV)
+    W = nvfp4.dequantize(packed, scale, gs, torch.float64)
+    assert_rounded_once(mk.matmul(x, packed, scale, gs), x.double() @ W.t(), x.double().abs() @ W.abs().t(),
+                        "nvfp4.quantize weights")
 
 
 # ----------------------------------------------------------------------------------------------
-# bad input
+# the float64 reference against nvfp4.py (two independent readings of the format)
+
+def test_reference_dequantize_agrees_with_nvfp4():
+    # one byte by hand: 0x2F holds k = 0 in its low nibble (0xF: -6) and k = 1 in its high one (0x2: 1.0)
+    packed = torch.full((1, 8), 0x2F, dtype=torch.uint8)
+    scale = torch.tensor([[2.0]]).to(torch.float8_e4m3fn)
+    W = mk.reference_dequantize(packed, scale, torch.tensor([4.0]))
+    assert W[0, :2].tolist() == [-3.0, 0.5], W[0, :2]
+    gen = torch.Generator().manual_seed(5)
+    for packed, scale, gs in (random_weight(48, 96, gen, "cpu"), nvfp4.quantize(torch.randn(32, 64, generator=gen))):
+        ours, theirs = mk.reference_dequantize(packed, scale, gs), nvfp4.dequantize(packed, scale, gs, torch.float64)
+        err = ((ours - theirs).abs() / theirs.abs().clamp(min=1e-30)).max().item()
+        assert err < 1e-6, f"format disagreement with nvfp4.dequantize: max relative error {err:.2e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# input checks
 
 def test_bad_inputs_raise_clear_errors():
     gen = torch.Generator().manual_seed(0)
     packed, scale, gs = random_weight(32, 64, gen)
-    x = torch.randn(2, 64).bfloat16().to(DEV)
-    with pytest.raises(TypeError, match="bfloat16"):
-        mk.nvfp4_matmul(x.float(), packed, scale, gs)
-    with pytest.raises(TypeError, match="uint8"):
-        mk.nvfp4_matmul(x, packed.to(torch.int8), scale, gs)
-    with pytest.raises(TypeError, match="float8_e4m3fn"):
-        mk.nvfp4_matmul(x, packed, scale.float(), gs)
-    with pytest.raises(TypeError, match="global_scale"):
-        mk.nvfp4_matmul(x, packed, scale, gs.double())
-    with pytest.raises(ValueError, match="columns"):
-        mk.nvfp4_matmul(torch.randn(2, 48).bfloat16().to(DEV), packed, scale, gs)
-    with pytest.raises(ValueError, match="2-D"):
-        mk.nvfp4_matmul(x[None], packed, scale, gs)
-    with pytest.raises(ValueError, match="contiguous"):
-        mk.nvfp4_matmul(torch.randn(64, 2).bfloat16().to(DEV).t(), packed, scale, gs)
-    with pytest.raises(ValueError, match="contiguous"):
-        mk.nvfp4_matmul(x, packed.t().contiguous().t(), scale, gs)
-    with pytest.raises(ValueError, match="multiples of 16"):
-        mk.nvfp4_matmul(torch.randn(2, 56).bfloat16().to(DEV), packed[:, :28], scale[:, :3], gs)
-    with pytest.raises(ValueError, match="multiples of 16"):
-        mk.nvfp4_matmul(x, packed[:24], scale[:24], gs)
-    with pytest.raises(ValueError, match="scale must have shape"):
-        mk.nvfp4_matmul(x, packed, scale[:, :2].contiguous(), gs)
-    with pytest.raises(ValueError, match="bias"):
-        mk.nvfp4_matmul(x, packed, scale, gs, torch.randn(31).bfloat16().to(DEV))
-    with pytest.raises(ValueError, match="columns"):
-        mk.nvfp4_matmul_dx(torch.randn(2, 64).bfloat16().to(DEV), packed, scale, gs)
-    with pytest.raises(ValueError, match="TileConfig.bk"):
-        mk.TileConfig(16, 16, 24)
-    with pytest.raises(ValueError, match="GemvConfig.bn/bk"):
-        mk.GemvConfig(bk=48)
-
-
-def test_fragment_kernel_refuses_what_it_cannot_do():
-    gen = torch.Generator().manual_seed(0)
-    packed, scale, gs = random_weight(16, 128, gen)
-    with pytest.raises(ValueError, match="M <= 16"):
-        mk._mma(torch.zeros(17, 128, dtype=torch.bfloat16, device=DEV), packed, scale, gs, None, mk.MmaConfig())
-    packed, scale, gs = random_weight(16, 64, gen)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        mk._mma(torch.zeros(2, 64, dtype=torch.bfloat16, device=DEV), packed, scale, gs, None, mk.MmaConfig())
-    with pytest.raises(ValueError, match="MmaConfig"):
-        mk.MmaConfig(tiles=3)
+    x = torch.randn(2, 64, generator=gen).bfloat16().to(DEV)
+    cases = [
+        (TypeError, "x must be bfloat16", (x.float(), packed, scale, gs)),
+        (TypeError, "uint8", (x, packed.to(torch.int8), scale, gs)),
+        (TypeError, "float8_e4m3fn", (x, packed, scale.float(), gs)),
+        (TypeError, "global_scale", (x, packed, scale, gs.double())),
+        (ValueError, "2-D", (x[None], packed, scale, gs)),
+        (ValueError, "multiples of 16", (x, packed[:24], scale[:24], gs)),
+        (ValueError, "multiples of 16", (x[:, :56].contiguous(), packed[:, :28].contiguous(),
+                                         scale[:, :3].contiguous(), gs)),                  # K = 56
+        (ValueError, r"scale must have shape \(N, K/16\)", (x, packed, scale[:, :2].contiguous(), gs)),
+        (ValueError, "x has 48 columns", (x[:, :48].contiguous(), packed, scale, gs)),
+        (ValueError, "bias must be", (x, packed, scale, gs, torch.randn(31).bfloat16().to(DEV))),
+        (ValueError, "bias must be", (x, packed, scale, gs, torch.randn(32).to(DEV))),
+        (ValueError, "x must be contiguous", (torch.randn(64, 2).bfloat16().to(DEV).t(), packed, scale, gs)),
+        (ValueError, "packed must be contiguous", (x, packed.t().contiguous().t(), scale, gs)),
+    ]
+    if DEV == "cuda":
+        cases.append((ValueError, "packed is on cpu", (x, packed.cpu(), scale, gs)))
+    for error, message, args in cases:
+        with pytest.raises(error, match=message):
+            mk.matmul(*args)
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: real shapes (Qwen2.5-7B / 32B projections)
+# the dispatch
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120), (5120, 27648)])
-@pytest.mark.parametrize("M", [1, 7, 16, 33, 100, 256, 1000])
-def test_real_shapes_gpu(N, K, M, poisoned):
-    gen = torch.Generator().manual_seed(N + K + M)
-    packed, scale, gs = random_weight(N, K, gen)
-    W = mk.reference_dequantize(packed, scale, gs)
-    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
-    bias = torch.randn(N, generator=gen).bfloat16().cuda()
-    assert_close(mk.nvfp4_matmul(x, packed, scale, gs, bias), x.double() @ W.t() + bias.double(),
-                 f"fwd {N}x{K} M={M}")
-    dy = torch.randn(M, N, generator=gen).bfloat16().cuda()
-    assert_close(mk.nvfp4_matmul_dx(dy, packed, scale, gs), dy.double() @ W, f"dx {N}x{K} M={M}")
-
-
-def test_interleaved_weights_give_the_same_bits_on_every_route(poisoned):
-    """nvfp4.interleave's layout (what NVFP4Linear holds on CUDA) read by every kernel: the GEMV
-    (M = 1), the fragment kernel (2..16, both token tiles), the swapped tiles and the medium tiles,
-    dequantize + matmul, and dx: bit for bit what the plain layout gives (itself checked against
-    float64 above), and close to float64."""
-    import nvfp4
-    gen = torch.Generator().manual_seed(11)
-    N, K = 48, 256
-    packed, scale, gs = random_weight(N, K, gen)
+def test_nvfp4_matmul_runs_the_teaching_kernel_where_the_fast_path_cannot(monkeypatch, poisoned):
+    """kernels.gemm_runs False: nvfp4_matmul launches the teaching kernel, on the plain layout and
+    on nvfp4.interleave's (deinterleaved first: the same bits)."""
+    monkeypatch.setattr(kernels, "gemm_runs", lambda x: False)
+    launched = []
+    monkeypatch.setattr(mk, "_nvfp4_matmul_kernel", LaunchSpy(mk._nvfp4_matmul_kernel, launched))
+    gen = torch.Generator().manual_seed(7)
+    packed, scale, gs = random_weight(32, 256, gen)
     pi, si = nvfp4.interleave(packed, scale)
     assert not torch.equal(pi, packed)
-    for M in (1, 2, 5, 16, 40, 130):
-        x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
-        y = mk.nvfp4_matmul(x, pi, si, gs, interleaved=True)
-        assert torch.equal(y, mk.nvfp4_matmul(x, packed, scale, gs)), f"fwd M={M}"
-        assert_close(y, mk.reference_matmul(x, packed, scale, gs), f"fwd M={M}")
-        dy = torch.randn(M, N, generator=gen).bfloat16().to(DEV)
-        assert torch.equal(mk.nvfp4_matmul_dx(dy, pi, si, gs, interleaved=True),
-                           mk.nvfp4_matmul_dx(dy, packed, scale, gs)), f"dx M={M}"
-    with pytest.raises(ValueError, match="multiple of 128"):
-        p2, s2, g2 = random_weight(16, 192, gen)
-        mk.nvfp4_matmul(torch.zeros(1, 192, dtype=torch.bfloat16, device=DEV), p2, s2, g2, interleaved=True)
+    bias = torch.randn(32, generator=gen).bfloat16().to(DEV)
+    for M in (1, 5):
+        x = torch.randn(M, 256, generator=gen).bfloat16().to(DEV)
+        y = mk.nvfp4_matmul(x, packed, scale, gs, bias)
+        assert torch.equal(mk.nvfp4_matmul(x, pi, si, gs, bias, interleaved=True), y), f"interleaved M={M}"
+        assert_rounded_once(y, *float64(x, packed, scale, gs, bias), f"dispatch M={M}")
+    assert len(launched) == 4 and all(k is launched[0][0] for k, _ in launched), launched
 
+
+def test_nvfp4_matmul_hands_off_to_the_fast_path(monkeypatch):
+    """kernels.gemm_runs True: both calls go to kernels with every argument, the teaching kernel idle."""
+    calls = []
+    monkeypatch.setattr(kernels, "gemm_runs", lambda x: True)
+    monkeypatch.setattr(kernels, "nvfp4_matmul", lambda *a, **kw: calls.append(("fwd", a, kw)) or "y")
+    monkeypatch.setattr(kernels, "nvfp4_matmul_dx", lambda *a, **kw: calls.append(("dx", a, kw)) or "dx")
+    monkeypatch.setattr(mk, "_nvfp4_matmul_kernel", None)            # launching it would fail
+    packed, scale, gs = random_weight(32, 128, torch.Generator().manual_seed(8))
+    x, dy, bias = (torch.randn(*shape).bfloat16().to(DEV) for shape in ((3, 128), (3, 32), (32,)))
+    assert mk.nvfp4_matmul(x, packed, scale, gs, bias, interleaved=True) == "y"
+    assert mk.nvfp4_matmul_dx(dy, packed, scale, gs, interleaved=True) == "dx"
+    (f, fa, fkw), (d, da, dkw) = calls
+    assert f == "fwd" and fa == (x, packed, scale, gs) and fkw == {"bias": bias, "interleaved": True}, calls[0]
+    assert d == "dx" and da == (dy, packed, scale, gs) and dkw == {"interleaved": True}, calls[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_matmul_dx_falls_back_to_the_dequantized_weight(dtype, monkeypatch):
+    """kernels.gemm_runs False: dx = dy · nvfp4.dequantize(W) in dy's dtype, either layout."""
+    monkeypatch.setattr(kernels, "gemm_runs", lambda x: False)
+    gen = torch.Generator().manual_seed(9)
+    packed, scale, gs = random_weight(48, 128, gen)
+    dy = torch.randn(6, 48, generator=gen).to(dtype).to(DEV)
+    dx = mk.nvfp4_matmul_dx(dy, packed, scale, gs)
+    assert dx.dtype == dtype and torch.equal(dx, dy @ nvfp4.dequantize(packed, scale, gs, dtype))
+    assert torch.equal(mk.nvfp4_matmul_dx(dy, *nvfp4.interleave(packed, scale), gs, interleaved=True), dx)
+    e = rel_err(dx, dy.double() @ mk.reference_dequantize(packed, scale, gs))
+    assert e < 1e-2, f"dx {dtype}: relative error {e:.2e} against float64"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the fast path against the teaching kernel on Qwen2.5-7B shapes
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(4608, 3584), (37888, 3584), (3584, 18944), (5120, 27648)])
-def test_interleaved_weights_real_shapes_gpu(N, K, poisoned):
-    """The same on the real projection shapes (the routes' launch shapes differ there: 128-row
-    fragment programs for the wide weights, split-K sums in-kernel and by the reduce kernel). Where
-    the register-A wgmma kernel takes the interleaved weight (it reads no other layout; its sums run
-    in another order) the bits differ: there both are checked against float64."""
-    import nvfp4
-    gen = torch.Generator().manual_seed(N + K)
+@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 3584), (3584, 18944)])     # qkv, o, down
+@pytest.mark.parametrize("M", [1, 16, 128, 1024])
+def test_fast_path_equals_the_teaching_kernel_gpu(N, K, M, poisoned):
+    """kernels.nvfp4_matmul on the interleaved weight (NVFP4Linear's layout on CUDA) and the teaching
+    kernel on the plain one agree within bf16 rounding, and both with float64."""
+    gen = torch.Generator().manual_seed(N + K + M)
     packed, scale, gs = random_weight(N, K, gen, "cuda")
-    pi, si = nvfp4.interleave(packed, scale)
-    for M in (1, 2, 4, 8, 9, 16, 64, 128):
-        x = torch.randn(M, K, generator=gen).bfloat16().cuda()
-        y, y_plain = mk.nvfp4_matmul(x, pi, si, gs, interleaved=True), mk.nvfp4_matmul(x, packed, scale, gs)
-        if mk.wgmma_rows(M, N, K, x.device, True):
-            ref = mk.reference_matmul(x, packed, scale, gs)
-            assert_close(y, ref, f"M={M}")
-            assert_close(y_plain, ref, f"plain M={M}")
-        else:
-            assert torch.equal(y, y_plain), M
+    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda()
+    assert kernels.gemm_runs(x)
+    fast = kernels.nvfp4_matmul(x, *nvfp4.interleave(packed, scale), gs, bias=bias, interleaved=True)
+    teach = mk.matmul(x, packed, scale, gs, bias)
+    ref = mk.reference_matmul(x, packed, scale, gs, bias)
+    for what, y, against in (("fast vs teaching", fast, teach.double()), ("fast vs float64", fast, ref),
+                             ("teaching vs float64", teach, ref)):
+        assert torch.isfinite(y).all(), f"{what} {N}x{K} M={M}: non-finite output"
+        e, err = rel_err(y, against), (y.double() - against).abs()
+        assert e < 1e-2, (f"{what} {N}x{K} M={M}: relative error {e:.2e}, max |err| {err.max():.3e}, "
+                          f"mean {err.mean():.3e}")

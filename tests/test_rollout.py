@@ -1,13 +1,14 @@
 """Tests for rollout.py: the sampler against transformers' generate and a dense forward, bad input,
 the Triton backend (interpreter on CPU) against the torch backend, and GPU-marked checks of the
 CUDA paths (PDL, CUDA graphs). The layers have their own files: tests/test_scheduler.py,
-tests/test_paged_attention.py, tests/test_sampling.py."""
+tests/test_attention.py, tests/test_sampling.py."""
 import math
 import random
 
 import pytest
 import torch
 
+import kernels
 import rollout
 from rollout import LLMEngine, SamplingParams, generate
 
@@ -28,7 +29,7 @@ def test_sampling_params_reject_bad_values_naming_the_field(kwargs, field):
 # The engine on real model code (model.py), CPU fp32, against transformers
 
 def _load(path, device="cpu", dtype=torch.float32):
-    from model import load_model
+    from checkpoint import load_model
     return load_model(path, quant="bf16", device=device, dtype=dtype)
 
 
@@ -204,44 +205,18 @@ def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
 
 
 @pytest.mark.interpreter
-def test_fill_tokens_kernel_matches_the_torch_ops():
-    """The CUDA path of Runner._fill_tokens (one Triton kernel, run here by the interpreter) on the
-    view the graphs fill (meta (5, bucket) at the front of the flat static buffer) and on a strided
-    slice (rows 512 apart): row i's token becomes prev[src] where src = meta[4, i] >= 0, every other
-    entry, inside the view or past it, stays."""
-    g = torch.Generator().manual_seed(int.from_bytes(random.randbytes(4), "little"))
-    prev = torch.randint(0, 150000, (20,), generator=g)
-    for view in (lambda t: t.view(-1)[:5 * 37].view(5, 37), lambda t: t[:, :37]):
-        wide = torch.randint(0, 1000, (5, 512), generator=g, dtype=torch.int32)
-        view(wide)[4] = torch.randint(-1, 20, (37,), generator=g, dtype=torch.int32)
-        want = wide.clone()
-        for i in range(37):
-            if view(want)[4, i] >= 0:
-                view(want)[0, i] = prev[view(want)[4, i]]
-        ref = wide.clone()
-        rollout.Runner._fill_tokens(view(ref), prev)                    # the torch ops (CPU tensors)
-        got = wide.clone()
-        meta = view(got)
-        rollout._fill_tokens_kernel[(1,)](meta, prev, meta.stride(0), 37, BLOCK=64)
-        assert torch.equal(ref, want) and torch.equal(got, want) and not torch.equal(want, wide)
-
-
-@pytest.mark.interpreter
 def test_decode_with_rope_in_the_kv_store_matches_the_torch_backend(tiny_hf_dir, monkeypatch):
     """The rollout path's kernels on the CPU (fused ops on, Triton interpreter): every decode
     layer hands RoPE to the attention kernel (one launch rotates, stores k, v and attends); tokens
     and logprobs equal the torch backend's with torch ops (fp32)."""
-    import model as M
-    import stacked_linear
     model = _load(tiny_hf_dir("llama")[0])
     prompts = _prompts([14, 30], seed=5)
     params = SamplingParams(temperature=0, max_tokens=6, n=2, stop_token_ids=())
     ref = LLMEngine(model, block_size=16, attn_backend="torch").generate(prompts, params)
-    calls, real = [], rollout.paged_attention_triton
-    monkeypatch.setattr(rollout, "paged_attention_triton",
+    calls, real = [], kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention",
                         lambda *a, rope=None, **kw: calls.append(rope is not None) or real(*a, rope=rope, **kw))
-    for module in (M, stacked_linear):             # each reads its own binding of fused_ops.fused
-        monkeypatch.setattr(module, "fused", lambda x: not torch.is_grad_enabled())
+    monkeypatch.setattr(kernels, "runs", lambda x: not torch.is_grad_enabled())   # the fast path on CPU tensors
     engine = LLMEngine(model, block_size=16, attn_backend="triton")
     out = engine.generate(prompts, params)
     assert calls.count(True) == len(calls) == engine.stats["decode_steps"] * model.config.num_layers > 0
@@ -275,26 +250,26 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit(tiny_hf_dir, monkeypat
     """Sampling with the Triton kernels launched with PDL (sm_90+; each waits for its predecessor
     at its top) gives the very tokens and logprobs of plain launches: a kernel that read before
     its wait would race and, sooner or later, differ."""
-    import marlin_kernel
+    from dataclasses import replace
+    from kernels import tuning
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
     prompts, params = _prompts([5, 40, 17], seed=7), SamplingParams(max_tokens=40, n=2, seed=3, stop_token_ids=())
     runs = []
     for on in (True, False):
-        monkeypatch.setattr(marlin_kernel, "PDL", on)
-        runs.append([c for comps in LLMEngine(model).generate(prompts, params) for c in comps])
+        with tuning.using(replace(tuning.current(), pdl=on)):
+            runs.append([c for comps in LLMEngine(model).generate(prompts, params) for c in comps])
     assert [(c.token_ids, c.logprobs) for c in runs[0]] == [(c.token_ids, c.logprobs) for c in runs[1]]
 
 
 @pytest.mark.gpu
 def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
     """The Triton path (fp32 dots) inside the engine, with and without CUDA graphs, at batch 8 and
-    at batch 1 (where fused_ops.gemv_triton computes the lm_head)."""
-    import fused_ops
+    at batch 1 (where kernels.lm_head's GEMV computes the lm_head)."""
     path, hf = tiny_hf_dir("qwen2")
     hf = hf.cuda()
     model = _load(path, device="cuda")
-    gemv_rows = []
-    monkeypatch.setattr(rollout, "gemv_triton", lambda x, w: gemv_rows.append(x.shape[0]) or fused_ops.gemv_triton(x, w))
+    gemv_rows, real = [], kernels.lm_head
+    monkeypatch.setattr(kernels, "lm_head", lambda x, head: gemv_rows.append(x.shape[0]) or real(x, head))
     for prompts, n in ((_prompts([3, 11, 20, 6]), 2), (_prompts([9]), 1)):
         for graphs in (False, True):
             out = LLMEngine(model, cuda_graphs=graphs).generate(
@@ -310,7 +285,7 @@ def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
 def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora):
     """bf16 on GPU, eager and CUDA-graph decode (batch 12 padded into a 16 bucket): the recorded
     logprobs equal a dense bf16 forward of the finished sequences within bf16 noise. With LoRA
-    (non-zero B, the group path of stacked_linear.project): again after B changes in place between two
+    (non-zero B, the group path of kernels.project): again after B changes in place between two
     generate() calls that reuse the captured graphs."""
     from lora import LoRAConfig, apply_lora, lora_modules
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+import checkpoint as qckpt
 import model as qmodel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,12 +53,12 @@ def test_tiny_step_record_and_does_not_fit(tmp_path, capsys):
     assert r["train_flags"] == {**r["train_flags"], "lora_rank": 32, "lora_alpha": 64.0, "loss_type": "dapo",
                                 "aqn": True, "grad_checkpointing": True, "micro_batch": 4}
 
-    # does not fit: model.check_fits's need against the injected 1 GiB, reported before any build
+    # does not fit: checkpoint.check_fits's need against the injected 1 GiB, reported before any build
     r = rows["7b"]
     with torch.device("meta"):
-        meta = qmodel.Transformer(qmodel.ModelConfig.from_hf(qmodel.SHAPES["qwen2.5-7b"]), "nvfp4", torch.float32)
+        meta = qmodel.Transformer(qmodel.ModelConfig.from_hf(qckpt.SHAPES["qwen2.5-7b"]), "nvfp4", torch.float32)
     assert r["status"] == "does not fit" and r["available_gib"] == 1.0, r
-    assert r["needed_gib"] > r["weights_gib"] == qmodel.weight_bytes(meta) / 2 ** 30, r
+    assert r["needed_gib"] > r["weights_gib"] == qckpt.weight_bytes(meta) / 2 ** 30, r
     assert "build_s" not in r and "step_s" not in r
     table = capsys.readouterr().out
     assert f"does not fit: needs {r['needed_gib']:.1f} GiB, 1.0 GiB free" in table and "| tiny | nvfp4 | 6 |" in table

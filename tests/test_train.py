@@ -18,8 +18,9 @@ import torch
 
 import eval as qeval
 import lora
+import run_dir
 import train
-from model import load_model
+from checkpoint import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = ["--dataset", "addition", "--group-size", "4", "--prompts-per-step", "2", "--max-new-tokens", "8",
@@ -86,7 +87,7 @@ def lora_update(model_dir: str, groups: list, rewards, loss_type: str, micro_bat
 
 
 def read_metrics(out):
-    with open(os.path.join(out, train.METRICS)) as f:
+    with open(os.path.join(out, run_dir.METRICS)) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -99,7 +100,7 @@ def test_train_resume_then_eval(tiny_model, tmp_path, capsys):
     run = ["--model", tiny_model, "--output-dir", out, "--max-steps", "3", "--save-every", "1", *FAST]
     train.main([*run, "--stop-at", "2"])
     assert [m["step"] for m in read_metrics(out)] == [0, 1]
-    assert open(os.path.join(out, train.LATEST)).read() == "checkpoint-000002"
+    assert open(os.path.join(out, run_dir.LATEST)).read() == "checkpoint-000002"
     first = read_metrics(out)
     for key in ("reward", "loss", "entropy", "grad_norm", "completions/mean_length", "aqn/sigma",
                 "sampling/sampling_logp_difference/mean", "clip_ratio/region_mean", "time/rollout",
@@ -114,7 +115,7 @@ def test_train_resume_then_eval(tiny_model, tmp_path, capsys):
     assert rows[:2] == first, "resume must not rewrite the steps before the checkpoint"
     assert os.path.exists(os.path.join(out, "plots.png"))
     ckpt = os.path.join(out, "checkpoint-000003")
-    state = torch.load(os.path.join(ckpt, train.TRAINER_STATE), weights_only=True)
+    state = torch.load(os.path.join(ckpt, run_dir.TRAINER_STATE), weights_only=True)
     assert state["step"] == 3 and state["data_pos"] == 3 * 2
 
     # The adapter is a real PEFT adapter: load it into a fresh model and evaluate with eval.py.
@@ -157,7 +158,7 @@ def test_sigkill_mid_run_then_resume(tiny_model, tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", tiny_model, "--output-dir", out,
            "--save-every", "1", "--eval-limit", "1", *FAST]
     cmd += ["--max-steps", "50"]
-    latest = os.path.join(out, train.LATEST)
+    latest = os.path.join(out, run_dir.LATEST)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (os.path.exists(latest) and open(latest).read() >= "checkpoint-000002"):

@@ -1,4 +1,5 @@
-"""The tile kernels: y = x·Wᵀ and dx = dy·W with bf16 tensor-core MMAs (wgmma), for M > 8.
+"""The tile kernels: y = x·Wᵀ and dx = dy·W with bf16 tensor-core MMAs (tl.dot), the split-K
+reduce and the dequantize pass.
 
 Hopper has no FP4 tensor cores, so each program decodes a (BN, BK) tile of the 4.5-bit weight
 into bf16 in registers (fp4_decode.py) and issues ordinary bf16 MMAs with fp32 accumulation
@@ -14,47 +15,45 @@ live in registers, and a 16-row weight tile is a legal MMA even when M is 1):
 
 dx = dy·W is the same loop with the reduction over N: acc[BK, BM] += wᵀ @ dy[m-tile, n0:n0+BN]ᵀ
 (_nvfp4_mm_dx_kernel). The forward kernel, _nvfp4_mm_kernel, has two schedules
-(marlin_kernel.TileConfig.swap):
+(shapes.TileConfig.swap):
 
   * swapped, M <= 64 (memory-bound): BM = 16..64 rows of x (padded; extra rows never stored), 64
     weight rows per program, W from registers, split-K until there are >= 4 programs per SM.
-  * not swapped, 64 < M < 512: acc[BM, BN] += x·wᵀ with 128 x 128 tiles: the decoded W is the
-    MMA's B operand, stored once to shared memory (no round trip back to registers), and x is
-    re-read from L2 N/128 times instead of N/64.
+  * not swapped, 64 < M (tuning's medium tiles): acc[BM, BN] += x·wᵀ with 128 x 128 tiles: the
+    decoded W is the MMA's B operand, stored once to shared memory (no round trip back to
+    registers), and x is re-read from L2 N/128 times instead of N/64.
 
 A split launch writes fp32 partial sums (split, M, N). Swapped, the split of a tile that finishes
 last (counted by an atomic per tile in a zeroed int32 buffer, which it sets back to zero) adds them
 up in order with the epilogue (scale, bias, cast): one launch, and the same bits as the reduce
-kernel (fp4_decode._last_split / _sum_splits, shared with small_m_kernels.py). Otherwise
+kernel (fp4_decode._last_split / _sum_splits, shared with small_m.py). Otherwise
 _splitk_reduce_kernel does it: deterministic, no atomics. It also serves the fragment kernel's
-split launches at M > 4 (small_m_kernels.py) and the register-A kernel's (register_a_kernel.py);
-_splitk_reduce_lora_kernel is the same sum in 2-D tiles that also adds a LoRA update s·h·Bᵀ
-(one MMA of the tile's rows of h and B) where lora.py would run an addmm after it.
+split launches at larger M (small_m.py) and the register-A kernel's (register_a.py);
+_splitk_reduce_lora_kernel is the same sum in 2-D tiles that also adds a LoRA update s·h·Bᵀ (one
+MMA of the tile's rows of h and B) in place of an addmm after the matmul.
 
-From M = 512 on (M = 128 for weights under 20M elements) the fused kernel reaches only ~45% of
-cuBLAS, so _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS multiplies
-(marlin_kernel.use_dequant).
+At large M (tuning's dequant_min_m) the fused kernel is compute-bound and slower than cuBLAS, so
+_nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS multiplies (gemm.use_dequant).
 
     x, dy    bf16  (M, K), (M, N)   innermost stride 1
     packed   uint8 (N, K/2), scale uint8 (N, K/16) E4M3 bits, global_scale fp32 (1,)
     BK divides K (and BN divides N for dx): the wrappers zero-pad odd reductions to 64 (MIN_RED)
 
 Rows past N or M are wrapped rather than masked, so loads stay unmasked and vectorized; they are
-never stored. Under the interpreter (INTERPRET) the dots run on fp32 copies.
+never stored. M is not specialized (do_not_specialize): Triton would otherwise compile a separate
+M == 1 kernel, which runs slower than the general one. Under the interpreter (INTERPRET) the dots
+run on fp32 copies.
+Leaves out: a pipelined producer / consumer schedule (the register-A kernel has one).
 
-Test: tests/test_tile_kernels.py through marlin_kernel's wrappers
-(test_backward_input_matches_float64, test_split_and_tile_variants_agree,
-test_medium_m_unswapped_kernel_matches_float64, test_large_m_dequantize_then_matmul_path);
-tests/test_marlin_kernel.py's test_forward_matches_float64 and test_real_shapes_gpu run them on the
-routes that reach them; the folded LoRA update: tests/test_small_m_kernels.py
-(test_kernels_fold_the_lora_update), the reduce's: tests/test_tile_kernels.py
-(test_split_k_reduce_adds_the_lora_update) and tests/test_lora.py's GPU test at the GRPO rows.
-Benchmark: python bench/kernel.py (--sweep, --medium-variants).
+Test: tests/test_kernels_tiles.py through gemm's wrappers (dx against float64, split and tile
+variants, the medium tiles, the dequantize path, the reduce kernel's LoRA update);
+tests/test_kernels_gemm.py runs them on the routes that reach them; the folded LoRA update:
+tests/test_kernels_small_m.py (test_kernels_fold_the_lora_update).
 """
 import triton
 import triton.language as tl
 
-from fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _add_update, _e2m1x2_to_f32, _e4m3_to_f32,
+from .fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _add_update, _e2m1x2_to_f32, _e4m3_to_f32,
                         _finish, _last_split, _lora_mma, _lora_update_tile, _sum_splits, _tiled_offsets,
                         _to_bf16, pdl_start)
 
@@ -87,8 +86,6 @@ def _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
 # ----------------------------------------------------------------------------------------------
 # kernels
 
-# M is not specialized: Triton would otherwise compile a separate M == 1 kernel, which ran
-# 3-28% slower than the general one at M = 2 on the H100 (bench/NOTES.md).
 @triton.jit
 def _grouped_order(pid, num_pid_w, num_pid_m, GROUP: tl.constexpr):
     """Program id -> (weight tile, m tile), GROUP weight tiles swept over every m tile together,
@@ -232,9 +229,8 @@ def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
                           USE_PDL: tl.constexpr):
     """out (R, C) bf16 = sum_s part[s] (R, C) fp32 · 2^7/global_scale (+ bias (C,)), the sums of
-    fp4_decode._sum_splits. Its own loop over a runtime SPLIT: calling _sum_splits (unrolled .cg
-    loads, SPLIT a constexpr), here and in the LoRA variant below, measured -1% at the GRPO batch
-    (H100, bench/NOTES.md v22)."""
+    fp4_decode._sum_splits. Its own loop over a runtime SPLIT (one compiled kernel for every split),
+    not _sum_splits' unrolled loop over a constexpr one, which is slower here."""
     pdl_start(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -250,8 +246,8 @@ def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr
                                INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """_splitk_reduce_kernel for a (BM, BN) tile of out (M, N), plus a LoRA update: out = bf16(y +
     s · h Bᵀ) with y the reduce's bf16 result, h (M, R) and B (N, R) bf16 (R <= LR), the update an
-    fp32 MMA added before the one rounding (the in-place addmm it replaces, lora.py's _add_update,
-    rounded the sum less exactly: off by more than a bf16 step on ~1% of 7B o_proj's outputs)."""
+    fp32 MMA added before the one rounding (the in-place addmm it replaces rounds the sum less
+    exactly: by more than a bf16 step on some outputs)."""
     pdl_start(USE_PDL)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)

@@ -1,16 +1,13 @@
 """The register-A wgmma kernel for the backward-input product dx = dy·W (dy (M, N), W NVFP4 (N, K)),
-reading the same interleaved weights as the forward kernel (register_a_kernel.py; Hopper, Gluon,
-triton 3.6 only: marlin_kernel routes here where dx_wgmma_rows says).
+reading the same interleaved weights as the forward kernel (register_a.py; Hopper, Gluon, triton 3.6
+only: gemm.route sends dx here at 64 < M <= 256 on the big weights, to 512 on the widest).
 
-Why. The tile kernel for dx (tile_kernels.py) decodes W into shared memory for tl.dot and ran at
-0.35-0.75x of cuBLAS bf16 at M = 128..256 on the big weights; dequantizing W and calling cuBLAS
-pays a pass over 2.56 bytes a weight (0.75-0.84x at M = 1024, bench/NOTES.md v27). Here W is
-decoded in registers as wgmma's A operand, as in the forward kernel, and nothing but the 4.5-bit
-weights is read. Measured on the H100 (NOTES v28): M = 128 0.50-1.37x, M = 256 0.48-0.83x on the
-six big weights (the tiles: 0.35-0.67x, 0.36-0.50x), M = 384 0.68-0.80x on gate_up / down
-(dequantize + cuBLAS 0.56-0.61x); at M = 1024 0.50-0.78x, short of dequantize + cuBLAS, which
-keeps that M (marlin_kernel.dx_route). The decode is twice the forward's per MMA (a consumer
-decodes 128 k x 128 n for a 128 x 128 x 128 wgmma), and 112 programs leave 15% of the SMs idle.
+Why. The tile kernel for dx (tiles.py) decodes W into shared memory for tl.dot and runs well below
+cuBLAS bf16 at M = 128..256 on the big weights; dequantizing W and calling cuBLAS pays a pass over
+2.56 bytes a weight. Here W is decoded in registers as wgmma's A operand, as in the forward kernel,
+and nothing but the 4.5-bit weights is read. At M = 1024 it stays short of dequantize + cuBLAS,
+which keeps that M (gemm.route): the decode is twice the forward's per MMA (a consumer decodes 128 k
+x 128 n for a 128 x 128 x 128 wgmma), and its programs leave some SMs idle.
 
 The product is computed swapped, dxᵀ[k, token] += Wᵀ[k, n]·dyᵀ[n, token]: the output columns k are
 wgmma's M (128 a consumer warpgroup, two m64 instructions), the tokens its N (BT = 128), the
@@ -24,7 +21,7 @@ window, its byte pair p1, the byte e of the pair, the nibble. So a lane needs, o
 reads, the two bytes of its pair p1 (lanes differing only in p1 read the same word). Columns (n of
 the 128-n window) are those of the forward kernel's x columns with t moved below the top bit:
 operand column C = e' + 2t + 8·p0' + 16·p1' + 32·j0 + 64·h holds n = 64h + 16t + 8j0 + 4p1' + 2e' +
-p0' (dy permuted so: register_a_kernel.fragment_order(dx=True)). A lane's 16 rows n of a half
+p0' (dy permuted so: register_a.fragment_order(dx=True)). A lane's 16 rows n of a half
 window (h) come as 4 quads n = 4q + (0, 2, 1, 3) -> a, b, c, d, the operand's columns 2t, 2t+1,
 2t+8, 2t+9 of one 16-k step. Four prmt put byte 2p1 + e of a, b, c, d into one word (_SYNTH), and
 the forward kernel's decode of that word yields (lo a, lo b), (hi a, hi b), (lo c, lo d), (hi c,
@@ -36,22 +33,23 @@ Gluon cannot give two lanes one element (the lanes of p1 read the same word; a j
 convert_layout to such a layout moved data by shuffles), so the words are read as 16-bit halves,
 lane p1 reading half p1 (ldmatrix.trans in the SASS), and the scale bytes by a load that the p1
 and wi0 lanes share, then expand_dims and broadcast, which move nothing. The scales sit in shared
-memory 128-byte swizzled by TMA: unswizzled, the lanes of a warp read rows 16 apart in one bank
-(the first version's 16-way conflicts cost half its time, NOTES v28).
+memory 128-byte swizzled by TMA: unswizzled, the lanes of a warp would read rows 16 apart in one
+bank (16-way conflicts).
 
 The pipeline is the forward's warp-specialized one: a producer warp fills a ring by TMA (per
 128-n window: the dy tile as two 64-column boxes, and each consumer's 128-k window of words and
 scales of the window's 128 rows), two consumer warpgroups (the 256 k of a program) decode a half
 window (64 n, 32 registers) at a time and issue its wgmma. The tile is stored through shared
 memory by one TMA store (k(i) undone by a register permutation), or, split along n (PARTIAL,
-where the programs are few), as fp32 sums for marlin_kernel's reduce kernel.
+where the programs are few), as fp32 sums for gemm's reduce kernel.
 
 Shapes: dy (M, N) bf16, N a multiple of 128, padded to whole token tiles; W interleaved, K a
-multiple of 128; dx (M, K) bf16.
+multiple of 128; dx (M, K) bf16. The tile (BT, BK) is shapes.DX_BT / DX_BK, which the host's
+launch arithmetic shares.
 
-Test: tests/test_register_a_kernel.py (GPU: against float64 at odd M, K past the last tile,
+Test: tests/test_kernels_register_a.py (GPU: against float64 at odd M, K past the last tile,
 unequal splits, real shapes, poisoned output; CPU: the dy permutation against the map derived
-from the fragment, and the routes). Benchmark: python bench/kernel.py (dx rows), bench/NOTES.md v28.
+from the fragment, and the routes). Benchmark: python bench/kernel.py (dx rows).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -59,17 +57,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fp4_decode import _DECODE_REGS, _e2m1x4_to_bf16_ptx
-from register_a_kernel import (_POST, _SCALE_TO_OPERAND, _X_SMEM, CONSUMER_REGS, LOADER_REGS, _pdl_start,
+from .fp4_decode import _DECODE_REGS, _e2m1x4_to_bf16_ptx
+from .shapes import DX_BK, DX_BT
+from .register_a import (_POST, _SCALE_TO_OPERAND, _X_SMEM, CONSUMER_REGS, LOADER_REGS, _pdl_start,
                                weight_descriptors)
 
-BT = gl.constexpr(128)    # tokens a program
-BK = gl.constexpr(256)    # output columns k a program: two consumers of 128
+BT = gl.constexpr(DX_BT)  # tokens a program (128)
+BK = gl.constexpr(DX_BK)  # output columns k a program (256): two consumers of 128
 STAGES = gl.constexpr(4)  # ring stages of 50 KB (dy 32 KB, words 2 x 8 KB, scales 2 x 1 KB)
 _Y_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 _W_HALVES = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])   # a words box read as 16-bit halves
 # the scales swizzled in shared memory, so that the lanes reading rows 16 apart (t) hit different
-# banks (unswizzled: 16-way conflicts, NOTES v28)
+# banks (unswizzled: 16-way conflicts)
 _S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
 # bytes e = 0, 1 of the 16-bit halves a, b, c, d ($2..$5) into one word each ($0, $1)
@@ -190,7 +189,7 @@ def _mma_partition(ys, ws, ss, ready, empty, done, c, w_start, w_end, o_desc, gs
     decoded from its words and scales (_decode_operand_dx) times the dy half tile; then, once both
     consumers are past the ring, the tile scaled, its rows put back in k order and stored by TMA
     through ring stage c's dy buffers; or (PARTIAL, split-K) its fp32 sums stored to part_ptr[pid_k]
-    for marlin_kernel's reduce kernel."""
+    for gemm's reduce kernel."""
     S: gl.constexpr = ready.type.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BT, 16])

@@ -4,55 +4,56 @@ At decode time M is the batch, 1..16 rows of x against a weight of millions of e
 product is memory-bound, and an MMA tile of 16 rows or more would spend most of its work on
 padding. What is left to win is the instruction count per weight of the decode, so both kernels
 here keep the weights in registers from load to multiply (no shared memory, no barrier in the
-loop). marlin_kernel.fwd_config chooses between them; marlin_kernel._gemv and _mma launch them.
+loop). gemm.route chooses between them; gemm._gemv and gemm._mma launch them with shapes.py's
+GemvConfig / MmaConfig.
 
-The CUDA-core kernel, _nvfp4_gemv_kernel (M <= GEMV_MAX_M = 1; it takes up to 4 rows), decodes
-E2M1 to fp32 e2m1·2^-126 (fp4_decode._E2M1X4_TO_F32_PTX, ~2.4 integer ops per weight). x is
-multiplied by 2^64 (X_SCALE) so that the products stay normal (|x| < 2^64 assumed), and per row
-of x
+The CUDA-core kernel, _nvfp4_gemv_kernel (one row of x: batch-1 decode), decodes E2M1 to fp32
+e2m1·2^-126 (fp4_decode._E2M1X4_TO_F32_PTX, ~2.4 integer ops per weight). x is multiplied by 2^64
+(X_SCALE) so that the products stay normal (|x| < 2^64 assumed), and
 
     acc[BN, K/16] += (sum over each 16-weight block of w·x) · scale    # fp32: a chain of 16 FMAs
-    y[m, n-tile] = sum(acc) · 2^62/global_scale (+ bias)                 # and one FMA per block
+    y[n-tile] = sum(acc) · 2^62/global_scale (+ bias)                   # and one FMA per block
 
 so the scale (E4M3 -> fp32 by the hardware's fp8 conversion) costs one FMA per 16 weights. Each
 thread owns 16 bytes (32 weights) of each of its rows per step; x is read as int32 words, each
 the bf16 pair (x[2j], x[2j+1]) that meets byte j of W (low nibble = even k), and every warp loads
-the 16 words its threads need straight into registers in the weights' layout (_gemv_row):
-~4.1 SASS instructions per weight at M = 1.
+the 16 words its threads need straight into registers in the weights' layout (_gemv_row): about
+four SASS instructions per weight. Two epilogue folds save a launch each: the LoRA expand
+(LORA: fp4_decode._lora_update) and, for a stacked gate/up weight, SiLU·mul (SILU: the program
+takes gate rows and the same up rows and stores silu(gate)·up). The GEMV releases the next kernel
+after its main loop (pdl_release), except the gate/up one (launch.py says why).
 
-The fragment kernel, _nvfp4_mma_kernel (M <= FRAGMENT_MAX_M = 16 and K a multiple of 128),
-decodes the weights straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of
-fp4_decode.py) and lets each lane own the k of its own 16-byte loads, so no bits need to move
-inside a byte: ~3.5 SASS instructions per weight in the loop for any M <= 8 (NOTES v29). The
-comment above _decode_mma_ptx gives the register maps. A loop step loads U windows (U = 1, 2 or
-4: _mma_loads) before it decodes any (_mma_step): short programs (a few windows, the small
-weights) are a chain of load latencies, and two windows in flight a warp shorten it (NOTES v30).
-Both kernels read either layout of W (IL: nvfp4.interleave, where the fragment kernel's warp
-loads are 512 contiguous bytes; marlin_kernel's docstring).
+The fragment kernel, _nvfp4_mma_kernel (M <= 16 and K a multiple of 128), decodes the weights
+straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of fp4_decode.py) and lets each
+lane own the k of its own 16-byte loads, so no bits need to move inside a byte: about 3.5 SASS
+instructions per weight in the loop for any M <= 8. The comment above _decode_mma_ptx gives the
+register maps. A loop step loads U windows (U = 1, 2 or 4: _mma_loads) before it decodes any
+(_mma_step): short programs (a few windows, the small weights) are a chain of load latencies, and
+two windows in flight a warp shorten it. Both kernels read either layout of W (IL:
+nvfp4.interleave, where the fragment kernel's warp loads are 512 contiguous bytes).
 
     x2       int32 (M, K/2)      x viewed as bf16 pairs
     packed   uint8 (N, K/2)      (the fragment kernel reads it as int32 words, (N, K/8))
     scale    uint8 (N, K/16)     E4M3 bits
     out      bf16 (M, N), or fp32 partial sums (split, M, N) that the split finishing last for its
              rows adds up into y (REDUCE: fp4_decode._last_split / _sum_splits), or else
-             tile_kernels._splitk_reduce_kernel does: deterministic either way.
+             tiles._splitk_reduce_kernel does: deterministic either way.
 
-M is not specialized (do_not_specialize, as in tile_kernels.py). Under the interpreter
-(INTERPRET) the PTX is replaced by plain-tl emulations of the same sums (_mma_emulate).
+M is not specialized (do_not_specialize, as in tiles.py). Under the interpreter (INTERPRET) the PTX
+is replaced by plain-tl emulations of the same sums (_mma_emulate).
+Leaves out: more than one row on CUDA cores (from two rows the fragment kernel is faster).
 
-Test: tests/test_small_m_kernels.py through marlin_kernel's wrappers: test_cuda_core_gemv_*,
-test_fragment_kernel_* (CPU: the index maps, through the emulation; GPU: the PTX, on the real
-projection shapes too), the in-kernel split sum, the folded LoRA update; the routing tests are in
-tests/test_marlin_kernel.py (test_wrapper_picks_cuda_core_path_for_tiny_m,
-test_wrapper_routes_small_m_to_fragment_kernel). Benchmark: python bench/kernel.py --sweep-gemv,
---small-variants.
+Test: tests/test_kernels_small_m.py through gemm's wrappers: the GEMV and the fragment kernel
+against float64 (CPU: the index maps, through the emulation; GPU: the PTX, on the real projection
+shapes too), the in-kernel split sum, the folded LoRA update and SiLU·mul; the routing:
+tests/test_kernels_gemm.py. Benchmark: python bench/kernel.py.
 """
 import triton
 import triton.language as tl
 
-from fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
-                        _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
-                        _tile_offsets, _tiled_offsets, pdl_release, pdl_start, silu_mul)
+from .fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
+                         _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
+                         _tile_offsets, _tiled_offsets, pdl_release, pdl_start, silu_mul)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -62,7 +63,7 @@ GEMV_POST = tl.constexpr(2.0 ** 55)  # so its sums are ·2^-62: ·2^55 brings th
 
 
 # ----------------------------------------------------------------------------------------------
-# The CUDA-core kernel (M <= 4): fp32 FMAs, a chain of 16 per scale block.
+# The CUDA-core kernel (one row of x): fp32 FMAs, a chain of 16 per scale block.
 
 @triton.jit
 def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
@@ -121,7 +122,7 @@ def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, lora
     if not PARTIAL:
         y = _add_update(_finish(y, gs_ptr, bias_ptr, offs_n, N, HAS_BIAS, INTERPRET), lora, INTERPRET)
     if SILU:                                         # the bf16 gate and up that y would hold, then
-        W: tl.constexpr = y.shape[0]                 # fused_ops.silu_mul_triton's math
+        W: tl.constexpr = y.shape[0]                 # fused_ops.silu_mul's math
         R: tl.constexpr = y.shape[1]
         g, u = tl.split(tl.reshape(y, (W, R // 2, 2)))
         y = silu_mul(g, u)                                                        # (W, R/2)
@@ -144,32 +145,30 @@ def _nvfp4_gemv_kernel(
     x2_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
     y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
     hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ, hp (LSPLIT, M, R_LORA) fp32, B (N, R_LORA)
-    # sizes: x (M, K), W (N, K), K2 = K/2 (bytes per row of W, words per row of x2);
+    # sizes: x (M = 1, K), W (N, K), K2 = K/2 (bytes per row of W, words of x2);
     # each program of split pid_k reduces the bytes [pid_k·SPLIT2, +SPLIT2) of its rows
     M, N, K2, SPLIT2, R_LORA,
     # strides (the innermost stride of every tensor is 1)
-    stride_x2m, stride_pn, stride_sn, stride_om, stride_os,
+    stride_pn, stride_sn, stride_om, stride_os,
     # meta
     HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
     REDUCE: tl.constexpr, NSPLIT: tl.constexpr,        # REDUCE: the tile's last split sums them
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
     W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
     IL: tl.constexpr,                                  # W interleaved (nvfp4.interleave)
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
-    SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (M, I)
-    LATE_RELEASE: tl.constexpr,  # let the next kernel be scheduled after the main loop (pdl_release)
+    SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (1, I)
 ):
-    """y[m, n] = sum_k x[m, k] · W[n, k] on CUDA cores for M <= BM <= 4: BN rows of W per program
-    as a (W, R = BN/W) tile (each warp owns R rows and loads its own copy of x), one fp32
-    accumulator per row of x (rows 1..3 exist only when BM says so; rows past M are wrapped,
-    computed and never stored). With LORA, whoever finishes a row of y adds the LoRA update
-    (fp4_decode._lora_update) before storing it: the expand kernel's work, without its launch.
-    With SILU (no split), a program takes BN/2 gate rows and the same up rows, interleaved in
-    its tile (columns 2j, 2j + 1: gate row j, up row I + j), and stores silu(gate)·up: the
-    SiLU·mul kernel's work, without its launch or the (M, 2I) round trip."""
-    pdl_start(USE_PDL, not LATE_RELEASE)
+    """y[0, n] = sum_k x[0, k] · W[n, k] on CUDA cores: BN rows of W per program as a (W, R = BN/W)
+    tile (each warp owns R rows and loads its own copy of x), one fp32 accumulator. With LORA,
+    whoever finishes the row adds the LoRA update (fp4_decode._lora_update) before storing it: the
+    expand kernel's work, without its launch. With SILU (no split), a program takes BN/2 gate rows
+    and the same up rows, interleaved in its tile (columns 2j, 2j + 1: gate row j, up row I + j),
+    and stores silu(gate)·up: the SiLU·mul kernel's work, without its launch or the (1, 2I) round
+    trip. The next kernel is released after the main loop, except by the gate/up GEMV (SILU)."""
+    pdl_start(USE_PDL, SILU)
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
@@ -186,48 +185,28 @@ def _nvfp4_gemv_kernel(
 
     # ---- main loop over the bytes of the rows, BKB at a time; only the last step can be partial,
     # and its mask is constant over each thread's 16 bytes (K2 % 16 == 0), so loads stay vectorized
-    acc0 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
-    acc1 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
-    acc2 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
-    acc3 = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
+    acc = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
     for kb0 in range(kb_start, kb_end, BKB):
         kb0 = tl.multiple_of(kb0, BKB)
         offs_b = kb0 + tl.arange(0, BKB)[None, None, :]       # bytes past kb_end decode to some
         p = tl.load(packed_ptr + _tiled_offsets(rows, offs_b, stride_pn, 64, IL), mask=offs_b < kb_end)  # finite w;
         lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (W, R, BKB)   x = 0
         s = _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, IL, INTERPRET)
-        acc0 = _gemv_row(acc0, lo, hi, s, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
-        if BM > 1:
-            acc1 = _gemv_row(acc1, lo, hi, s, x2_ptr + (1 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
-        if BM > 2:
-            acc2 = _gemv_row(acc2, lo, hi, s, x2_ptr + (2 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
-            acc3 = _gemv_row(acc3, lo, hi, s, x2_ptr + (3 % M) * stride_x2m, kb0, kb_end, W, R, BKB, INTERPRET)
+        acc = _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
 
-    # ---- epilogue: rows of y (or fp32 partial sums for the split-K reduce)
-    if LATE_RELEASE:
+    # ---- epilogue: the row of y (or fp32 partial sums for the split-K reduce)
+    if not SILU:
         pdl_release(USE_PDL)
     out_ptr += pid_k * stride_os
-    u0 = None                                            # LoRA updates of the rows finished here
-    u1 = None
-    u2 = None
-    u3 = None
+    update = None                                        # the LoRA update of a row finished here
     if LORA:
         if not PARTIAL:
-            u0 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 0, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
-            if BM > 1:
-                u1 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 1, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
-            if BM > 2:
-                u2 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 2, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
-                u3 = _gemv_update(hp_ptr, lb_ptr, lora_scale, 3, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
-    _gemv_store(acc0, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u0, HAS_BIAS, PARTIAL, SILU, INTERPRET)
-    if BM > 1:
-        _gemv_store(acc1, 1, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u1, HAS_BIAS, PARTIAL, SILU, INTERPRET)
-    if BM > 2:
-        _gemv_store(acc2, 2, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u2, HAS_BIAS, PARTIAL, SILU, INTERPRET)
-        _gemv_store(acc3, 3, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, u3, HAS_BIAS, PARTIAL, SILU, INTERPRET)
+            update = _gemv_update(hp_ptr, lb_ptr, lora_scale, 0, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
+    _gemv_store(acc, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, update, HAS_BIAS, PARTIAL, SILU,
+                INTERPRET)
     if REDUCE:
         if _last_split(count_ptr, pid_n, NSPLIT):
-            m = tl.arange(0, BM)[:, None, None]                                   # (BM, 1, 1)
+            m = tl.arange(0, 1)[:, None, None]                                    # (1, 1, 1)
             upd_all = None
             if LORA:
                 upd_all = _lora_update(hp_ptr, lb_ptr, lora_scale, m, offs_n[None], M, N, R_LORA, LSPLIT, LR, INTERPRET)
@@ -252,8 +231,8 @@ def _nvfp4_gemv_kernel(
 # (4, 6), (5, 7) of the word; the x words (x0, x1), (x2, x3), ... of the same k are re-paired by
 # prmt into (x0, x2), (x1, x3), ... once per window (_X_PAIRS_PTX). Per lane and 16-row tile, a
 # 128-k window is 2 x 16 bytes of W, 4 scales, 8 mma.sync: ~3.5 SASS instructions per weight
-# for any M <= 8 (tokens are the MMA's n = 8; M <= 16 issues a second mma per step), against 4.1
-# for the CUDA-core kernel at M = 1 and 6.7 + a shared-memory round trip for the wgmma kernel.
+# for any M <= 8 (tokens are the MMA's n = 8; M <= 16 issues a second mma per step), fewer than
+# the CUDA-core kernel's ~4 and the tile kernels' ~7 plus a shared-memory round trip.
 
 def _decode_mma_ptx(nt: int) -> str:
     """Inline PTX for one lane, one 16-row tile, one 128-k window, nt token tiles of 8.
@@ -422,13 +401,12 @@ def _nvfp4_mma_kernel(
     U: tl.constexpr,        # windows a loop step loads before it decodes any
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
-    LATE_RELEASE: tl.constexpr,  # let the next kernel be scheduled after the main loop (pdl_release)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
     registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
     bits 2-4 (g), warp, tile, 4 values in the lane: the loads' natural layouts already are the
     fragments, so Triton moves nothing between lanes."""
-    pdl_start(USE_PDL, not LATE_RELEASE)
+    pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     T = tl.arange(0, 4)[:, None, None, None, None]
@@ -457,8 +435,6 @@ def _nvfp4_mma_kernel(
             acc0, acc1 = _mma_step(acc0, acc1, step[u], NT, W, R, INTERPRET)
 
     # ---- epilogue: acc[t, g, w, r, q] is y at token 2t + q % 2 (+ 8 for acc1), row g + 8·(q // 2)
-    if LATE_RELEASE:
-        pdl_release(USE_PDL)
     rows = 16 * tile + G + 8 * (Q // 2)                                         # (1, 8, W, R, 4)
     tok = 2 * T + Q % 2                                                         # (4, 1, 1, 1, 4)
     part_off = pid_k * stride_os

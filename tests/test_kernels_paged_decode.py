@@ -1,14 +1,25 @@
-"""Tests for paged_attention.py: the Triton KV-store, RoPE + KV-store and paged-decode kernels
-against the torch reference (interpreter on CPU: GQA, scattered block tables, partitions that
-tiles do not divide, an empty row, non-contiguous k/v), and GPU-marked bf16 checks at 7B head
-shapes. The kernels inside the engine are tested in tests/test_rollout.py."""
+"""Tests for kernels/paged_decode.py: the Triton KV-store, RoPE + KV-store and paged-decode kernels
+against attention.py's torch references (interpreter on CPU: GQA, scattered block tables, partitions
+that tiles do not divide, an empty row, non-contiguous k/v), the partition choice, and GPU-marked bf16
+checks at 7B head shapes. The kernels inside the engine are tested in tests/test_rollout.py."""
+import dataclasses
 import os
 
 import pytest
 import torch
 
-import marlin_kernel
-from paged_attention import paged_attention_ref, paged_attention_triton, store_kv_ref, store_kv_triton
+import kernels
+from attention import paged_attention_ref, store_kv_ref
+from kernels import tuning
+from kernels.fused_ops import rope
+from kernels.paged_decode import attend, partition, store_kv
+
+
+def apply_rope(x, cos, sin):
+    """The torch reference: pairs (i, i + D/2) rotated in fp32, rounded back once."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels (TRITON_INTERPRET=1 on CPU) against the torch reference
@@ -29,19 +40,17 @@ def _random_paged(B, Hq, Hkv, D, bs, num_blocks, ctx_lens, dtype, device="cpu", 
 @pytest.mark.parametrize("partition, tile, merge", [(32, 16, True), (32, 64, False), (64, 64, None),
                                                    (48, 64, True), (16, 16, True), (16, 16, False),
                                                    (256, 128, None)])
-@pytest.mark.parametrize("early", [True, False])
-def test_paged_attention_triton_matches_reference(dtype, partition, tile, merge, early, monkeypatch):
+def test_paged_attention_kernel_matches_reference(dtype, partition, tile, merge):
     # GQA 6/2 (G=3, padded to 16), contexts spanning 1..9 partitions, one empty row; tiles of one
     # block, of several blocks, and (48, 64 -> 32) not dividing the partition; partitions merged by
     # the last program of each (row, kv head) (8 at a time: 9 partitions of 16 take two passes), which
     # leaves the counts at zero, or by the merge kernel; the first tile loaded before the PDL wait
-    # (early, tiles up to EARLY_MAX_TILE) or in the loop
-    monkeypatch.setattr(marlin_kernel, "EARLY_LOADS", early)
+    # (tiles up to tuning's early_max_tile: 16 and 64 here) or in the loop (128)
     ctx = [1, 17, 40, 0, 140]
     q, kc, vc, tables, lens = _random_paged(5, 6, 2, 16, 16, 48, ctx, dtype)
     ref = paged_attention_ref(q, kc, vc, tables, lens, 0.25)
     counts = torch.zeros(5, 2, dtype=torch.int32)
-    out = paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=-(-160 // partition), counts=counts,
+    out = attend(q, kc, vc, tables, lens, 0.25, num_parts=-(-160 // partition), counts=counts,
                                  partition_size=partition, tile=tile, merge_in_kernel=merge)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = (out.float() - ref.float()).abs()
@@ -55,26 +64,26 @@ def test_a_context_past_the_partitions_does_not_break_later_calls():
     still come back to zero so that the next (valid) call merges correctly."""
     q, kc, vc, tables, lens = _random_paged(2, 4, 2, 16, 16, 16, [100, 20], torch.float32)
     counts = torch.zeros(2, 2, dtype=torch.int32)
-    paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=2, counts=counts, partition_size=16,
+    attend(q, kc, vc, tables, lens, 0.25, num_parts=2, counts=counts, partition_size=16,
                            merge_in_kernel=True)                     # 100 > 2 x 16
     assert torch.all(counts == 0)
     ok = torch.tensor([30, 20], dtype=torch.int32)
-    out = paged_attention_triton(q, kc, vc, tables, ok, 0.25, num_parts=2, counts=counts, partition_size=16,
+    out = attend(q, kc, vc, tables, ok, 0.25, num_parts=2, counts=counts, partition_size=16,
                                  merge_in_kernel=True)
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, tables, ok, 0.25), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.interpreter
-def test_paged_attention_triton_rejects_bad_counts():
+def test_paged_attention_kernel_rejects_bad_counts():
     q, kc, vc, tables, lens = _random_paged(2, 4, 2, 16, 16, 8, [5, 9], torch.float32)
     for counts in (torch.zeros(1, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int64),
                    torch.zeros(2, 3, dtype=torch.int32)):
         with pytest.raises(ValueError, match="counts"):
-            paged_attention_triton(q, kc, vc, tables, lens, 0.25, num_parts=4, counts=counts, partition_size=16)
+            attend(q, kc, vc, tables, lens, 0.25, num_parts=4, counts=counts, partition_size=16)
 
 
 @pytest.mark.interpreter
-def test_store_kv_triton_matches_reference():
+def test_store_kv_kernel_matches_reference():
     g = torch.Generator().manual_seed(1)
     k = torch.randn(6, 2, 16, generator=g)[:, :, :]
     v = torch.randn(6, 2, 16, generator=g)
@@ -82,11 +91,11 @@ def test_store_kv_triton_matches_reference():
     caches = [torch.randn(4, 8, 2, 16, generator=g) for _ in range(2)]
     ref = [c.clone() for c in caches]
     store_kv_ref(ref[0], ref[1], k, v, slots)
-    store_kv_triton(caches[0], caches[1], k, v, slots)
+    store_kv(caches[0], caches[1], k, v, slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     # a non-contiguous view (k sliced out of a fused qkv row) also works
     qkv = torch.randn(6, 2, 48, generator=g)
-    store_kv_triton(caches[0], caches[1], qkv[..., 16:32], qkv[..., 32:], slots)
+    store_kv(caches[0], caches[1], qkv[..., 16:32], qkv[..., 32:], slots)
     store_kv_ref(ref[0], ref[1], qkv[..., 16:32], qkv[..., 32:], slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
 
@@ -94,15 +103,13 @@ def test_store_kv_triton_matches_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("partition, merge", [(16, True), (16, False), (64, None)])
 def test_attention_with_rope_equals_rope_then_store_then_attention(dtype, partition, merge):
-    """Decode's one launch, paged_attention_triton(rope=...): q rotated in registers, k rotated
+    """Decode's one launch, attend(rope=...): q rotated in registers, k rotated
     into its slot and v stored beside it by the program whose partition holds the new token,
-    which adds them to its softmax from registers. Against fused_ops.rope_triton, store_kv_triton
-    and the kernel without rope: the same cache bits, and the output within a rounding or two (the
-    new token's score is summed in another order); against model.apply_rope + the torch reference
+    which adds them to its softmax from registers. Against fused_ops.rope, store_kv and the kernel
+    without rope: the same cache bits, and the output within a rounding or two (the
+    new token's score is summed in another order); against the torch rotation + the torch reference
     within tolerance. q, k, v are column slices of one row per sequence, as the stacked q/k/v
     matmul leaves them, and stay untouched; row 3 is CUDA-graph padding (context 0, slot -1)."""
-    from fused_ops import rope_triton
-    from model import apply_rope
     dev = "cuda" if torch.cuda.is_available() else "cpu"        # on CPU: the Triton interpreter
     seed = int.from_bytes(os.urandom(4), "little")
     B, Hq, Hkv, D, bs = 5, 6, 2, 16, 16
@@ -118,12 +125,12 @@ def test_attention_with_rope_equals_rope_then_store_then_attention(dtype, partit
     kw = dict(num_parts=-(-160 // partition), partition_size=partition, merge_in_kernel=merge)
     counts = torch.zeros(B, Hkv, dtype=torch.int32, device=dev)
 
-    want_q, want_k = rope_triton(q.clone(), k.clone(), cos, sin)
+    want_q, want_k = rope(q.clone(), k.clone(), cos, sin)
     want_kc, want_vc = kc.clone(), vc.clone()
-    store_kv_triton(want_kc, want_vc, want_k[:, 0], v[:, 0], slots)
-    want = paged_attention_triton(want_q[:, 0], want_kc, want_vc, tables, lens, 0.25, counts=counts, **kw)
+    store_kv(want_kc, want_vc, want_k[:, 0], v[:, 0], slots)
+    want = attend(want_q[:, 0], want_kc, want_vc, tables, lens, 0.25, counts=counts, **kw)
     before = qkv.clone()
-    got = paged_attention_triton(q[:, 0], kc, vc, tables, lens, 0.25, counts=counts, **kw,
+    got = attend(q[:, 0], kc, vc, tables, lens, 0.25, counts=counts, **kw,
                                  rope=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
     assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc), "the cache differs from rope + store"
     rel, abs_ = (1e-5, 1e-6) if dtype == torch.float32 else (2 ** -7, 2 ** -8)   # |v| ~ 1
@@ -152,7 +159,7 @@ def test_gpu_kernels_match_reference_bf16():
     # program ends last (atomic counts, on real concurrent programs), three calls in a row on the
     # same counts
     for part, num_parts, merge in ((128, 8, None), (16, 64, None), (16, 64, True), (16, 64, True), (16, 64, True)):
-        out = paged_attention_triton(q, kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts,
+        out = attend(q, kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts,
                                      partition_size=part, merge_in_kernel=merge)
         err = (out.float() - ref.float()).abs()
         assert err.max() < 2e-2, f"partition {part}: max err {err.max():.2e} mean {err.mean():.2e}"
@@ -161,11 +168,10 @@ def test_gpu_kernels_match_reference_bf16():
     slots = torch.tensor([0, 5, -1, 17, 31, 8, 900, 2000, 40], device="cuda")
     a, b = kc.clone(), vc.clone()
     store_kv_ref(a, b, k, v, slots)
-    store_kv_triton(kc, vc, k, v, slots)
+    store_kv(kc, vc, k, v, slots)
     assert torch.equal(a, kc) and torch.equal(b, vc)
-    # decode's RoPE + store + attention in one launch gives the bits of rope_triton, store and
+    # decode's RoPE + store + attention in one launch gives the bits of rope, store and
     # attention, at the 7B head layout with 64 partitions of 16 and 8 of 128
-    from fused_ops import rope_triton
     lens = torch.tensor([1, 255, 256, 257, 1000, 0, 37], dtype=torch.int32, device="cuda")
     slots = torch.tensor([int(tables[b, (n - 1) // 16]) * 16 + (n - 1) % 16 if n else -1
                           for b, n in enumerate(lens.tolist())], device="cuda")
@@ -173,13 +179,43 @@ def test_gpu_kernels_match_reference_bf16():
     q, k, v = (t.view(7, 1, -1, 128) for t in qkv.split([28 * 128, 4 * 128, 4 * 128], -1))
     angles = torch.rand(7, 1, 1, 64, device="cuda") * 3000
     cos, sin = angles.cos(), angles.sin()
-    want_q, want_k = rope_triton(q.clone(), k.clone(), cos, sin)
+    want_q, want_k = rope(q.clone(), k.clone(), cos, sin)
     for part, num_parts in ((16, 64), (128, 8)):
         want_kc, want_vc = kc.clone(), vc.clone()
-        store_kv_triton(want_kc, want_vc, want_k[:, 0], v[:, 0], slots)
-        want = paged_attention_triton(want_q[:, 0], want_kc, want_vc, tables, lens, 128 ** -0.5, num_parts=num_parts,
+        store_kv(want_kc, want_vc, want_k[:, 0], v[:, 0], slots)
+        want = attend(want_q[:, 0], want_kc, want_vc, tables, lens, 128 ** -0.5, num_parts=num_parts,
                                       counts=counts, partition_size=part)
-        got = paged_attention_triton(q[:, 0], kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts,
+        got = attend(q[:, 0], kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts,
                                      partition_size=part, rope=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
         assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
         assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 2 ** -8).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# the partition choice (rollout's decode: kernels.paged_attention)
+
+def test_partition_scales_with_the_batch_within_its_bounds():
+    """partition_tokens positions a row of the batch, a power of two within 16..512 (at least a cache
+    block), and at least max_model_len / 64: batch 1 at 2048 gets 32 (64 partitions), batch 16 512
+    (4), a 64k context never more than 64 partitions; a moved partition_tokens moves it."""
+    assert [partition(B, 16, 2048) for B in (1, 2, 4, 8, 16, 128)] == [32, 64, 128, 256, 512, 512]
+    assert partition(1, 16, 65536) == 1024 and partition(1, 64, 2048) == 64
+    with tuning.using(dataclasses.replace(tuning.current(), partition_tokens=64)):
+        assert partition(1, 16, 2048) == 64
+
+
+@pytest.mark.interpreter
+def test_paged_attention_picks_the_partition_and_matches_reference():
+    """kernels.paged_attention on a batch of 5 at max_model_len 160: a partition of 256 positions
+    (5 x 32 rounded up to a power of two), written directly; with partition_size 16, ten merged by
+    the merge kernel (more than merge_max_parts); both against the torch reference, the counts left at zero."""
+    ctx = [1, 17, 40, 0, 140]
+    q, kc, vc, tables, lens = _random_paged(5, 6, 2, 16, 16, 48, ctx, torch.float32)
+    counts = kernels.attention_counts(5, 2, "cpu")
+    assert counts.dtype == torch.int32 and counts.shape == (5, 2) and not counts.any()
+    ref = paged_attention_ref(q, kc, vc, tables, lens, 0.25)
+    for size in (None, 16):
+        out = kernels.paged_attention(q, kc, vc, tables, lens, 0.25, max_model_len=160, counts=counts,
+                                      partition_size=size)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.all(counts == 0)

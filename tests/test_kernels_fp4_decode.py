@@ -1,22 +1,22 @@
-"""Tests for fp4_decode.py: the in-kernel E2M1 / E4M3 decoding is exact for every code and scale.
+"""Tests for kernels/fp4_decode.py: the in-kernel E2M1 / E4M3 decoding is exact for every code and scale.
 
 x = rows of the identity, so y = Wᵀ: every element must lie within one bf16 rounding of the float64
-reference marlin_kernel.reference_dequantize (plain torch, e2m1 · scale / global_scale; checked
-against nvfp4.dequantize in test_marlin_kernel.py). Every byte value and E4M3 scales from subnormal
-to 448, through each kernel that decodes: nvfp4_matmul (the tile kernel at M = 32), the CUDA-core
-GEMV (_gemv) and the fragment kernel (_mma, both token tiles). On the CPU (interpreter) this checks
-the plain-tl branches, on the GPU the PTX.
+reference marlin_kernel.reference_dequantize (plain torch, e2m1 · scale / global_scale). Every byte
+value and E4M3 scales from subnormal to 448, through each kernel that decodes: nvfp4_matmul (the
+tile kernel at M = 32), the CUDA-core GEMV (gemm._gemv) and the fragment kernel (gemm._mma, both
+token tiles). On the CPU (interpreter) this checks the plain-tl branches, on the GPU the PTX.
 """
 import pytest
 import torch
 
-import marlin_kernel as mk
-from test_marlin_kernel import DEV
+import kernels
+from kernels import gemm, shapes
+from marlin_kernel import reference_dequantize
+from nvfp4_cases import DEV
 
 
 def test_every_code_and_scale_decodes_exactly():
     """x = identity gives y = Wᵀ: each element within one bf16 rounding of e2m1·scale/gs."""
-    gen = torch.Generator().manual_seed(3)
     K = 32
     codes = torch.arange(256, dtype=torch.uint8).reshape(16, 16)           # every byte value
     packed = codes.repeat(1, K // 32)                                      # (16, K/2)
@@ -24,23 +24,22 @@ def test_every_code_and_scale_decodes_exactly():
     scale = scale.to(torch.float8_e4m3fn)                                  # subnormal..max
     gs = torch.tensor([3.0])
     packed, scale, gs = packed.to(DEV), scale.to(DEV), gs.to(DEV)
-    y = mk.nvfp4_matmul(torch.eye(K, dtype=torch.bfloat16, device=DEV), packed, scale, gs)  # (K, 16)
-    W = mk.reference_dequantize(packed, scale, gs)                         # (16, K) float64
+    y = kernels.nvfp4_matmul(torch.eye(K, dtype=torch.bfloat16, device=DEV), packed, scale, gs)  # (K, 16)
+    W = reference_dequantize(packed, scale, gs)                            # (16, K) float64
     err = (y.double().t() - W).abs()
     assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
-    del gen
 
 
 def test_cuda_core_gemv_decodes_every_code_exactly():
-    """x = 4 rows of the identity at a time: y = Wᵀ within one bf16 rounding, code 1 (0.5, an fp32
-    subnormal inside the kernel) included."""
+    """x = the rows of the identity one at a time: y = Wᵀ within one bf16 rounding, code 1 (0.5,
+    an fp32 subnormal inside the kernel) included."""
     K = 32
     packed = torch.arange(256, dtype=torch.uint8).reshape(16, 16).repeat(1, K // 32).to(DEV)
     scale = torch.tensor([2.0 ** -9, 2.0 ** -7, 0.375, 448.0]).repeat(16, 1)[:, :K // 16]
     scale, gs = scale.to(torch.float8_e4m3fn).to(DEV), torch.tensor([3.0], device=DEV)
     eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
-    y = torch.cat([mk._gemv(eye[k:k + 4], packed, scale, gs, None, mk.GemvConfig()) for k in range(0, K, 4)])
-    W = mk.reference_dequantize(packed, scale, gs)
+    y = torch.cat([gemm._gemv(eye[k:k + 1], packed, scale, gs, None, shapes.GemvConfig()) for k in range(K)])
+    W = reference_dequantize(packed, scale, gs)
     err = (y.double().t() - W).abs()
     assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
 
@@ -54,7 +53,7 @@ def test_fragment_kernel_decodes_every_code_exactly(M):
     scale = torch.tensor([2.0 ** -9, 2.0 ** -7, 0.375, 448.0, 1.0, 2.0 ** -6, 96.0, 0.0078125])
     scale, gs = scale.repeat(16, 1).to(torch.float8_e4m3fn).to(DEV), torch.tensor([3.0], device=DEV)
     eye = torch.eye(K, dtype=torch.bfloat16, device=DEV)
-    y = torch.cat([mk._mma(eye[k:k + M], packed, scale, gs, None, mk.MmaConfig()) for k in range(0, K, M)])
-    W = mk.reference_dequantize(packed, scale, gs)
+    y = torch.cat([gemm._mma(eye[k:k + M], packed, scale, gs, None, shapes.MmaConfig()) for k in range(0, K, M)])
+    W = reference_dequantize(packed, scale, gs)
     err = (y.double().t() - W).abs()
     assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"

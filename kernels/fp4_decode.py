@@ -1,6 +1,6 @@
 """NVFP4 inside a kernel: E2M1 codes and E4M3 scales to exact bf16 / fp32 operands, and the epilogue.
 
-Every NVFP4 kernel (tile_kernels.py, small_m_kernels.py; marlin_kernel.py launches them) reads
+Every NVFP4 kernel (tiles.py, small_m.py, register_a*.py; gemm.py launches them) reads
 the compressed-tensors bytes, in their own layout or in nvfp4.interleave's 16 x 128 tiles
 (_tiled_offsets), and decodes them in registers. The pieces they share are here: @triton.jit
 device functions (inlined into the kernels) and inline-PTX strings held as tl.constexpr (a jit
@@ -38,25 +38,25 @@ to the same values (_e2m1x2_to_f32's branch, _e2m1_f32) and the kernels run thei
 copies. _to_bf16 rounds to nearest even by hand there, since that interpreter truncates.
 
 pdl_start, the first statement of every kernel, is the device side of programmatic dependent
-launch; the host side (the PDL switch, pdl_launch) is in marlin_kernel.py, where the benchmarks
-turn it off.
+launch; the host side (tuning's pdl switch, pdl_launch) is in launch.py, which says why.
 
-Split-K in one launch (_last_split, _sum_splits; the CUDA-core kernel and the fragment kernel at
-M <= 4; paged_attention.py counts its partitions with _last_split too): every split stores its
-fp32 partial tile, then counts itself in an int32 per output tile (marlin_kernel._split_counts:
-zeros, one buffer per CUDA stream). The contract: barrier, then one
+Split-K in one launch (_last_split, _sum_splits; the CUDA-core kernel, the fragment kernel at
+small M and the swapped tiles; paged_decode.py counts its partitions with _last_split too): every
+split stores its fp32 partial tile, then counts itself in an int32 per output tile
+(launch.split_counts: zeros, one buffer per CUDA stream). The contract: barrier, then one
 release-acquire atomic add at GPU scope, so the split that counts last sees every partial; it reads
 them through L2 (.cg), sums them in split order (the bits of _splitk_reduce_kernel), finishes the
 tile, and sets its count back to 0 for the next launch on that stream.
 
 The LoRA update in the epilogue (_lora_update, _lora_update_tile, _add_update): at decode a kernel
 that stores a finished tile of y may add s · bf16(Σ_j hp[j]) · Bᵀ first, from the K-chunk partials
-hp of lora_kernels.lora_shrink that ran before it, so no expand kernel is launched
-(marlin_kernel.folds_lora says where).
+hp of lora.lora_shrink that ran before it, so no expand kernel is launched (gemm.folds_lora
+says where).
 
-Test: tests/test_fp4_decode.py: every byte value and E4M3 scales from subnormal to 448 decode
-exactly through each kernel (on the CPU the plain-tl branches, on the GPU the PTX); the in-kernel
-split sum against the reduce kernel, bit for bit: tests/test_small_m_kernels.py
+Leaves out: FP8 or FP4 activations (this is W4A16), a re-layout of the bits inside a byte.
+Test: tests/test_kernels_fp4_decode.py: every byte value and E4M3 scales from subnormal to 448
+decode exactly through each kernel (on the CPU the plain-tl branches, on the GPU the PTX); the
+in-kernel split sum against the reduce kernel, bit for bit: tests/test_kernels_small_m.py
 (test_in_kernel_split_reduce_equals_the_reduce_kernel); the folded LoRA update against float64:
 test_kernels_fold_the_lora_update there.
 """
@@ -72,20 +72,21 @@ OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / g
 
 
 # ----------------------------------------------------------------------------------------------
-# programmatic dependent launch, device side (the host side and why: marlin_kernel.pdl_launch)
+# programmatic dependent launch, device side (the host side and why: launch.py)
 
 @triton.jit
 def pdl_start(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = True):
     """The first statement of every kernel launched with pdl_launch(): wait until the previous
     kernel has finished and its writes are visible, then let the next one be scheduled. In this
-    order at most one kernel waits ahead; releasing first let every later kernel of a CUDA graph
-    cascade onto the SMs and hold their slots while waiting (H100: batch-4 decode 724 tok/s
-    against 1124 without PDL). RELEASE=False leaves the release to a later pdl_release: the
-    kernel after it then waits only through this one's tail (the M = 1 GEMV's reason: marlin_kernel).
+    order at most one kernel waits ahead; releasing first would let every later kernel of a CUDA
+    graph cascade onto the SMs and hold their slots while waiting. RELEASE=False leaves the release
+    to a later pdl_release: the kernel after it then waits only through this one's tail (the GEMV's
+    reason: launch.py).
 
-    A kernel may load before pdl_start what was written two or more launches back (EARLY_LOADS in
-    marlin_kernel): the kernel before it let it be scheduled only after its own wait, when every
-    kernel before that one had finished. Its own predecessor's output must be read after."""
+    A kernel may load before pdl_start what was written two or more launches back (paged attention's
+    first tile, RMSNorm's weight and residual): the kernel before it let it be scheduled only after
+    its own wait, when every kernel before that one had finished. Its own predecessor's output must
+    be read after."""
     if USE_PDL:
         gdc_wait()
         if RELEASE:
@@ -115,8 +116,8 @@ def _tiled_offsets(rows, cols, stride, TW: tl.constexpr, IL: tl.constexpr):
 def _tile_offsets(rows, tile, c, stride, TW: tl.constexpr, IL: tl.constexpr):
     """_tiled_offsets of column tile·TW + c (0 <= c < TW): a loop over K windows passes its window
     index as tile, so that no division of the loop variable is left in the loop (the signed
-    divisions of _tiled_offsets(rows, win·16 + c) cost ~24 SASS instructions a window in the
-    fragment kernel, NOTES v29)."""
+    divisions of _tiled_offsets(rows, win·16 + c) cost about two dozen SASS instructions a window
+    in the fragment kernel)."""
     if IL:
         return ((rows // 16) * (stride // TW) + tile) * (16 * TW) + (rows % 16) * TW + c
     return rows * stride + tile * TW + c
@@ -132,8 +133,8 @@ def _tile_offsets(rows, tile, c, stride, TW: tl.constexpr, IL: tl.constexpr):
 # Low nibble: y>>2 is zero at bit 15 (it holds y's bit 17, the next lane's low byte) and y<<4 is
 # zero at bits 6..8 (y's bits 2..4), so one lop3 0xA8, (a | b) & c, takes each field from the
 # copy that holds it. High nibble: y's bit 8 is the low nibble's, so its sign is masked first
-# (and) and lop3 0xEA computes (a & b) | c. 12 shift / logic ops a word after the two prmt (14
-# before NOTES v29); the fma by the scale pair adds -0 (nz), so w·s keeps its sign.
+# (and) and lop3 0xEA computes (a & b) | c. 12 shift / logic ops a word after the two prmt; the
+# fma by the scale pair adds -0 (nz), so w·s keeps its sign.
 # Needs the registers y01, y23, t, u, sg declared and nz = 0x80008000.
 def _e2m1x4_to_bf16_ptx(word, s01, s23, lo01, lo23, hi01, hi23) -> list[str]:
     return [f"prmt.b32 y01, {word}, 0, 0x1404;", f"prmt.b32 y23, {word}, 0, 0x3424;"] + [
@@ -183,7 +184,7 @@ _E2M1X4_TO_F32_PTX = tl.constexpr(
 def _e2m1x2_to_f32(p, INTERPRET: tl.constexpr):
     """Packed bytes (uint8 tensor) -> (lo, hi) float32 e2m1·2^-126 of the low / high nibble, exact:
     the magnitude bits on fp32 bits 22..24, the sign on bit 31 (module docstring). Code ±1 (±0.5)
-    becomes an fp32 subnormal, which the GPU keeps (our PTX has no .ftz; bench/kernel.py checks)."""
+    becomes an fp32 subnormal, which the GPU keeps (our PTX has no .ftz; bench/kernel.py --check checks)."""
     if INTERPRET:
         b = p.to(tl.int32)
         lo = ((b << 28) >> 6) & -0x7E400000             # -0x7E400000 == 0x81C00000
@@ -259,14 +260,14 @@ def _sum_splits(part_ptr, y_ptr, offs, mask, cols, N, stride_os, gs_ptr, bias_pt
 
 
 # ----------------------------------------------------------------------------------------------
-# The LoRA expand folded into the epilogue (lora_kernels.py owns the update; the GEMV and the
-# swapped tiles apply it)
+# The LoRA expand folded into the epilogue (lora.py owns the update; the GEMV and the swapped
+# tiles apply it)
 
 @triton.jit
 def _lora_update(hp_ptr, lb_ptr, lora_scale, m, cols, M, N, R, LSPLIT: tl.constexpr, LR: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """s · bf16(sum_j hp[j, m, :]) · B[cols, :]ᵀ in fp32, of the shape m and cols broadcast to:
-    lora_kernels._lora_expand_kernel's update (h rounded as there) for the rows m of x and the
+    lora._lora_expand_kernel's update (h rounded as there) for the rows m of x and the
     output columns cols that a kernel finishing y holds. hp (LSPLIT, M, R) fp32 are the shrink's
     K-chunk partials, B (N, R) bf16; LR >= R a power of two. A sum of R products in fp32 per
     output (the expand kernel's MMA sums the same products in another order)."""
@@ -290,7 +291,7 @@ def _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R, LSPLI
 def _lora_mma(h, lb_ptr, lora_scale, offs_n, N, R, LR: tl.constexpr, INTERPRET: tl.constexpr):
     """s · h · B[offs_n]ᵀ (BM, BN) fp32 for h (BM, LR) holding bf16 values (zero past R) and B (N, R)
     bf16: one MMA on bf16 operands (fp32 under the interpreter, whose bf16 dot is wrong). Shared
-    with tile_kernels._splitk_reduce_lora_kernel."""
+    with tiles._splitk_reduce_lora_kernel."""
     r = tl.arange(0, LR)
     b = tl.load(lb_ptr + offs_n[:, None] * R + r[None, :], mask=(offs_n[:, None] < N) & (r[None, :] < R),
                 other=0.0)                                                            # (BN, LR)
@@ -325,7 +326,7 @@ def _add_update(y, update, INTERPRET: tl.constexpr):
 def silu_mul(g, u):
     """silu(g)·u for g, u in the activation dtype, as torch's F.silu(g) * u rounds it: silu in fp32
     rounded to the dtype, then the product in fp32 rounded. fused_ops' SiLU·mul kernel, and the
-    GEMV's epilogue when it stores silu(gate)·up itself (small_m_kernels.py)."""
+    GEMV's epilogue when it stores silu(gate)·up itself (small_m.py)."""
     gf = g.to(tl.float32)
     s = (gf / (1 + tl.exp(-gf))).to(g.dtype)
     return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)

@@ -1,23 +1,18 @@
-"""wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ at 16 < M <= 1024 (<= 128
-on weights of <= 20M elements; from M = 2 or 9 on the big ones; above 512 where its waves are full:
-marlin_kernel.wgmma_rows; Hopper only; written in Gluon, Triton's layout-explicit dialect).
+"""wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ for 16 < M <= 1024
+(and from M = 2 or 9 on the big weights; where gemm.route says: Hopper with triton 3.6 only; written
+in Gluon, Triton's layout-explicit dialect).
 
-Why. At 16 < M <= 256 (the decode steps of a GRPO batch) the product is still mostly memory-bound,
-but the tile kernels (tile_kernels.py) pay for their decode twice: W is decoded into registers,
-stored to shared memory and read back by tl.dot, and the MMA waits on each decode (bench/NOTES.md
-v5, v14). Hopper's wgmma can take its A operand (64 rows x 16 k per warpgroup) from registers, as
-Marlin and Machete do on the H100: decode straight into the registers the instruction reads. A
-tl.dot cannot be told that a register tensor already has the operand's layout; Gluon can, and
-checks it (convert_layout(..., assert_trivial=True) fails to compile where data would move).
+Why. Above the decode batch the product is still mostly memory-bound, but the tile kernels
+(tiles.py) pay for their decode twice: W is decoded into registers, stored to shared memory and
+read back by tl.dot, and the MMA waits on each decode. Hopper's wgmma can take its A operand (64
+rows x 16 k per warpgroup) from registers, as Marlin and Machete do on the H100: decode straight
+into the registers the instruction reads. A tl.dot cannot be told that a register tensor already
+has the operand's layout; Gluon can, and checks it (convert_layout(..., assert_trivial=True) fails
+to compile where data would move).
 
 The product is computed swapped, acc[BN weight rows, BT tokens] += decode(W)[BN, 128] · xpᵀ[128, BT]
 per 128-k window: the weight rows are wgmma's M (16 per warp, 64 per warpgroup of 4 warps), the
 tokens its N (BT = 8 .. 256).
-
-Measured on the H100 (bench/NOTES.md v17, times including the x permutation): 7B gate_up M = 64
-53 µs (1.9x cuBLAS bf16; the tile kernels 82 µs), M = 128 93 µs (1.13x; tiles 136); the 7B GRPO
-decode batch (M = 128) +20% with it, 1.04x our bf16 engine. At M = 2..16 on the big weights it beats
-the fragment kernel (32B gate_up M = 2 64 vs 72 µs, v18); at M = 1 it only ties the GEMV.
 
 The fragment mapping. In nvfp4.interleave's layout a 16-row x 128-k tile is 16 rows of 16 int32
 words (8 codes each). Lane (g = lane // 4, t = lane % 4) of a warp loads words 4t .. 4t+3 of rows
@@ -42,54 +37,47 @@ The pipeline, two kernels for the same product. _wgmma_ring_kernel: a ring of S 
 shared memory, each holding one window's W words (BN x 64 bytes), scales (BN x 8 bytes) and xp tile
 (BT x 128 bf16, 128-byte swizzle: wgmma's B), filled by cp.async two windows ahead. Per window:
 wait for the oldest copy group, barrier, words and scales into registers in the fragment layout,
-decode, one wgmma (8 instructions of 16 k), wait for it, refill the stage just read. Keeping a wgmma
-in flight across windows (warpgroup_mma_wait(1) with the previous A registers alive) gave wrong
-results in the experiment and was no faster (NOTES v16), and decoding window i+1 under wgmma i is
-serialized by ptxas, which reuses A's registers (v17). _wgmma_ws_kernel (from 64 tokens a program:
-marlin_kernel.warp_specialized): the same ring and the same per-window work (_mma_window), warp-specialized:
-one producer warp fills the stages by TMA and a pair of mbarriers per stage says full / free, so the
-consumer warps neither issue copies nor wait at a barrier for each other. Measured on the H100
-(NOTES v25, same run): faster on 50 of 52 routed shapes and M from 33 to 256 (7B gate_up M = 128
-79.5 vs 92.3 us), the 7B GRPO decode +6.9%; its x tiles must be whole (fragment_order pads them).
-Below 64 tokens a program it was not measured to pay (the producer's warpgroup of registers halves
-the programs an SM holds), hence two kernels. From M = 129 (marlin_kernel.wgmma_config) a program
-takes 256 tokens and 128 weight rows with two consumer warpgroups, each in a partition of its own so
-that one decodes while the other's wgmma runs: the decode (~3.0 instructions a weight in the loop's
-SASS, NOTES v29) is paid once per 256 tokens, and 128 accumulators a thread fit in the 168 registers
-of one program an SM.
-Measured on the H100 (NOTES v26): M = 1024 at 0.90-0.99x of cuBLAS bf16 on 7B gate_up / down, 32B
-qkv / gate_up (dequantize + cuBLAS: 0.77-0.80x), 32B down M = 256 1.25x (0.89x with 128 tokens).
-The warp-specialized kernel stores its tiles through shared memory by TMA (_finish_tile: 4-11 us
-of a 1024-token call were 2-byte stores straight from the accumulators, NOTES v27), and where a
-launch's tiles would leave the last wave part-empty marlin_kernel._wgmma_launches gives the rows
-left to a second launch (smaller tiles, or split along K with the pieces summing themselves:
-_sum_split_tile): M = 1024 0.86-1.12x on every big weight and 7B o (v27).
+decode, one wgmma (8 instructions of 16 k), wait for it, refill the stage just read. A wgmma kept in
+flight across windows (warpgroup_mma_wait(1) with the previous A registers alive) gave wrong
+results and was no faster, and decoding window i+1 under wgmma i is serialized by ptxas, which
+reuses A's registers. _wgmma_ws_kernel (from tuning's ws_min_bt tokens a program:
+shapes.warp_specialized): the same ring and the same per-window work (_mma_window),
+warp-specialized: one producer warp fills the stages by TMA and a pair of mbarriers per stage says
+full / free, so the consumer warps neither issue copies nor wait at a barrier for each other; its x
+tiles must be whole (fragment_order pads them). Below that many tokens a program the producer's
+warpgroup of registers would halve the programs an SM holds, hence two kernels. From M = 129
+(shapes.wgmma_config) a program takes 256 tokens and 128 weight rows with two consumer warpgroups,
+each in a partition of its own so that one decodes while the other's wgmma runs: the decode (about
+three instructions a weight in the loop) is paid once per 256 tokens, and 128 accumulators a
+thread fit in the 168 registers of one program an SM.
+The warp-specialized kernel stores its tiles through shared memory by TMA (_finish_tile: 2-byte
+stores straight from the accumulators are slow), and where a launch's tiles would leave the last
+wave part-empty shapes.wgmma_launches gives the rows left to a second launch (smaller tiles, or
+split along K with the pieces summing themselves: _sum_split_tile).
 The scales are E4M3 bytes: the hardware's fp8 -> fp32 conversion, times 2^119, as bf16 pairs, so
 the operand is w·scale·2^-7 exactly as in the other kernels (fp4_decode.OPERAND_SHIFT).
 
 Split-K: a weight with few 64-row tiles (7B down: N = 3584) splits its windows among programs (up
-to one wave of them, 3/4 of one at <= 16 tokens: marlin_kernel._wgmma_split), which write fp32
-partials that tile_kernels._splitk_reduce_kernel sums in order with scale and bias. Summed in the
-launch by the split that counts last, it ran slower at M >= 64 (one SM pulls every piece through
-L2, NOTES v27 item 3) and, at <= 16 tokens, faster alone but 0.3-0.5% slower in the batch-16
-decode graph (NOTES v33 item 4); only a tail launch's long pieces sum themselves, where the reduce
-kernel would need the rows' strides.
+to one wave of them, part of one at <= 16 tokens: shapes.wgmma_split), which write fp32 partials
+that tiles._splitk_reduce_kernel sums in order with scale and bias. Summed in the launch by the
+split that counts last it is slower (one SM pulls every piece through L2; at <= 16 tokens it is
+faster alone but slower inside the decode graph); only a tail launch's long pieces sum themselves,
+where the reduce kernel would need the rows' strides.
 Programmatic dependent launch as in every other kernel (pdl_start's two instructions as inline
-PTX): without it, a split launch after a PDL chain ran up to 8 µs slower
-(bench/results/kernel_v17_pdl_diag_h100.txt).
+PTX): without it, a split launch after a PDL chain waits for the whole chain.
 
 Gluon's API moves between Triton releases (3.9 removed async_copy_global_to_shared and
-thread_barrier; warp_specialize changed its signature), so marlin_kernel routes here only on the
-release this file is written for and tested on, triton 3.6 (GLUON_TRITON); elsewhere the tile
-kernels serve these M.
+thread_barrier; warp_specialize changed its signature), so gemm routes here only on the release
+this file is written for and tested on, triton 3.6 (gemm.GLUON_TRITON); elsewhere the tile kernels
+serve these M.
 
 Shapes: x (M, K) bf16 rows contiguous; W interleaved, N a multiple of 16, K of 128. Weight rows past
 N are wrapped (loads stay unmasked), token rows past M masked; neither is stored.
+Leaves out: the plain (not interleaved) layout, sm_100's tcgen05.
 
-Test: tests/test_register_a_kernel.py (GPU: against float64 at odd M, N at its minimum, every
+Test: tests/test_kernels_register_a.py (GPU: against float64 at odd M, N at its minimum, every
 split, bias on and off, poisoned output; CPU: the x permutation against a derivation of the map
-from the PTX ISA's fragment).
-Benchmark: python bench/kernel.py (the route marlin_kernel chooses), bench/NOTES.md v17.
+from the PTX ISA's fragment). Benchmark: python bench/kernel.py (the route gemm chooses).
 """
 import torch
 import triton
@@ -101,7 +89,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fp4_decode import _DECODE_REGS, OPERAND_POST, OPERAND_SHIFT, _e2m1x4_to_bf16_ptx, pdl_start
+from .fp4_decode import _DECODE_REGS, OPERAND_POST, OPERAND_SHIFT, _e2m1x4_to_bf16_ptx, pdl_start
 
 # decode of one word into 4 bf16x2 outputs $0..$3 = (lo b0, lo b1), (hi b0, hi b1), (lo b2, lo b3),
 # (hi b2, hi b3); inputs $4..$11 the word, $12..$15 the scale pair (inline_asm_elementwise's pack=8
@@ -113,8 +101,7 @@ _SCALE_TO_OPERAND = gl.constexpr(2.0 ** (126 - OPERAND_SHIFT.value))  # decoded 
 _POST = gl.constexpr(OPERAND_POST.value)
 LOADER_REGS = gl.constexpr(40)   # registers a thread of the one-warp TMA producer keeps (setmaxnreg)
 CONSUMER_REGS = gl.constexpr(232)  # ... and of the second consumer warpgroup, where there are two
-MAX_REGS = {4: 128, 8: 168}      # maxnreg of the warp-specialized kernel by consumer warps: (warps + 4)
-                                 # warps at this many registers, 2 programs an SM (4) or 1 (8)
+                                   # (the launch's maxnreg: shapes.MAX_REGS)
 _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 _W_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 _S_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -130,7 +117,7 @@ def _fragment_order_kernel(x_ptr, out_ptr, M, MP, K, stride_xm, BM: tl.constexpr
     register_a_dx's order, t below j's high bit h), for BM rows x WINS windows; rows M..MP-1 are
     zeros. Loads and stores are contiguous (16 B a lane); the permutation is a reshape and permute
     of the tile in registers, which Triton carries out through shared memory (a gather of 2-byte
-    loads took 9 us a call at M = 128 in the GRPO batch, bench/NOTES.md v18)."""
+    loads is several times slower)."""
     pdl_start(USE_PDL)
     m = tl.program_id(0) * BM + tl.arange(0, BM)
     k = tl.program_id(1) * (WINS * 128) + tl.arange(0, WINS * 128)
@@ -154,9 +141,9 @@ def fragment_order_index(K: int, device=None, dx: bool = False) -> torch.Tensor:
 
 def fragment_order(x: torch.Tensor, pdl: dict, rows: int = 0, dx: bool = False) -> torch.Tensor:
     """x (M, K) bf16 -> xp (max(M, rows), K), permuted for the kernel below (dx: for register_a_dx's,
-    x then being dy) in one pass over x, rows past M zero; pdl: marlin_kernel.pdl_launch's keywords.
+    x then being dy) in one pass over x, rows past M zero; pdl: launch.pdl_launch's keywords.
     The warp-specialized kernels take whole token tiles: TMA boxes that cross the tensor's end
-    measured 20-50% slower (NOTES v25)."""
+    are slower."""
     M, K = x.shape
     MP = max(M, rows)
     out = torch.empty((MP, K), device=x.device, dtype=x.dtype)
@@ -243,8 +230,8 @@ def _finish_tile(acc, buf, y_desc, gs_ptr, bias_ptr, N, row0, tok0, BN: gl.const
                  HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
     """y[tok, row] of the (BN rows from row0, BT tokens from tok0) tile, scaled (+bias), through
     shared memory: the tile transposed into buf (BT, BN) and one TMA store, which drops what lies
-    past M or N. Stored straight from the accumulator's layout, each lane wrote 2-byte pieces of 8
-    rows (16 bytes) a token: 4-11 us of a 1024-token product (bench/NOTES.md v27)."""
+    past M or N. Stored straight from the accumulator's layout, each lane would write 2-byte pieces
+    of 8 rows (16 bytes) a token."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BT, 16])
     y = _scaled(acc, gs_ptr, bias_ptr, row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), N, HAS_BIAS)
@@ -412,7 +399,7 @@ def _wgmma_ws_kernel(x_desc, w_desc, s_desc, y_desc, gs_ptr, bias_ptr, part_ptr,
     that one decodes while the other's wgmma runs (in one partition of 8 warps, the barriers Triton
     puts around each window's shared-memory reads keep the two warpgroups in step); an mbarrier pair
     per ring stage between them. Program (n, m, k) takes weight rows from (TILE0 + n)·BN (a launch
-    may cover only some of them: marlin_kernel._wgmma_launches). x_desc: TMA descriptor of xp
+    may cover only some of them: shapes.wgmma_launches). x_desc: TMA descriptor of xp
     (fragment order), box (BT, 128); w_desc: the interleaved codes as int32 (N/16, NWIN·256), box
     (BN/C/16, 256); s_desc: the scale bytes (N/16, NWIN·128), box (BN/C/16, 128); y_desc: y (M, N)
     bf16, box (BT, BN/C) (descriptors()). PARTIAL: split-K, the partials summed in the launch
@@ -477,12 +464,6 @@ def weight_descriptors(packed, scale, BN: int, scale_smem=_S_SMEM):
     w_desc = TensorDescriptor.from_tensor(packed.view(torch.int32).view(N // 16, K * 2), [BN // 16, 256], _W_SMEM)
     s_desc = TensorDescriptor.from_tensor(scale.view(torch.uint8).view(N // 16, K), [BN // 16, 128], scale_smem)
     return w_desc, s_desc
-
-
-def ring_bytes(BN: int, BT: int, S: int) -> int:
-    """Shared memory of the kernel's ring: S stages of a BT x 128 bf16 x tile, BN x 16 int32 words,
-    BN x 8 scale bytes and two 8-byte mbarriers."""
-    return S * (BT * 128 * 2 + BN * 16 * 4 + BN * 8 + 16)
 
 
 def word_layout(BN: int, warps: int):

@@ -1,0 +1,360 @@
+"""Checkpoints: Hugging Face directories in and out, quantize-on-load, random init.
+
+A checkpoint is a directory that transformers (and vLLM, and compressed-tensors) can read:
+
+    config.json                      the architecture and shapes (ModelConfig.to_hf), plus
+                                     `quantization_config` (compressed-tensors' NVFP4 scheme) when quantized
+    model.safetensors                every tensor under its state-dict key, or, sharded:
+    model-00001-of-0000N.safetensors ...   with
+    model.safetensors.index.json     {"metadata": {"total_size": bytes}, "weight_map": {key: shard file}}
+    tokenizer*, *.jinja, ...         read by transformers' AutoTokenizer, never by us
+
+Finding one. `resolve` turns a Hub id into a local snapshot (huggingface_hub fetches only the json,
+safetensors and tokenizer files: HUB_FILES) and leaves a directory as it is. `checkpoint_files` maps
+each tensor key to the file that holds it, from the index or from the single file's header. Pickle
+weights (.bin, .pt) are refused rather than loaded: unpickling runs arbitrary code.
+
+Loading (`load_model`). The module tree is built on the meta device (no memory), every checkpoint key
+and shape is checked against it from the safetensors headers alone, then tensors stream one at a
+time with `safe_open` onto the target device. A q/k/v/o/gate/up/down weight is quantized right there
+(nvfp4.quantize) and its bf16 copy dropped before the next tensor is read, so peak device memory is
+the final footprint plus one group of bf16 matrices and quantize's temporaries (load_bytes).
+Embeddings, lm_head, norms and biases stay unquantized, as in QeRL. q/k/v (and gate/up) are
+quantized with one shared global scale, the smallest of theirs (quantize_group), as llm-compressor
+does for checkpoints meant to be served fused: the fast kernels may then multiply a group at once.
+A compressed-tensors NVFP4 checkpoint is assigned as is. Base weights come back frozen
+(requires_grad=False); LoRA adds the trainable parameters. Last, kernels.prepare puts the weights
+into the fast kernels' layout on a GPU (nvfp4.interleave, and the stacked groups).
+
+Random init (`build_model`). The real Qwen2.5 shapes (SHAPES) with N(0, 0.02²) weights, drawn and
+quantized one group at a time: benchmarks of 7B-32B shapes on machines without the weights.
+
+Saving (`save_pretrained`). The base model's state dict (NVFP4 linears as weight_packed /
+weight_scale / weight_global_scale, the tied lm_head once, under the embedding's key) in shards of
+at most max_shard_size bytes, one shard's tensors on the CPU at a time. Every file is written under a
+temporary name and renamed, so a crash never leaves a half-written file under the real name, and a
+file left by an earlier save that would shadow this one (a stale index or single file) is removed.
+Adapters are not base weights: lora.py saves those (PEFT format) or merges them first.
+
+Tests: tests/test_checkpoint.py (transformers' own checkpoints load, sharded or not, and read back
+what we write; compressed-tensors reads our NVFP4; key, shape, NaN, Hub and pickle errors).
+"""
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import kernels
+import nvfp4
+from model import GROUPS, ModelConfig, RMSNorm, Transformer, rope_inv_freq
+
+INIT_STD = 0.02  # build_model's random weights (transformers' initializer_range)
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+def resolve(name_or_path: str) -> str:
+    """A local directory, or a Hub id fetched with huggingface_hub (json, safetensors, tokenizer files)."""
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        return path
+    if os.path.isabs(path) or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+        raise FileNotFoundError(f"{name_or_path!r}: no such directory (nor a Hub id like 'Qwen/Qwen2.5-7B-Instruct')")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name_or_path, allow_patterns=HUB_FILES)
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise FileNotFoundError(f"{name_or_path!r} is not a local directory and could not be fetched "
+                                f"from the Hugging Face Hub: {e}") from e
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """{tensor key: safetensors file} from model.safetensors.index.json or model.safetensors."""
+    index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        absent = sorted({file for file in weight_map.values() if not os.path.exists(file)})
+        if absent:
+            raise FileNotFoundError(f"{index} lists files that do not exist: {absent}")
+        return weight_map
+    if os.path.exists(single):
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    if any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in os.listdir(path)):
+        raise ValueError(f"{path} has only pickle weights (.bin/.pt): qerl never unpickles checkpoints "
+                         "(that can run arbitrary code); convert them to safetensors first")
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: meta-device build, header checks, one tensor at a time
+
+
+def group_of(linear_name: str) -> list[str]:
+    """The linears quantized with one shared global scale: q/k/v and gate/up (model.GROUPS), else itself."""
+    parent, _, name = linear_name.rpartition(".")
+    names = GROUPS.get(parent.rpartition(".")[2], ())
+    return [f"{parent}.{n}" for n in names] if name in names else [linear_name]
+
+
+def _assign(model: nn.Module, key: str, value: torch.Tensor):
+    """Replace the (meta) parameter or buffer `key` by `value`, cast to its declared dtype, frozen."""
+    mod_name, _, attr = key.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if attr in mod._parameters:
+        old = mod._parameters[attr]
+        mod._parameters[attr] = nn.Parameter(value.to(old.dtype), requires_grad=False)
+    else:
+        mod._buffers[attr] = value.to(mod._buffers[attr].dtype)
+
+
+def quantize_group(model, linear_names: list[str], weights: list[torch.Tensor]):
+    """Quantize linears with one global scale, the smallest of theirs (= 448·6 / the largest amax),
+    so that they can share a matmul (StackedLinear); a single linear gets its own."""
+    global_scale = torch.cat([nvfp4.compute_global_scale(w) for w in weights]).min().reshape(1)
+    for linear_name, weight in zip(linear_names, weights):
+        packed, scale, gs = nvfp4.quantize(weight, global_scale, name=linear_name + ".weight")
+        for attr, t in zip(("weight_packed", "weight_scale", "weight_global_scale"), (packed, scale, gs.clone())):
+            _assign(model, f"{linear_name}.{attr}", t)
+
+
+def _plan(model: Transformer, shapes: dict[str, tuple]) -> dict[str, str]:
+    """Match checkpoint keys (with header shapes) against the meta model: {key: "copy"|"quantize"|"skip"}.
+    Raises one ValueError listing every missing, unexpected and mis-shaped key."""
+    expected = dict(model.state_dict(keep_vars=True))
+    tied = model.config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight")
+    qlinears = {n: m for n, m in model.named_modules() if isinstance(m, nvfp4.NVFP4Linear)}
+    plan, covered, unexpected, bad = {}, set(), [], []
+    for key, shape in shapes.items():
+        mod, _, attr = key.rpartition(".")
+        if key in expected:
+            plan[key], want = "copy", tuple(expected[key].shape)
+            covered.add(key)
+        elif attr == "weight" and mod in qlinears:  # a bf16 weight we quantize on load
+            plan[key], want = "quantize", (qlinears[mod].out_features, qlinears[mod].in_features)
+            covered |= {f"{mod}.weight_packed", f"{mod}.weight_scale", f"{mod}.weight_global_scale"}
+        elif (tied and key == "lm_head.weight") or key.endswith(("rotary_emb.inv_freq", ".input_global_scale")):
+            plan[key], want = "skip", shape  # a tied copy, a derived buffer, or a W4A4 activation scale
+        else:
+            unexpected.append(key)
+            continue
+        if tuple(shape) != want:
+            bad.append(f"{key}: checkpoint {tuple(shape)} vs model {want}")
+    missing = sorted(set(expected) - covered)
+    if missing or unexpected or bad:
+        show = lambda xs: f"{len(xs)} {xs[:8]}{' ...' if len(xs) > 8 else ''}"  # noqa: E731
+        raise ValueError(f"checkpoint does not match {model.config.architecture} ({model.quant}): "
+                         f"missing {show(missing)}; unexpected {show(sorted(unexpected))}; bad shapes {show(bad)}")
+    return plan
+
+
+def _finish(model: Transformer, device) -> Transformer:
+    model.tie_weights()
+    model.inv_freq = rope_inv_freq(model.config, device)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    assert not left, f"tensors left on the meta device: {left}"
+    kernels.prepare(model, GROUPS)             # the fast kernels' weight layout and stacks (CUDA)
+    return model.eval()
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes the model's tensors take on the device (tied tensors once); exact on a meta model."""
+    seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def load_bytes(model: Transformer) -> int:
+    """What loading needs: the weights + what is in flight: the largest bf16 group quantized together
+    (gate_proj and up_proj) and quantize's temporaries for one of them, or the embedding."""
+    cfg = model.config
+    return weight_bytes(model) + 2 * max(cfg.hidden_size * 3 * cfg.intermediate_size, cfg.vocab_size * cfg.hidden_size)
+
+
+def check_fits(model: Transformer, device: torch.device) -> None:
+    """Fail before loading anything when the weights (+ what loading holds in flight: load_bytes) cannot fit."""
+    if device.type != "cuda":
+        return
+    need, free = load_bytes(model), torch.cuda.mem_get_info(device)[0]
+    if need > free:
+        raise ValueError(f"the {model.quant} model needs {need / 2**30:.1f} GiB for its weights (+ the bf16 "
+                         f"weights in flight) but {device} has {free / 2**30:.1f} GiB free; try quant='nvfp4' or a larger GPU")
+
+
+def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch.bfloat16) -> Transformer:
+    """Hub id or directory (config.json + model.safetensors or sharded) -> Transformer on `device`."""
+    path = resolve(name_or_path)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path}: no config.json")
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    cfg, device = ModelConfig.from_hf(hf), _device(device)
+    if nvfp4.is_nvfp4_checkpoint(hf) and quant != "nvfp4":
+        raise ValueError(f"{name_or_path} is an NVFP4 (compressed-tensors) checkpoint: load it with quant='nvfp4'")
+    with torch.device("meta"):
+        model = Transformer(cfg, quant, dtype)
+    check_fits(model, device)
+    by_file, shapes = {}, {}
+    for key, file in checkpoint_files(path).items():
+        by_file.setdefault(file, []).append(key)
+    for file, keys in by_file.items():  # headers only: nothing is read yet
+        with safe_open(file, framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
+    plan = _plan(model, shapes)
+    pending = {}  # a group's first linear -> {linear: bf16 weight}: quantized once the group is read
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for key in keys:
+                if plan[key] == "skip":
+                    continue
+                t = f.get_tensor(key)
+                # a NaN/Inf makes the sum non-finite; the exact test runs only then (isfinite is slow on CPU)
+                if t.is_floating_point() and t.element_size() > 1 and not torch.isfinite(t.sum()) \
+                        and not torch.isfinite(t).all():
+                    raise ValueError(f"{key}: checkpoint tensor has NaN or Inf values ({file})")
+                if plan[key] == "quantize":
+                    name = key.rpartition(".")[0]
+                    group = [n for n in group_of(name) if plan.get(n + ".weight") == "quantize"]
+                    got = pending.setdefault(group[0], {})
+                    got[name] = t
+                    if len(got) == len(group):
+                        del pending[group[0]]
+                        quantize_group(model, list(got), list(got.values()))
+                        got.clear()  # the group's bf16 weights die here
+                else:
+                    _assign(model, key, t)
+                del t  # a bf16 weight dies once its group is quantized, before the next reads
+    assert not pending, f"groups never completed: {list(pending)}"
+    model.name_or_path = name_or_path
+    return _finish(model, device)
+
+
+# Qwen2.5 config.json values (vocab, norms, RoPE, shapes), for random-init runs and benchmarks on
+# machines without the weights: `build_model(SHAPES["qwen2.5-7b"])`, `train.py --random-init`.
+_QWEN25 = dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1e6,
+               max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+               bos_token_id=151643, eos_token_id=151645)
+SHAPES = {
+    "qwen2.5-7b": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4),
+    "qwen2.5-14b": dict(_QWEN25, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8),
+    "qwen2.5-32b": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8),
+}
+
+
+def random_init_config(name_or_path: str) -> dict:
+    """The config for a random-init model: a SHAPES name or a local directory with config.json."""
+    if name_or_path.lower() in SHAPES:
+        return SHAPES[name_or_path.lower()]
+    path = os.path.join(os.path.expanduser(name_or_path), "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    raise ValueError(f"random init needs one of {sorted(SHAPES)} or a directory with config.json, "
+                     f"got {name_or_path!r}")
+
+
+def build_model(config, quant: str = "nvfp4", device=None, dtype=torch.bfloat16, seed: int = 0) -> Transformer:
+    """Random weights (N(0, 0.02²), norms 1) with real shapes and no checkpoint: for benchmarks.
+    Quantized linears are drawn and quantized one at a time, so peak ≈ final + one bf16 matrix."""
+    cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    device = _device(device)
+    with torch.device("meta"):
+        model = Transformer(cfg, quant, dtype)
+    check_fits(model, device)
+    gen = torch.Generator(device).manual_seed(seed)
+    skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    for key, t in model.state_dict(keep_vars=True).items():
+        mod, _, attr = key.rpartition(".")
+        if key in skip or attr in ("weight_scale", "weight_global_scale"):
+            continue  # the tied copy; scales come with weight_packed
+        if attr == "weight_packed":
+            group = group_of(mod)
+            if mod != group[0]:
+                continue  # drawn with the first of its group
+            ms = [model.get_submodule(n) for n in group]
+            ws = [torch.randn(m.out_features, m.in_features, generator=gen, device=device, dtype=dtype).mul_(INIT_STD)
+                  for m in ms]
+            quantize_group(model, group, ws)
+            del ws
+        elif isinstance(model.get_submodule(mod), RMSNorm):
+            _assign(model, key, torch.ones(t.shape, device=device))
+        else:
+            _assign(model, key, torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype).mul_(INIT_STD))
+    model.name_or_path = None
+    return _finish(model, device)
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(resolve(name_or_path))
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def _atomic(file: str, write):
+    """write(tmp_name), then rename: a crash never leaves a half-written file under the real name."""
+    write(file + ".tmp")
+    os.replace(file + ".tmp", file)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """t, copied if it is a slice of a larger allocation (StackedLinear): safetensors refuses those."""
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
+def save_pretrained(model: nn.Module, directory: str, max_shard_size: int | None = None):
+    """Write config.json (+ the compressed-tensors quantization_config when quantized) and
+    model.safetensors, or shards of at most max_shard_size bytes plus model.safetensors.index.json.
+    Only one shard's tensors are copied to the CPU at a time. `model` is a model.Transformer."""
+    sd = model.state_dict()
+    if any(".base_layer." in k or ".lora_" in k for k in sd):
+        raise ValueError("save_pretrained writes the base model only: save adapters with lora.save_adapter, "
+                         "or export a merged bf16 model with lora.merge_lora")
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    os.makedirs(directory, exist_ok=True)
+    shards, size = [[]], 0  # greedy: start a new shard when the next tensor would overflow this one
+    for key, t in sd.items():
+        if max_shard_size and shards[-1] and size + t.nbytes > max_shard_size:
+            shards, size = shards + [[]], 0
+        shards[-1].append(key)
+        size += t.nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, keys in zip(names, shards):
+        tensors = {k: _owned(sd[k].detach().contiguous().cpu()) for k in keys}
+        _atomic(os.path.join(directory, name), lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if len(shards) > 1:
+        weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
+        total = sum(t.nbytes for t in sd.values())
+        index_json = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        _atomic(index, lambda tmp: Path(tmp).write_text(index_json))
+    stale = index if len(shards) == 1 else os.path.join(directory, "model.safetensors")
+    if os.path.exists(stale):  # left by an earlier save, it would shadow this one
+        os.remove(stale)
+    hf = {**model.config.to_hf(), "dtype": str(model.dtype).removeprefix("torch.")}
+    if model.quant == "nvfp4":
+        hf["quantization_config"] = nvfp4.quantization_config(ignore=["lm_head"])
+    _atomic(os.path.join(directory, "config.json"), lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2)))

@@ -1,0 +1,151 @@
+"""The kernel wing: every Triton kernel of qerl behind one seam, and "can this run here?".
+
+The trunk (nvfp4, marlin_kernel, model, lora, rollout, sampling) knows nothing of routes or launch
+shapes. It calls the functions below where a fast path may run, and its own torch reference
+otherwise; this package knows nothing of RL. What is here:
+
+    available                 Triton imports and the kernels are defined (False: every predicate
+                              below is False, and `import kernels` still works)
+    runs(x)                   the rollout fast path for x: available, CUDA, no autograd, tuning's fused
+    interpreting()            Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)
+
+    FP4 x BF16 GEMM (gemm.py; marlin_kernel.nvfp4_matmul hands off here where gemm_runs(x))
+        gemm_runs(x), nvfp4_matmul(x, packed, scale, global_scale, bias=None, interleaved=False),
+        nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False)
+    the decoder's small ops (fused_ops.py)
+        rms_norm, rope_fits, rope, embed_rope, silu_mul, lm_head_fits, lm_head
+    q/k/v and gate/up as one matmul (stacked.py): prepare(model, groups), project(parent, names, x, silu_mul)
+    LoRA (lora.py): lora_linear(x, base, A, B, scale)
+    paged decode attention (paged_decode.py): store_kv, paged_attention, attention_counts
+    sampling (sampler.py): sampler_runs(filtered, shape, device), sample, fill_tokens
+    tuning (tuning.py): Tuning, current(), using(t)
+
+Which kernel runs at which M, the current speed table and how to A/B a change: kernels/README.md.
+Tests: tests/test_kernels_*.py.
+"""
+import torch
+
+from . import tuning                       # first: tuning imports shapes, which reads tuning at call time
+from .launch import interpreting
+from .stacked import prepare
+from .tuning import Tuning, current, using
+
+try:
+    import triton  # noqa: F401
+
+    from . import fused_ops, gemm, lora, paged_decode, sampler, stacked
+    available = True
+except ImportError:          # the trunk's torch paths need no triton
+    available = False
+
+
+def runs(x: torch.Tensor) -> bool:
+    """Does the rollout fast path take x: the kernels exist, x is on CUDA, no autograd, and tuning
+    says fused (bench/rollout.py's -unfused engines turn it off)?"""
+    return available and x.is_cuda and not torch.is_grad_enabled() and current().fused
+
+
+def gemm_runs(x: torch.Tensor) -> bool:
+    """Does nvfp4_matmul take x (every CUDA tensor; CPU tensors under the interpreter)?"""
+    return available and (x.is_cuda or interpreting())
+
+
+# ----------------------------------------------------------------------------------------------
+# the FP4 x BF16 GEMM
+
+def nvfp4_matmul(x, packed, scale, global_scale, bias=None, interleaved=False):
+    """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16) on the kernel gemm.route picks."""
+    return gemm.nvfp4_matmul(x, packed, scale, global_scale, bias, interleaved)
+
+
+def nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False):
+    """dx (M, K) bf16 = dy (M, N) bf16 · dequant(W): the backward of y = x·Wᵀ for x."""
+    return gemm.nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved)
+
+
+# ----------------------------------------------------------------------------------------------
+# the decoder's small ops
+
+def rms_norm(x, weight, eps, residual=None):
+    """RMSNorm in one kernel: y, or with residual (y, x + residual) (fused_ops.rms_norm)."""
+    return fused_ops.rms_norm(x, weight, eps, residual)
+
+
+def rope_fits(q, k) -> bool:
+    """Can rope rotate q and k in place (one token stride each, D a power of two)?"""
+    return available and fused_ops.rope_fits(q, k)
+
+
+def rope(q, k, cos, sin):
+    """apply_rope on q (B, T, Hq, D) and k (B, T, Hkv, D) in place, one launch."""
+    return fused_ops.rope(q, k, cos, sin)
+
+
+def embed_rope(ids, positions, weight, inv_freq):
+    """x = weight[ids] and the RoPE cos, sin of positions·inv_freq, one launch."""
+    return fused_ops.embed_rope(ids, positions, weight, inv_freq)
+
+
+def silu_mul(g, u):
+    """silu(g)·u, g and u rows possibly strided."""
+    return fused_ops.silu_mul(g, u)
+
+
+def lm_head_fits(hidden, head) -> bool:
+    """Can lm_head compute head(hidden): a bias-free nn.Linear, at most tuning's lm_head_max_rows rows?"""
+    return available and fused_ops.lm_head_fits(hidden, head)
+
+
+def lm_head(hidden, head):
+    """head(hidden) by the few-row GEMV."""
+    return fused_ops.lm_head(hidden, head)
+
+
+# ----------------------------------------------------------------------------------------------
+# q/k/v and gate/up, LoRA
+
+def project(parent, names, x, silu_mul=False):
+    """[parent.<name>(x) for name in names] through the stacked matmul and the group's LoRA update
+    (or silu(gate)·up with silu_mul); see stacked.project."""
+    return stacked.project(parent, names, x, silu_mul)
+
+
+def lora_linear(x, base, A, B, scale):
+    """base(x) + scale · (x Aᵀ) Bᵀ with A, B in x.dtype; see lora.lora_linear."""
+    return lora.lora_linear(x, base, A, B, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention, sampling
+
+def store_kv(k_cache, v_cache, k, v, slots):
+    """k, v (N, Hkv, D) into their cache slots (-1: skip)."""
+    return paged_decode.store_kv(k_cache, v_cache, k, v, slots)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_model_len, counts,
+                    partition_size=None, rope=None):
+    """Decode attention over the paged cache, split into partitions (paged_decode.paged_attention)."""
+    return paged_decode.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                        max_model_len=max_model_len, counts=counts,
+                                        partition_size=partition_size, rope=rope)
+
+
+def attention_counts(rows, num_kv_heads, device):
+    """int32 zeros (rows, Hkv): the attention kernel's merge counters."""
+    return paged_decode.attention_counts(rows, num_kv_heads, device)
+
+
+def sampler_runs(filtered: bool, shape, device) -> bool:
+    """Can sample() draw from (B, V) logits on device (CUDA, no top-k / top-p, B·V < 2^31)?"""
+    return available and sampler.fits(filtered, shape, device)
+
+
+def sample(logits, temperature, generator=None, chunk=None, seed=None, out=None):
+    """tokens (B,) int64, logprobs (B,) fp32 drawn by the two sampling kernels (sampler.sample)."""
+    return sampler.sample(logits, temperature, generator, chunk=chunk, seed=seed, out=out)
+
+
+def fill_tokens(meta, prev_tokens):
+    """meta[0] = prev_tokens[meta[4]] where meta[4] >= 0, one launch (sampler.fill_tokens)."""
+    return sampler.fill_tokens(meta, prev_tokens)

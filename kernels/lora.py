@@ -1,0 +1,319 @@
+"""The LoRA update on the rollout path: y = base(x) + s · (x Aᵀ) Bᵀ, with as few launches as it takes.
+
+Why. A GRPO rollout samples with the adapters live (rollout.py runs the training model itself), so
+every projection of every decode step adds s · (x Aᵀ) Bᵀ to its base output. In torch that is a GEMM
+and an addmm per adapter: two cuBLAS launches per adapted linear that take no part in programmatic
+dependent launch, and at batch 1 each costs more than its few megabytes of A and B. So:
+
+  * up to tuning's lora_max_m rows (decode steps of up to 16 sequences) two Triton kernels do it,
+    launched with PDL like the rest of the step:
+
+        shrink, program (r-tile i, k-split j):   hp[j, :, i] = x[:, K_j] · A[i, K_j]ᵀ          fp32
+        expand, program (n-tile):                h = bf16(Σ_j hp[j])        (M, R)
+                                                 y[:, n] = y[:, n] + s · h · B[n, :]ᵀ       in place
+
+    h is rounded to the activation dtype before the expand, as F.linear's output is on the torch
+    path (training computes the same update that way), so the two paths differ only in summation
+    order. The K-split (at most 8 chunks of >= 1024) gives the shrink enough programs to stream A at
+    batch 1 without atomics: the expand sums the partials (deterministic).
+  * on an NVFP4 base at the rows where the GEMV or the swapped tiles compute y (not the fragment
+    kernel: early_shrink), the shrink runs before the base matmul (it reads x only), and the base
+    kernel adds the update itself as it stores y (fold_expand, gemm.folds_lora): no expand launch.
+    Beside the fragment kernel and on bf16 bases both kernels run after the base matmul; on an
+    NVFP4 base then without PDL (pdl_for: right after a kernel whose last programs sum its split-K
+    partials, a PDL launch is slower).
+  * beyond lora_max_m rows (the GRPO batch) the shrink is F.linear, and where the NVFP4 matmul's
+    register-A route splits K its reduce kernel adds s·h·Bᵀ (fold_in_reduce: qkv, o and down);
+    elsewhere one addmm, in place on the fresh base output without autograd (a copy of y first
+    would cost more than the addmm).
+
+The adapters of a stacked group (q/k/v, gate/up: stacked.py) update together: their A's stacked
+(Σr, in) and their B's as one block-diagonal (Σ out, Σr), two kernels for the group. Those stacked
+copies are kept between calls, as lora.py (the trunk) keeps each adapter's cast copies: every eager
+call refreshes them in place, and a CUDA graph capture reads them as they are (_capturing), so a
+graphed decode step has no cast or copy kernels; rollout's prefill, which starts every generate()
+call, runs eagerly.
+
+The adapters arrive by duck typing (the wing never imports lora.py): an adapter has base_layer,
+lora_A (r, in) and lora_B (out, r) fp32, scaling, enabled, lora_dropout, training, r; an NVFP4
+base has weight_packed, weight_scale, weight_global_scale, bias, interleaved and in_features.
+
+Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) contiguous rows,
+all in one dtype. Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 tl.dot is
+wrong), as in the other kernels.
+Tests: tests/test_kernels_lora.py (interpreter: the kernels against float64 with odd sizes, K-splits
+and row-strided x and y, bf16 rounding of h, bad input, the in-place addmm; GPU: one adapter and a
+q/k/v group's block-diagonal B against the torch path, folded into the NVFP4 GEMV and the reduce
+kernel or not); the folded update itself: tests/test_kernels_small_m.py.
+"""
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+import ops               # the trunk's torch update (ops.add_update), read at call time: no import cycle
+
+from . import gemm, launch, tuning
+from .fp4_decode import pdl_start
+from .shapes import fragment_rows
+
+ROWS = 16        # rows of x a shrink / expand program holds (one MMA tile): tuning's lora_max_m is at most this
+
+# ----------------------------------------------------------------------------------------------
+# where each piece runs
+
+
+def _nvfp4(base) -> bool:
+    return hasattr(base, "weight_packed")
+
+
+def pdl_for(base) -> bool:
+    """Launch the two kernels with programmatic dependent launch after the base matmul? On a bf16
+    base, yes. Not on an NVFP4 base: at the rows the kernels take, the matmul before them sums its
+    own split-K partials (the GEMV, the fragment kernel at small M, the swapped tiles), and a PDL
+    launch right after such a kernel is slower than one without."""
+    return not _nvfp4(base)
+
+
+def early_shrink(base, rows: int) -> bool:
+    """Run the shrink before the base matmul (it reads x only) and both kernels with PDL? On an NVFP4
+    base where the GEMV or the swapped tiles compute it; beside the fragment kernel (shapes.
+    fragment_rows) it is slower, and that and bf16 bases keep pdl_for's order."""
+    return _nvfp4(base) and not fragment_rows(rows, base.in_features)
+
+
+def fold_expand(base, x2) -> bool:
+    """After an early shrink, let the base matmul add the update instead of the expand kernel? Where
+    the NVFP4 kernel finishes the rows of y itself (gemm.folds_lora: the GEMV, and the swapped tiles
+    where the fragment kernel does not run) and the activations are bf16: whoever stores a tile of y
+    adds s·h·Bᵀ first (fp4_decode._lora_update), one launch per adapter group fewer."""
+    return _nvfp4(base) and x2.dtype == torch.bfloat16 and gemm.folds_lora(*x2.shape)
+
+
+def fold_in_reduce(base, h, B) -> bool:
+    """Let the base matmul's split-K reduce add s·h·Bᵀ (h = x Aᵀ bf16 from F.linear, B (N, r))
+    instead of the addmm after it? Beyond lora_max_m rows, without autograd, on an NVFP4 base whose
+    register-A launch splits K (gemm.reduce_folds_lora: the GRPO batch's qkv, o and down; gate/up
+    does not split)."""
+    rows = h.numel() // h.shape[-1]
+    return (_nvfp4(base) and h.is_cuda and h.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+            and rows > tuning.current().lora_max_m
+            and gemm.reduce_folds_lora(rows, B.shape[0], base.in_features, h.device, base.interleaved))
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernels
+
+@triton.jit
+def _lora_shrink_kernel(x_ptr, a_ptr, hp_ptr, M, R, K, KC, stride_xm,
+                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    """hp[j, m, r] = sum over k in chunk j (KC wide) of x[m, k] · A[r, k], for BR rows r."""
+    pdl_start(USE_PDL)
+    i, j = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    offs_r = i * BR + tl.arange(0, BR)
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BM, BR), tl.float32)
+    for k0 in range(j * KC, tl.minimum(j * KC + KC, K), BK):
+        k = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)      # (BM, BK)
+        a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :],
+                    mask=(offs_r[:, None] < R) & (k[None, :] < K), other=0.0)      # (BR, BK)
+        if FP32_DOT:
+            acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(a))
+    tl.store(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], acc,
+             mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
+
+
+@triton.jit
+def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, M, N, R, stride_ym, scale,
+                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
+                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[m, n] += scale · bf16(Σ_j hp[j, m, :]) · B[n, :] for BN columns n, in place."""
+    pdl_start(USE_PDL)
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_r = tl.arange(0, R_PAD)
+    h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
+    h = tl.zeros((BM, R_PAD), tl.float32)
+    for j in tl.static_range(SPLIT):                  # unrolled: the loads go out together
+        h += tl.load(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], mask=h_mask, other=0.0)
+    h = h.to(y_ptr.dtype.element_ty)                  # rounded as F.linear's h is
+    b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :],
+                mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0.0)    # (BN, R_PAD)
+    if FP32_DOT:
+        d = tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    else:
+        d = tl.dot(h, tl.trans(b))                                                 # (BM, BN)
+    y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y = tl.load(ys, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(ys, (y + scale * d).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def lora_delta_(x, A, B, y, scale, pdl=True):
+    """y += scale · (x Aᵀ) Bᵀ in place and return y: x (M, K), A (R, K), B (N, R), y (M, N), one
+    dtype, M <= lora_max_m. Two launches: shrink over min(8, K / 1024) chunks of K, then expand; with
+    programmatic dependent launch where the device has it, unless pdl=False (see pdl_for)."""
+    return lora_expand_(lora_shrink(x, A, B, pdl), B, y, scale, pdl)
+
+
+def lora_shrink(x, A, B, pdl=True):
+    """The first half of lora_delta_: -> hp (split, M, R) fp32, the K-chunk partials of x Aᵀ. It
+    reads x only, so it may run before the base matmul that y comes from (early_shrink)."""
+    t = tuning.current()
+    BR, BK, _ = t.lora_tiles
+    M, K = x.shape
+    R = A.shape[0]
+    if not (M <= t.lora_max_m and A.shape[1] == K and B.shape[1] == R):
+        raise ValueError(f"lora_delta_: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)} do not "
+                         f"fit y (M, N) += (x Aᵀ) Bᵀ with M <= {t.lora_max_m}")
+    if not x.dtype == A.dtype == B.dtype:
+        raise ValueError(f"lora_delta_ needs one dtype, got x {x.dtype}, A {A.dtype}, B {B.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    A = A.contiguous()
+    split = max(1, min(8, K // 1024))
+    kc = triton.cdiv(triton.cdiv(K, split), BK) * BK
+    split = triton.cdiv(K, kc)
+    hp = torch.empty(split, M, R, device=x.device, dtype=torch.float32)
+    _lora_shrink_kernel[(triton.cdiv(R, BR), split)](x, A, hp, M, R, K, kc, x.stride(0), BM=ROWS, BR=BR,
+                                                     BK=BK, FP32_DOT=launch.interpreting() or x.dtype == torch.float32,
+                                                     **_launch(x.device, pdl))
+    return hp
+
+
+def lora_expand_(hp, B, y, scale, pdl=True):
+    """The second half: y += scale · bf16(Σ hp) Bᵀ in place, y (M, N) with contiguous rows."""
+    t = tuning.current()
+    split, M, R = hp.shape
+    N = B.shape[0]
+    if tuple(y.shape) != (M, N) or B.shape[1] != R:
+        raise ValueError(f"lora_delta_: B {tuple(B.shape)}, y {tuple(y.shape)} do not fit y (M, N) += h Bᵀ "
+                         f"with h ({M}, {R})")
+    if y.dtype != B.dtype:
+        raise ValueError(f"lora_delta_ needs one dtype, got B {B.dtype}, y {y.dtype}")
+    if y.stride(-1) != 1:
+        raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
+    BN = t.lora_tiles[2]
+    _lora_expand_kernel[(triton.cdiv(N, BN),)](hp, B.contiguous(), y, M, N, R, y.stride(0), scale, SPLIT=split,
+                                               BM=ROWS, BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
+                                               FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
+                                               **_launch(y.device, pdl))
+    return y
+
+
+def _launch(device, pdl):
+    return launch.pdl_launch(device) if pdl else launch.NO_PDL
+
+
+# ----------------------------------------------------------------------------------------------
+# the update of one adapter, and of a stacked group
+
+
+def _base(base, x, lora=None):
+    """base(x); with lora, the NVFP4 base's matmul with the update folded in (gemm.linear on its
+    buffers, as nvfp4.linear would run it)."""
+    if lora is None:
+        return base(x)
+    return gemm.linear(x, base.weight_packed, base.weight_scale, base.weight_global_scale, base.bias,
+                       base.interleaved, lora=lora)
+
+
+def _decode_kernels(x2) -> bool:
+    """A no-grad CUDA forward of at most lora_max_m rows x2 (rows, in): the shrink / expand kernels,
+    which add the update into the base output y in place."""
+    return x2.is_cuda and not torch.is_grad_enabled() and x2.shape[0] <= tuning.current().lora_max_m
+
+
+def _delta_kernels(x2, A, B, y, scale, base):
+    """y + scale · (x Aᵀ) Bᵀ by the kernels, y a function computing the base output (given lora=,
+    the update to fold in): where early_shrink says so, x Aᵀ runs before it and both kernels take
+    PDL, and where fold_expand says so the base matmul adds the update itself (no expand kernel);
+    otherwise both run after it, with PDL as pdl_for(base) says."""
+    early = early_shrink(base, x2.shape[0])
+    pdl = early or pdl_for(base)
+    if early:
+        hp = lora_shrink(x2, A, B, pdl)
+        if fold_expand(base, x2):
+            return y(lora=(hp, B.contiguous(), float(scale)))
+        y = y()
+    else:
+        y = y()
+        hp = lora_shrink(x2, A, B, pdl)
+    return lora_expand_(hp, B, y.reshape(-1, y.shape[-1]), scale, pdl).view(y.shape)
+
+
+def _update(y, h, B, scale, base):
+    """y() + scale · h Bᵀ: folded into the base matmul's split-K reduce where fold_in_reduce says so
+    (no addmm launch), else the trunk's in-place addmm after it (ops.add_update)."""
+    if fold_in_reduce(base, h, B):
+        return y(lora=(h.reshape(-1, h.shape[-1]), B.contiguous(), float(scale)))
+    return ops.add_update(y(), h, B, scale)
+
+
+def lora_linear(x, base, A, B, scale):
+    """base(x) + scale · (x Aᵀ) Bᵀ for x (..., in), A (r, in), B (out, r) in x.dtype (the caller casts
+    and checks that dropout is off): the kernels up to lora_max_m rows, the folds where they apply,
+    else F.linear and the in-place addmm."""
+    y = functools.partial(_base, base, x)
+    x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
+    if _decode_kernels(x2):
+        return _delta_kernels(x2, A, B, y, scale, base)
+    return _update(y, F.linear(x, A), B, scale, base)                          # h: (..., r)
+
+
+def is_adapter(m) -> bool:
+    return hasattr(m, "lora_A") and hasattr(m, "base_layer")
+
+
+def group_applies(mods) -> bool:
+    """Can one update serve the adapters mods (enabled, one scaling, dropout off or in eval mode)?"""
+    first = mods[0]
+    return not torch.is_grad_enabled() and all(
+        is_adapter(m) and m.enabled and m.scaling == first.scaling
+        and (isinstance(m.lora_dropout, nn.Identity) or not m.training) for m in mods)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Is a CUDA graph being captured on t's device? Then the kept copies are read, not refreshed."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def group_casts(holder, mods, x):
+    """The group's A (Σr, in) and block-diagonal B (Σ out, Σr) in x's dtype, kept on holder (the
+    stack) between calls: refreshed in place by each eager call, read as they are during a capture."""
+    R, N, K = sum(m.r for m in mods), sum(m.out_features for m in mods), mods[0].in_features
+    casts = getattr(holder, "lora_casts", None)
+    if (casts is None or casts[0].dtype != x.dtype or casts[0].device != x.device
+            or tuple(casts[0].shape) != (R, K) or tuple(casts[1].shape) != (N, R)):
+        with torch.inference_mode(False):   # plain tensors, writable outside inference mode too
+            casts = holder.lora_casts = (torch.empty(R, K, dtype=x.dtype, device=x.device),
+                                         torch.zeros(N, R, dtype=x.dtype, device=x.device))
+    A, B = casts                                                               # (Σr, in), (Σout, Σr)
+    if not _capturing(x):
+        r0 = n0 = 0
+        for m in mods:
+            A[r0:r0 + m.r].copy_(m.lora_A)
+            B[n0:n0 + m.out_features, r0:r0 + m.r].copy_(m.lora_B)
+            r0, n0 = r0 + m.r, n0 + m.out_features
+    return A, B
+
+
+def group_update(holder, mods, x, y):
+    """y() + every adapter's update, for adapters mods (group_applies) that share the input x and
+    whose base outputs are the column blocks of what y (the stacked matmul, given lora= to fold)
+    returns: one shrink and one expand (or fold) for the group."""
+    A, B = group_casts(holder, mods, x)
+    first = mods[0]
+    x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
+    if _decode_kernels(x2):
+        return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer)
+    return _update(y, F.linear(x, A), B, first.scaling, first.base_layer)    # h: (..., Σr)

@@ -1,0 +1,146 @@
+"""Every route threshold and launch shape of the kernel wing, in one frozen dataclass.
+
+The kernels' speed depends on choices that are data, not code: at how many rows of x the GEMM
+switches kernels, how many programs a split launch makes, how many partitions the attention kernel
+merges itself. They live here, each with the rule it encodes and why, so that a reader finds them in
+one place and a benchmark varies them without touching a module:
+
+    import dataclasses
+    from kernels import tuning
+    with tuning.using(dataclasses.replace(tuning.current(), pdl=False)):
+        ...                                   # every launch in here runs without PDL
+
+Code reads `current()` at call time (never at import), so `using` takes effect at once and is undone
+on exit, even by an exception. bench/ab.py builds its variants this way (`field=value` on the
+command line), tests use it to reach both sides of a route.
+
+The defaults are what ships: the winners of same-run A/Bs on an H100 (bench/ab.py for the decode
+graph, bench/kernel_ab.py for one matmul; the current numbers are in kernels/README.md). Hardware
+facts (shared memory per SM) and kernel limits (the GEMV takes one row, the fragment kernel 16) are
+constants of the modules that depend on them, not fields here: changing them would break a kernel,
+not retune it.
+
+Test: tests/test_kernels_tuning.py (using restores on exceptions; a replaced field moves the route
+it names).
+"""
+import contextlib
+from dataclasses import dataclass, field, fields
+
+from .shapes import TileConfig
+
+
+@dataclass(frozen=True)
+class Tuning:
+    # ---- launch plumbing
+    pdl: bool = True                  # programmatic dependent launch on sm_90: a kernel's launch and prologue
+                                      # overlap the previous kernel's tail (bench/rollout.py's -nopdl turns it off)
+    fused: bool = True                # the rollout path takes the wing's kernels for norms, RoPE, attention,
+                                      # LoRA and sampling (bench/rollout.py's -unfused runs torch ops instead)
+    reduce_in_kernel: bool = True     # a split-K launch that can sum its own partials does (its last split):
+                                      # one launch less; tests turn it off to compare with the reduce kernel
+
+    # ---- y = x·Wᵀ: which kernel runs at M rows (gemm.route)
+    dequant_min_m: int = 512          # from this M: W dequantized once, then cuBLAS (compute-bound; the fused
+                                      # tiles reach under half of cuBLAS there)
+    dequant_narrow_min_m: int = 128   # ... from this M on narrow weights, whose fused launch has few tiles
+    narrow_weight: int = 20_000_000   # a narrow weight has at most this many elements (7B qkv, o)
+    wide_n: int = 16384               # a wide weight (gate_up) has at least this many rows
+    wgmma_min_m: int = 16             # the register-A kernel above this M (where it can run) ...
+    wgmma_small_min_m: int = 8        # ... above this M on big weights that are not wide (down, 32B qkv / o),
+                                      # and above the GEMV's row on wide ones: it beats the fragment kernel there
+    wgmma_max_m: int = 1024           # ... up to this M (dequantize + cuBLAS beyond)
+    wgmma_narrow_max_m: int = 128     # ... on narrow weights to this M; between it and wgmma_fill_m
+                                      # dequantize + cuBLAS wins
+    wgmma_fill_m: int = 512           # above this M only where its launch fills its waves ...
+    wave_fill: float = 0.6            # ... to this share (a part-empty last wave costs a whole one)
+    fragment_reduce_max_m: int = 4    # a split fragment launch sums its own partials to this M ...
+    pair_reduce_max_m: int = 8        # ... and to this M where a step loads two windows; else the reduce kernel
+
+    # ---- dx = dy·W: which kernel runs at M rows
+    dx_wgmma_min_m: int = 64          # the register-A kernel on Wᵀ above this M, on big weights ...
+    dx_wgmma_full_m: int = 256        # ... to this M; above it dequantize + cuBLAS on big weights, except ...
+    dx_wgmma_max_m: int = 512         # ... to this M on the widest weights (dx_wide) ...
+    dx_wave_fill: float = 0.8         # ... where its programs fill their waves to this share
+    dx_wide: int = 64_000_000         # the widest weights (gate_up, down) have more elements than this
+
+    # ---- launch shapes of the GEMM kernels (shapes.py)
+    gemv_wave: int = 5                # CUDA-core GEMV programs an SM holds (96 registers x 128 threads); with
+                                      # 1024-k steps its split fills one such wave, not ~8 programs an SM
+    pair_windows: int = 4             # fragment programs of at most this many 128-k windows (twice that at
+                                      # M <= 4) load two windows a step: short runs are chains of load latency
+    long_run_windows: int = 12        # at M = 5..8 a fragment program of at least this many windows ...
+    long_run_cut: int = 8             # ... is cut into runs of this many, two windows a step
+    wgmma_decode_wave: float = 0.75   # register-A split-K at <= 16 tokens fills this share of a wave: each
+                                      # split adds fp32 partials that the reduce kernel reads back
+    long_ring_windows: int = 32       # one-wave register-A programs of at least this many windows take a
+                                      # 4-stage ring where it costs no programs an SM
+    ws_min_bt: int = 64               # from this many tokens a program the register-A kernel is the
+                                      # warp-specialized one (below, its producer warp halves the programs an SM)
+    tail_bt: int = 64                 # tokens a program in the small tiles of a part-empty last wave ...
+    tail_min_windows: int = 32        # ... unless its rows split along K into pieces of at least this many windows
+    medium: TileConfig = field(default=TileConfig(bm=128, bn=128, bk=64, warps=8, stages=4, swap=False))
+                                      # 64 < M < dequantize: x·Wᵀ with W decoded once into shared memory
+
+    # ---- LoRA on the rollout path (lora.py)
+    lora_max_m: int = 16              # to this many rows the shrink / expand kernels (one MMA tile of rows)
+                                      # do the update; beyond, F.linear and an addmm (or the reduce kernel)
+    lora_tiles: tuple = (16, 128, 64)  # (rank rows, k) a shrink program, output columns an expand program
+
+    # ---- the decoder's small ops (fused_ops.py)
+    lm_head_max_rows: int = 2         # the lm_head GEMV to this many rows (at 3-4 the per-row accumulators
+                                      # cost more than they save; cuBLAS beyond)
+    lm_head_tiles: tuple = ((8, 512), (8, 256))  # its (weight rows, k a step) at 1 and 2 rows
+
+    # ---- paged decode attention (paged_decode.py)
+    partition_tokens: int = 32        # the context splits into partitions of this many positions per row of
+                                      # the batch (16..512, at least max_model_len / 64): batch 1 fills the GPU
+    merge_max_parts: int = 8          # up to this many partitions the attention kernel merges them itself (its
+                                      # last program per row and head); more: the merge kernel, one program a head
+    merge_chunk: int = 8              # partitions the in-kernel merge reads a pass
+    early_max_tile: int = 64          # the first K/V tile loads before the PDL wait up to this many positions
+                                      # (a bigger tile holds too many registers through q's loads)
+
+    # ---- sampling (sampler.py)
+    sample_chunk: int = 4096          # logits a program when greedy
+    sample_chunk_small: int = 1024    # ... when drawing at <= sample_small_rows rows (a Philox draw per logit
+    sample_chunk_large: int = 2048    # makes programs longer, so they take fewer) and beyond
+    sample_small_rows: int = 16
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if v < 0:
+                raise ValueError(f"Tuning.{f.name} must be >= 0, got {v!r}")
+            if f.name in ("wave_fill", "dx_wave_fill", "wgmma_decode_wave") and v > 1:
+                raise ValueError(f"Tuning.{f.name} is a share of a wave, in [0, 1], got {v!r}")
+        if self.lora_max_m > 16:
+            raise ValueError(f"Tuning.lora_max_m: the LoRA kernels hold one 16-row tile, got {self.lora_max_m}")
+        if self.lm_head_max_rows > len(self.lm_head_tiles) or self.lm_head_max_rows > 2:
+            raise ValueError(f"Tuning.lm_head_max_rows: the lm_head GEMV takes 1 or 2 rows, one tile each, "
+                             f"got {self.lm_head_max_rows} with {len(self.lm_head_tiles)} tiles")
+
+
+# ----------------------------------------------------------------------------------------------
+# the active Tuning
+
+_active = [Tuning()]          # one slot: the Tuning every call reads now
+
+
+def current() -> Tuning:
+    """The Tuning in effect (the defaults unless inside `using`)."""
+    return _active[0]
+
+
+@contextlib.contextmanager
+def using(t: Tuning):
+    """Make t current inside the block; the previous one comes back on exit, also on an exception."""
+    if not isinstance(t, Tuning):
+        raise TypeError(f"using() takes a kernels.tuning.Tuning, got {type(t).__name__}")
+    previous = _active[0]
+    _active[0] = t
+    try:
+        yield t
+    finally:
+        _active[0] = previous

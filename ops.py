@@ -1,0 +1,130 @@
+"""The seam: every place where the trunk may hand an op to a fast kernel.
+
+The trunk (model.py, lora.py, rollout.py, sampling.py) computes in plain PyTorch. A few of its ops
+run many thousands of times in a rollout, where a decode step is ~500 tiny launches and the torch
+ops would cost more GPU time than the 4-bit matmuls: an RMSNorm is ~7 kernels, a RoPE call 8, a LoRA
+update two GEMMs and an add. For those, the `kernels/` package (the speed wing) has Triton kernels
+that compute the same function. Each function below is the pure-torch reference of one such op,
+plus one line that uses the fast kernel where `kernels` says it can run. The trunk knows nothing of
+launch shapes, routes or fusions; the wing knows nothing of RL.
+
+When does the fast path run? `kernels.runs(x)`: Triton is present, x is on a CUDA device, and
+autograd is off, i.e. on the rollout's forwards (sampling, scoring). Training forwards, every CPU
+run and anything the kernels do not cover take the reference below, so autograd never meets a
+Triton kernel and a reader can check every formula here against model.py's docstring. The NVFP4
+matmul itself is the other hand-off (nvfp4.linear -> marlin_kernel.nvfp4_matmul -> kernels).
+
+The ops:
+
+    rms_norm(x, w, eps, residual)     x / sqrt(mean_c(x²) + ε) ⊙ w; with residual: (norm(x + r), x + r)
+    apply_rope / rope(q, k, cos, sin)  (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) on channel halves
+    embed_rope(ids, pos, E, inv_freq)  E[ids] and cos, sin of pos·inv_freq
+    project(parent, names, x)         [parent.<name>(x) for name in names]: q/k/v share x
+    gated_mlp_input(parent, x)        silu(gate_proj(x)) ⊙ up_proj(x)
+    lora_linear(x, base, A, B, s)     base(x) + s · (x Aᵀ) Bᵀ
+    logits(hidden, head)              head(hidden)
+
+The references keep the rounding the kernels reproduce: the norm and RoPE compute in fp32 and cast
+back to the activation dtype once; the residual sum is rounded to the activation dtype as torch's
+add rounds it. So a fused decode step and a torch one give the same logits to the last bit where
+the kernels promise it (tests/test_model.py and the kernel tests check).
+
+Test: tests/test_ops.py (each reference against an independent formula); the fast paths are
+checked against these references by tests/test_kernels_*.py.
+"""
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+
+# ----------------------------------------------------------------------------------------------
+# the decoder's small ops
+
+def rms_norm(x, weight, eps, residual=None):
+    """x (..., C), weight (C,) fp32 -> norm(x) in x.dtype; with residual: (norm(x + residual), x + residual).
+    The fast kernel may read residual before the kernel launched just before it has finished, so
+    residual must be the stream, never the output of the op just before (a decoder layer's is)."""
+    if kernels.runs(x):
+        return kernels.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual                                                  # rounded to x.dtype, as a layer's add
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = (h * weight).to(x.dtype)
+    return h if residual is None else (h, x)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, T, heads, D); cos/sin (B, T, 1, D/2) fp32. Rotates the pairs (i, i + D/2), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope(q, k, cos, sin):
+    """apply_rope on q (B, T, Hq, D) and k (B, T, Hkv, D): one launch, in place, where the layout allows."""
+    if kernels.runs(q) and kernels.rope_fits(q, k):
+        return kernels.rope(q, k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def embed_rope(ids, positions, embedding, inv_freq):
+    """ids, positions (B, T) -> the embeddings E[ids] (B, T, H) and the RoPE cos, sin (B, T, 1, D/2)
+    fp32 of the angles positions·inv_freq (five torch kernels, one fused launch)."""
+    if (kernels.runs(ids) and type(embedding) is torch.nn.Embedding and inv_freq.dtype == torch.float32
+            and positions.shape == ids.shape):
+        return kernels.embed_rope(ids, positions, embedding.weight, inv_freq)
+    angles = positions[..., None].float() * inv_freq                      # (B, T, D/2) fp32
+    return embedding(ids), angles.cos()[:, :, None], angles.sin()[:, :, None]   # (B, T, 1, D/2): over heads
+
+
+# ----------------------------------------------------------------------------------------------
+# projections that share an input: q/k/v, gate/up
+
+def project(parent, names, x):
+    """[parent.<name>(x) for name in names]. Fast path: one matmul over the group's weights stacked
+    back to back (kernels.prepare builds the stacks after loading), then the adapters' updates."""
+    if kernels.runs(x):
+        return kernels.project(parent, names, x)
+    return [getattr(parent, n)(x) for n in names]
+
+
+def gated_mlp_input(parent, x):
+    """silu(gate_proj(x)) ⊙ up_proj(x), the input of down_proj. Fast path: the stacked gate/up matmul,
+    at one decode row with SiLU·mul in the matmul's own epilogue."""
+    if kernels.runs(x):
+        return kernels.project(parent, ("gate_proj", "up_proj"), x, silu_mul=True)
+    gate, up = parent.gate_proj(x), parent.up_proj(x)     # both before the SiLU: the backward sums dx
+    return F.silu(gate) * up                               # in this graph's order, the same bits each run
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA and the lm_head
+
+def add_update(y, h, B, scale):
+    """y + scale · h Bᵀ (y (..., out), h (..., r), B (out, r)) as one addmm. Without autograd, on a y
+    whose rows are one view, in place: y is a fresh output, and an out-of-place addmm would first copy
+    it (at a GRPO batch 7B's gate/up output is ~10 MB a decode step)."""
+    h2 = h.reshape(-1, h.shape[-1])
+    if not torch.is_grad_enabled() and (y.dim() == 2 or y.is_contiguous()):
+        y.view(-1, y.shape[-1]).addmm_(h2, B.t(), alpha=scale)
+        return y
+    return torch.addmm(y.reshape(-1, y.shape[-1]), h2, B.t(), alpha=scale).view(y.shape)
+
+
+def lora_linear(x, base, A, B, scale):
+    """base(x) + scale · (x Aᵀ) Bᵀ; A (r, in), B (out, r) in x's dtype. Fast path: at decode (<= 16
+    rows) two small Triton kernels, the second folded into the NVFP4 matmul where it can add the
+    update as it stores y; beyond, the update folded into the matmul's split-K sum where it has one."""
+    if kernels.runs(x):
+        return kernels.lora_linear(x, base, A, B, scale)
+    h = F.linear(x, A)                                     # (..., r); before base(x), which fixes the
+    return add_update(base(x), h, B, scale)                # order the backward sums x's gradients in
+
+
+def logits(hidden, head):
+    """head(hidden): (rows, H) -> (rows, V). Fast path: a GEMV for the one or two rows of a small
+    decode batch, which streams the bf16 vocabulary matrix faster than cuBLAS does at M <= 2."""
+    if kernels.runs(hidden) and kernels.lm_head_fits(hidden, head):
+        return kernels.lm_head(hidden, head)
+    return head(hidden)

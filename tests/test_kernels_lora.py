@@ -1,0 +1,224 @@
+"""Tests for kernels/lora.py: the LoRA update of the rollout path, y = base(x) + s·(x Aᵀ) Bᵀ. The shrink
++ expand kernels against float64 (in place, on row-strided outputs, with bad shapes); where each
+piece runs (early shrink, folds); the in-place addmm; on the GPU lora_linear and the group update
+against the torch path (F.linear and an addmm), folded into the NVFP4 GEMV and the split-K reduce
+or not. The adapters are the trunk's lora.LoRALinear (the wing reads them by duck typing)."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import gemm, tuning
+from kernels import lora as kl
+from kernels.lora import lora_delta_, pdl_for
+
+
+def check_close(a, b, tol, what):
+    err = (a.float() - b.float()).abs()
+    assert err.max().item() <= tol, f"{what}: max err {err.max().item():.3e} mean {err.mean().item():.3e} > {tol}"
+
+
+def _inputs(M, K, R, N, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, A, B = torch.randn(M, K, generator=g), torch.randn(R, K, generator=g) / K ** 0.5, torch.randn(N, R, generator=g)
+    y = torch.randn(M, N, generator=g)
+    return (t.to(device, dtype) for t in (x, A, B, y))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M, K, R, N", [(1, 200, 8, 70), (5, 3000, 40, 129), (16, 1024, 96, 64), (3, 9000, 32, 40)])
+def test_lora_delta_matches_float64(M, K, R, N):
+    """fp32: K not a multiple of the 128-wide step, 1..8 K-chunks, R and N not multiples of the tiles;
+    y is a column slice of a wider output (the stacked q/k/v case): its columns change in place, the
+    neighbours' do not."""
+    x, A, B, y = _inputs(M, K, R, N, torch.float32)
+    wide = torch.randn(M, N + 7)
+    wide[:, 3:3 + N] = y
+    before = wide.clone()
+    want = y.double() + 0.5 * (x.double() @ A.double().t()) @ B.double().t()
+    out = lora_delta_(x, A, B, wide[:, 3:3 + N], 0.5)
+    assert out.data_ptr() == wide[:, 3:].data_ptr()
+    torch.testing.assert_close(wide[:, 3:3 + N].double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + N:], before[:, 3 + N:])
+
+
+@pytest.mark.interpreter
+def test_lora_delta_reads_row_strided_x_and_rejects_mixed_dtypes():
+    """x a column slice of a wider activation (rows stride_xm != K apart), against float64; mixed
+    dtypes get a clear error."""
+    x, A, B, y = _inputs(3, 300, 8, 50, torch.float32, seed=2)
+    wide = torch.cat([torch.randn(3, 5), x, torch.randn(3, 9)], 1)
+    want = y.double() + 1.5 * (x.double() @ A.double().t()) @ B.double().t()
+    torch.testing.assert_close(lora_delta_(wide[:, 5:305], A, B, y, 1.5).double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one dtype"):
+        lora_delta_(x, A, B, y.bfloat16(), 1.0)
+
+
+@pytest.mark.interpreter
+def test_lora_delta_bf16_rounds_h_like_the_torch_path():
+    """bf16: h rounded to bf16 before the expand, as F.linear's h is; then y + s·h Bᵀ rounded once."""
+    x, A, B, y = _inputs(4, 2048, 32, 96, torch.bfloat16, seed=1)
+    h = (x.float() @ A.float().t()).bfloat16()
+    want = (y.float() + 2.0 * (h.float() @ B.float().t())).bfloat16()
+    got = lora_delta_(x, A, B, y.clone(), 2.0)
+    assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
+
+
+@pytest.mark.interpreter
+def test_lora_delta_rejects_what_it_cannot_do():
+    x, A, B, y = _inputs(tuning.current().lora_max_m + 1, 64, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="M <= 16"):
+        lora_delta_(x, A, B, y, 1.0)
+    x, A, B, y = _inputs(2, 64, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        lora_delta_(x, A[:, :32], B, y, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_delta_(x, A, B, torch.zeros(16, 2).t(), 1.0)
+
+
+def test_pdl_for_skips_pdl_only_beside_the_nvfp4_kernels():
+    import nvfp4
+    q = nvfp4.NVFP4Linear(64, 32)
+    dense = torch.nn.Linear(64, 32)
+    assert not pdl_for(q) and pdl_for(dense)
+
+
+def test_early_shrink_only_beside_the_gemv_and_the_tiles():
+    """The shrink goes before the base matmul on an NVFP4 base at the rows where the GEMV (1) or
+    the swapped tiles (K not a multiple of 128) compute it, never beside the fragment kernel (2..16
+    where K is) or on a dense base; the base kernel then folds the expand in for bf16 rows."""
+    import nvfp4
+    q, dense = nvfp4.NVFP4Linear(128, 32), torch.nn.Linear(64, 32)
+    rows = range(1, tuning.current().lora_max_m + 1)
+    assert [m for m in rows if kl.early_shrink(q, m)] == [1]
+    assert all(kl.early_shrink(nvfp4.NVFP4Linear(64, 32), m) for m in rows)
+    assert not any(kl.early_shrink(dense, m) for m in rows)
+    assert kl.fold_expand(q, torch.zeros(1, 128, dtype=torch.bfloat16))
+    assert not kl.fold_expand(q, torch.zeros(2, 128, dtype=torch.bfloat16))
+    assert not kl.fold_expand(q, torch.zeros(1, 128))                      # fp32 activations
+
+
+def test_lora_linear_off_the_kernels_is_base_plus_the_addmm():
+    """Where the kernels do not run (the CPU here), lora_linear is base(x) + s·F.linear(x, A)Bᵀ: the
+    torch path, against float64, on a 3-D x."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.nn.Linear(32, 24)
+    x, A, B = torch.randn(2, 3, 32, generator=g), torch.randn(4, 32, generator=g), torch.randn(24, 4, generator=g)
+    with torch.no_grad():
+        got = kernels.lora_linear(x, base, A, B, 0.5)
+        want = base(x).double() + 0.5 * (x.double() @ A.double().t()) @ B.double().t()
+    check_close(got, want, 1e-5, "lora_linear on the CPU")
+
+
+def _adapters(bases, r=16, alpha=32):
+    import lora
+    mods = [lora.LoRALinear(b, r=r, alpha=alpha) for b in bases]
+    for m in mods:
+        torch.nn.init.normal_(m.lora_B, std=0.02)
+        m.eval()
+    return mods
+
+
+def _group_ab(mods, dtype):
+    """The group's stacked A and block-diagonal B, built here independently of group_casts."""
+    A = torch.cat([m.lora_A.detach() for m in mods]).to(dtype)
+    B = torch.block_diag(*[m.lora_B.detach() for m in mods]).to(dtype)
+    return A, B
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
+    """bf16 on CUDA: a single adapter (lora_linear) and a q/k/v-like group (group_update, one stacked
+    A and a block-diagonal B) give the torch path's output within bf16 rounding, and use the kernels."""
+    torch.manual_seed(0)
+    mods = _adapters([torch.nn.Linear(512, n, bias=False).cuda().bfloat16() for n in (512, 128, 128)])
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(rows, 768, device="cuda", dtype=torch.bfloat16)
+    A0, B0 = (t.detach().bfloat16() for t in (mods[0].lora_A, mods[0].lora_B))
+    holder = type("Holder", (), {"lora_casts": None})()
+    calls = []
+    real = kl.lora_expand_
+    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(a[-1]) or real(*a))
+    with torch.no_grad():
+        got_fwd = kernels.lora_linear(x, mods[0].base_layer, A0, B0, mods[0].scaling)   # base, then shrink, expand
+        got_group = kl.group_update(holder, mods, x, lambda: y.clone())
+        monkeypatch.setattr(kl, "_decode_kernels", lambda x2: False)
+        want_fwd = kernels.lora_linear(x, mods[0].base_layer, A0, B0, mods[0].scaling)
+        want_group = kl.group_update(holder, mods, x, lambda: y.clone())
+        A, B = _group_ab(mods, torch.bfloat16)
+        exact = y.double() + mods[0].scaling * (x.double() @ A.double().t()) @ B.double().t()
+    assert calls == [True, True]                         # bf16 bases: with PDL (pdl_for)
+    for got, want in ((got_fwd, want_fwd), (got_group, want_group)):
+        assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
+    assert (got_group.double() - exact).abs().max() <= 2 * exact.abs().max() * 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, monkeypatch):
+    """On an NVFP4 base the GEMV's row (1) gets the update from the base kernel itself (fold_expand:
+    no expand launch), the fragment kernel's rows (2..16 here, K = 512) from the expand kernel; a
+    single adapter (lora_linear) and a q/k/v-like group over a StackedLinear give the torch path
+    within bf16 rounding on every route."""
+    import nvfp4
+    from kernels.stacked import StackedLinear
+    torch.manual_seed(0)
+    g = torch.tensor([448.0 * 6 / 0.2], device="cuda")                 # one global scale for the group
+    bases = [nvfp4.NVFP4Linear.from_weight(torch.randn(n, 512, device="cuda", dtype=torch.bfloat16) * 0.05,
+                                           torch.randn(n, device="cuda", dtype=torch.bfloat16), global_scale=g)
+             for n in (512, 128, 128)]
+    mods = _adapters(bases)
+    stack = StackedLinear(bases)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    A0, B0 = (t.detach().bfloat16() for t in (mods[0].lora_A, mods[0].lora_B))
+    calls = []
+    real = kl.lora_expand_
+    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(a[-1]) or real(*a))
+    with torch.no_grad():
+        got_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
+        got_group = kl.group_update(stack, mods, x, lambda **kw: stack(x, **kw))
+        monkeypatch.setattr(kl, "_decode_kernels", lambda x2: False)
+        want_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
+        want_group = kl.group_update(stack, mods, x, lambda **kw: stack(x, **kw))
+    assert len(calls) == (0 if rows == 1 else 2)
+    for got, want in ((got_fwd, want_fwd), (got_group, want_group)):
+        assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [64, 128])
+def test_gpu_grpo_rows_fold_the_update_into_the_split_k_reduce(M, monkeypatch):
+    """At the GRPO batch the register-A route (7B o_proj's shape) splits K, and its reduce kernel adds
+    s·h·Bᵀ (fold_in_reduce): no addmm after the matmul, and it ran (a spy on gemm._reduce). Against
+    float64 on the same base output and h: within one bf16 step everywhere (the update is added in
+    fp32 and rounded once; the addmm path it replaces misses by more than a step on some outputs)."""
+    from nvfp4 import NVFP4Linear
+    torch.manual_seed(0)
+    base = NVFP4Linear.from_weight(torch.randn(3584, 3584, device="cuda") * 0.02).interleave_()
+    m = _adapters([base], r=32, alpha=64)[0]
+    x = torch.randn(M, 3584, device="cuda", dtype=torch.bfloat16)
+    if not gemm.reduce_folds_lora(M, 3584, 3584, x.device, True):
+        pytest.skip("the register-A route does not run here (sm_90 with triton 3.6)")
+    seen, real = [], gemm._reduce
+    monkeypatch.setattr(gemm, "_reduce", lambda *a: seen.append(len(a) > 4 and a[4] is not None) or real(*a))
+    A, B = (t.detach().bfloat16() for t in (m.lora_A, m.lora_B))
+    with torch.inference_mode():
+        got = kernels.lora_linear(x, base, A, B, m.scaling)
+        want = base(x).double() + m.scaling * F.linear(x, A).double() @ B.double().t()
+    assert seen == [True, False]
+    err = (got.double() - want).abs()
+    step = 2.0 ** -7 * torch.maximum(got.double().abs(), want.abs())      # one bf16 step of the larger
+    assert (err <= step + 1e-6).all(), f"M={M}: {(err > step + 1e-6).sum().item()} elements off"
+    assert (got.double() - base(x).double()).abs().max() > 0.1, "the update is not zero"
+
+
+def test_tuning_moves_the_kernels_row_limit():
+    """lora_max_m is where the kernels stop taking rows: a smaller one makes lora_delta_ refuse a
+    batch it took."""
+    x, A, B, y = _inputs(8, 64, 8, 16, torch.float32)
+    with tuning.using(dataclasses.replace(tuning.current(), lora_max_m=4)):
+        with pytest.raises(ValueError, match="M <= 4"):
+            lora_delta_(x, A, B, y, 1.0)

@@ -1,0 +1,258 @@
+"""Tests for kernels/small_m.py: the CUDA-core GEMV (one row) and the mma.sync fragment kernel
+(M <= 16, K a multiple of 128), run through gemm's _gemv / _mma with a given GemvConfig / MmaConfig,
+against the float64 reference marlin_kernel.reference_matmul (plain torch), on buffers poisoned
+with NaN (conftest's `poisoned`).
+
+On the CPU the interpreter runs tiny shapes, the fragment kernel's PTX replaced by its plain-fp32
+emulation (so the index maps are checked); the `gpu` test runs the PTX on the real Qwen2.5 projection
+shapes. Split-K summed inside the kernel (fp4_decode._last_split / _sum_splits) must give the bits
+of the separate reduce kernel. Exact decoding of every code: test_kernels_fp4_decode.py; the routing
+to these kernels: test_kernels_gemm.py; their launch arithmetic: test_kernels_shapes.py.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import fused_ops, gemm, launch, tuning
+from kernels.shapes import GemvConfig, MmaConfig, TileConfig
+from marlin_kernel import reference_matmul
+from nvfp4_cases import DEV, LaunchSpy, assert_close, check_forward, random_weight
+
+
+def _replaced(**kw):
+    return tuning.using(dataclasses.replace(tuning.current(), **kw))
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: small shapes
+
+@pytest.mark.parametrize("path,M,N,K,cfg", [
+    ("tile", 5, 144, 512, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3)),
+    ("tile", 16, 200, 1024, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=8)),
+    ("tile", 33, 64, 256, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=2)),
+    ("gemv", 1, 48, 1056, GemvConfig(bn=16, bk=64, split=3)),
+    ("gemv", 1, 64, 512, GemvConfig(bn=32, bk=64, split=4)),
+    ("fragment", 3, 80, 512, MmaConfig(warps=1, split=2)),
+    ("fragment", 4, 64, 384, MmaConfig(warps=2, tiles=2, split=3)),
+    ("fragment", 7, 48, 640, MmaConfig(warps=2, split=2, windows=2))])    # M <= 8: two windows a step
+def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, monkeypatch, poisoned):
+    """Split-K summed by each tile's last split (atomic counts) gives the bits of the separate reduce
+    kernel (same order of the partials), on the CUDA-core, fragment (M <= 4, or <= 8 at two windows
+    a step) and swapped tile kernels, for several tiles and splits, and leaves the counts at zero."""
+    run = {"gemv": gemm._gemv, "fragment": gemm._mma, "tile": gemm._matmul}[path]
+    name = {"gemv": "_nvfp4_gemv_kernel", "fragment": "_nvfp4_mma_kernel", "tile": "_nvfp4_mm_kernel"}[path]
+    launched = []
+    monkeypatch.setattr(gemm, name, LaunchSpy(getattr(gemm, name), launched))
+    monkeypatch.setattr(launch, "_SPLIT_COUNTS", {})
+    gen = torch.Generator().manual_seed(M + N + K)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV)
+    got = run(x, packed, scale, gs, bias, cfg)
+    assert [(kw["REDUCE"], kw["NSPLIT"] > 1) for _, kw in launched] == [(True, True)]
+    assert len(launch._SPLIT_COUNTS) == 1 and not next(iter(launch._SPLIT_COUNTS.values())).any()
+    with _replaced(reduce_in_kernel=False):
+        assert torch.equal(got, run(x, packed, scale, gs, bias, cfg))
+    assert_close(got, reference_matmul(x, packed, scale, gs, bias), f"in-kernel reduce {path} M={M} {cfg}")
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 16, 16), (1, 16, 32), (1, 48, 80), (1, 32, 272), (1, 64, 1056)])
+@pytest.mark.parametrize("cfg", [GemvConfig(), GemvConfig(bn=16, bk=64, split=3), GemvConfig(bn=32, bk=32)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
+    """The CUDA-core kernel (one row): minimum N and K, a K tail, split-K and single pass."""
+    check_forward(lambda *a: gemm._gemv(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + cfg.bk + has_bias,
+                  f"gemv M={M} N={N} K={K} {cfg}")
+
+
+@pytest.mark.parametrize("M,N,K,R,cfg", [
+    (1, 48, 1056, 24, GemvConfig(bn=16, bk=64, split=3)),    # the last split adds the update
+    (1, 64, 512, 16, GemvConfig(bn=32, bk=64, split=1)),     # one pass: every program adds it
+    (1, 32, 272, 40, GemvConfig()),
+    (9, 144, 512, 24, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3)),   # swapped tiles
+    (16, 64, 256, 96, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=1))])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_kernels_fold_the_lora_update(M, N, K, R, cfg, has_bias, poisoned):
+    """matmul's lora = (hp, B, s): the GEMV and the swapped tiles (folds_lora's routes) add
+    s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish. Against float64 (the base, plus the update
+    with h rounded to bf16 as the expand kernel rounds it), and element by element against the
+    kernel's own base output plus the float64 update: one bf16 rounding of the sum (what
+    lora.lora_expand_ does to a stored y), at most half a unit in the last place."""
+    gen = torch.Generator().manual_seed(M + N + K + R + has_bias)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
+    hp = torch.randn(3, M, R, generator=gen).to(DEV)                     # three K-chunk partials
+    B = (torch.randn(N, R, generator=gen) * 0.2).bfloat16().to(DEV)
+    run = gemm._gemv if isinstance(cfg, GemvConfig) else gemm._matmul
+    got = run(x, packed, scale, gs, bias, cfg, (hp, B, 0.75))
+    h = (hp[0] + hp[1] + hp[2]).bfloat16().double()
+    want = reference_matmul(x, packed, scale, gs, bias) + 0.75 * h @ B.double().t()
+    assert_close(got, want, f"gemv + lora M={M} N={N} K={K} R={R} {cfg}")
+    exact = run(x, packed, scale, gs, bias, cfg).double() + 0.75 * h @ B.double().t()
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+
+
+def test_lora_update_only_where_it_folds():
+    """matmul takes a LoRA update only where folds_lora holds (the GEMV's and the swapped tiles'
+    rows, partials summed in-kernel) and only well-formed: a clear error otherwise, never a silent
+    unfolded result."""
+    gen = torch.Generator().manual_seed(3)
+    packed, scale, gs = random_weight(32, 64, gen)
+    hp, B = torch.zeros(1, 1, 8, device=DEV), torch.zeros(32, 8, dtype=torch.bfloat16, device=DEV)
+    x1 = torch.randn(1, 64, generator=gen).bfloat16().to(DEV)
+    assert [m for m in range(1, 17) if gemm.folds_lora(m, 128)] == [1]      # 2..16: the fragment kernel
+    assert all(gemm.folds_lora(m, 64) for m in range(1, 17)) and not gemm.folds_lora(17, 64)
+    with pytest.raises(ValueError, match="folds_lora"):
+        p128, s128, g128 = random_weight(32, 128, gen)
+        x3 = torch.randn(3, 128).bfloat16().to(DEV)
+        gemm.matmul(x3, p128, s128, g128, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
+    with pytest.raises(ValueError, match="fp32"):
+        gemm.matmul(x1, packed, scale, gs, lora=(hp.bfloat16(), B, 1.0))
+    with pytest.raises(ValueError, match="B must be"):
+        gemm.matmul(x1, packed, scale, gs, lora=(hp, B[:16], 1.0))
+    with pytest.raises(ValueError, match="reduce_folds_lora"):     # the h form: the register-A route only
+        gemm.matmul(x1, packed, scale, gs, lora=(hp[0].bfloat16(), B, 1.0))
+    with _replaced(reduce_in_kernel=False):
+        assert not gemm.folds_lora(1, 64)
+        with pytest.raises(ValueError, match="reduce_in_kernel|folds_lora"):
+            gemm._gemv(x1, packed, scale, gs, None, GemvConfig(bn=16, bk=32, split=2), (hp, B, 1.0))
+
+
+@pytest.mark.parametrize("N,K,cfg,il", [
+    (64, 1056, GemvConfig(), False),                     # one program, a K tail
+    (96, 512, GemvConfig(bn=16, bk=64), False),          # 6 programs of 8 gate + 8 up rows
+    (160, 384, GemvConfig(bn=64, bk=128), True)])        # interleaved, I = 80: a part tile
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_gemv_stores_silu_mul(N, K, cfg, il, with_lora, poisoned):
+    """matmul's silu_mul at M = 1: W stacks gate and up (N = 2I), each GEMV program takes gate rows
+    j and up rows I + j and stores silu(gate)·up (1, I). The bits of the plain GEMV followed by
+    fused_ops.silu_mul on its two halves (with a LoRA update folded in first, as the plain GEMV folds
+    it), and float64 silu(g)·u within bf16 tolerance."""
+    import nvfp4
+    gen = torch.Generator().manual_seed(N + K + with_lora)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(1, K, generator=gen).bfloat16().to(DEV)
+    hp, B = torch.randn(2, 1, 8, generator=gen).to(DEV), (torch.randn(N, 8, generator=gen) * 0.2).bfloat16().to(DEV)
+    lora = (hp, B, 0.5) if with_lora else None
+    w = nvfp4.interleave(packed, scale) if il else (packed, scale)
+    got = gemm._gemv(x, *w, gs, None, cfg, lora, il, silu_mul=True)
+    y = gemm._gemv(x, *w, gs, None, cfg, lora, il)                                        # (1, N)
+    I = N // 2
+    assert got.shape == (1, I) and torch.equal(got, fused_ops.silu_mul(y[:, :I], y[:, I:]))
+    ref = reference_matmul(x, packed, scale, gs, None)
+    if with_lora:
+        ref = ref + 0.5 * (hp[0] + hp[1]).bfloat16().double() @ B.double().t()
+    assert_close(got, torch.nn.functional.silu(ref[:, :I]) * ref[:, I:], f"silu_mul N={N} K={K} {cfg}")
+
+
+def test_silu_mul_only_where_it_folds():
+    """silu_mul runs on the GEMV's row only (folds_silu) and on N = 2I with I a multiple of 16: a
+    clear error otherwise, never a silent unfused result."""
+    gen = torch.Generator().manual_seed(5)
+    assert [m for m in range(1, 17) if gemm.folds_silu(m)] == [1]
+    packed, scale, gs = random_weight(64, 128, gen)
+    with pytest.raises(ValueError, match="silu_mul"):
+        gemm.matmul(torch.randn(2, 128).bfloat16().to(DEV), packed, scale, gs, silu_mul=True)
+    packed, scale, gs = random_weight(48, 128, gen)
+    with pytest.raises(ValueError, match="silu_mul"):
+        gemm.matmul(torch.randn(1, 128).bfloat16().to(DEV), packed, scale, gs, silu_mul=True)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 48, 256), (8, 64, 384), (9, 80, 128), (16, 32, 256), (6, 16, 640)])
+@pytest.mark.parametrize("cfg", [MmaConfig(), MmaConfig(warps=2, tiles=2, split=2),
+                                 MmaConfig(warps=1, tiles=4, split=1), MmaConfig(warps=2, split=3, windows=2),
+                                 MmaConfig(warps=1, split=1, windows=4)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_fragment_kernel_matches_float64(M, N, K, cfg, has_bias, poisoned):
+    """The fragment kernel (mma.sync on registers decoded in place; M <= 16, K a multiple of 128):
+    one and two token tiles, odd M, N not a multiple of the program's rows (wrapped rows must not
+    be stored), several windows, a single pass and split-K, one, two or four windows a step (a
+    split's last step part past its windows: loads masked to zero). On the CPU the PTX is replaced
+    by its plain-fp32 emulation, so this checks the index maps; the GPU run checks the PTX itself."""
+    check_forward(lambda *a: gemm._mma(*a, cfg), M, N, K, has_bias, M * 1000 + N + K + cfg.tiles + has_bias,
+                  f"mma M={M} N={N} K={K} {cfg}")
+
+
+def test_gemv_one_wave_split_is_right(monkeypatch, poisoned):
+    """A GEMV launch through the one-wave split (1024-k steps on a pretend 1-SM device: 5 program
+    slots over 2 tiles, 2 splits of 3 steps), summed in-kernel, against float64."""
+    monkeypatch.setattr(launch, "num_sms", lambda device: 1)
+    launched = []
+    monkeypatch.setattr(gemm, "_nvfp4_gemv_kernel", LaunchSpy(gemm._nvfp4_gemv_kernel, launched))
+    gen = torch.Generator().manual_seed(1)
+    packed, scale, gs = random_weight(64, 6144, gen)
+    x = torch.randn(1, 6144, generator=gen).bfloat16().to(DEV)
+    got = gemm._gemv(x, packed, scale, gs, None, GemvConfig(bn=32, bk=1024))
+    assert [(kw["NSPLIT"], kw["REDUCE"]) for _, kw in launched] == [(2, True)]
+    assert_close(got, reference_matmul(x, packed, scale, gs, None), "gemv M=1 one-wave split")
+
+
+@pytest.mark.parametrize("M", [6, 8])
+def test_fragment_kernel_cuts_long_runs_at_one_token_tile(M, monkeypatch, poisoned):
+    """At M = 5..8 a program the split rule leaves >= long_run_windows windows long is cut to runs
+    of long_run_cut at two windows a step, its partials summed in-kernel; y is right (on 4 CPU
+    'SMs' 16 tiles of 16 rows need no split: 13 windows a program, cut to 2 splits of 8, the second
+    split's last 3 windows past K, masked)."""
+    monkeypatch.setattr(launch, "num_sms", lambda device: 4)
+    launched = []
+    monkeypatch.setattr(gemm, "_nvfp4_mma_kernel", LaunchSpy(gemm._nvfp4_mma_kernel, launched))
+    gen = torch.Generator().manual_seed(M)
+    packed, scale, gs = random_weight(256, 13 * 128, gen)
+    x = torch.randn(M, 13 * 128, generator=gen).bfloat16().to(DEV)
+    got = gemm._mma(x, packed, scale, gs, None, MmaConfig(warps=1))
+    assert [(kw["U"], kw["REDUCE"], kw["NSPLIT"]) for _, kw in launched] == [(2, True, 2)]
+    assert_close(got, reference_matmul(x, packed, scale, gs, None), f"mma M={M} long run cut")
+
+
+def test_fragment_kernel_sums_in_kernel_or_leaves_it_to_the_reduce_kernel(monkeypatch):
+    """Which fragment launches sum their own partials: the one of M = 3 (split 2), not the M = 12
+    one the reduce kernel follows (split 2), and the unsplit M = 12 one writes y itself; y is
+    right on each."""
+    launched = []
+    monkeypatch.setattr(gemm, "_nvfp4_mma_kernel", LaunchSpy(gemm._nvfp4_mma_kernel, launched))
+    gen = torch.Generator().manual_seed(0)
+    packed, scale, gs = random_weight(48, 640, gen)
+    with _replaced(fragment_reduce_max_m=4, pair_reduce_max_m=8):
+        for M, split in ((3, 2), (12, 2), (12, 1)):
+            x = torch.randn(M, 640, generator=gen).bfloat16().to(DEV)
+            assert_close(gemm._mma(x, packed, scale, gs, None, MmaConfig(warps=2, split=split)),
+                         reference_matmul(x, packed, scale, gs, None), f"mma M={M} split {split}")
+    assert [(kw["REDUCE"], kw["PARTIAL"]) for _, kw in launched] == [(True, True), (False, True), (False, False)]
+
+
+@pytest.mark.parametrize("M,cfg,reduce", [(12, MmaConfig(warps=2, split=2, windows=2), True),
+                                          (9, MmaConfig(warps=2, split=3), True),
+                                          (16, MmaConfig(warps=2, split=3, windows=2), False)])
+def test_fragment_kernel_sums_two_token_tiles_in_kernel(M, cfg, reduce, monkeypatch, poisoned):
+    """At M > 8 (two token tiles) the kernel's last split sums both tiles' partials when the
+    thresholds ask for it (fragment_reduce_max_m at any step, pair_reduce_max_m at two windows a
+    step), else the reduce kernel does: the launch says which, and y is right either way (the
+    poisoned output catches a token tile left unsummed)."""
+    launched = []
+    monkeypatch.setattr(gemm, "_nvfp4_mma_kernel", LaunchSpy(gemm._nvfp4_mma_kernel, launched))
+    gen = torch.Generator().manual_seed(M)
+    packed, scale, gs = random_weight(48, 640, gen)
+    x = torch.randn(M, 640, generator=gen).bfloat16().to(DEV)
+    with _replaced(fragment_reduce_max_m=4 if M == 16 else 16, pair_reduce_max_m=8 if M == 16 else 16):
+        got = gemm._mma(x, packed, scale, gs, None, cfg)
+    assert [(kw["REDUCE"], kw["NT"]) for _, kw in launched] == [(reduce, 2)]
+    assert_close(got, reference_matmul(x, packed, scale, gs, None), f"mma M={M} {cfg}")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real shapes (Qwen2.5-7B / 32B projections)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4608, 3584), (3584, 18944), (55296, 5120)])
+@pytest.mark.parametrize("M", [1, 4, 5, 8, 13, 16])          # M <= 4 (<= 8 at U > 1): the in-kernel sum
+@pytest.mark.parametrize("cfg", [MmaConfig(4, 1), MmaConfig(4, 2), MmaConfig(8, 2, split=1),
+                                 MmaConfig(8, 1, split=5, windows=2), MmaConfig(4, 1, split=9, windows=4)])
+def test_fragment_kernel_real_shapes_gpu(N, K, M, cfg, poisoned):
+    gen = torch.Generator().manual_seed(N + K + M)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().cuda()
+    bias = torch.randn(N, generator=gen).bfloat16().cuda()
+    assert_close(gemm._mma(x, packed, scale, gs, bias, cfg), reference_matmul(x, packed, scale, gs, bias),
+                 f"mma {N}x{K} M={M} {cfg}")
