@@ -4,7 +4,7 @@
 
 Each question is formatted with the tokenizer's chat template and the system prompt of tasks.py
 (final answer in \\boxed{}), sampled by the same paged engine that training uses (rollout.py),
-and scored by the training reward (tasks.reward: numeric equality for GSM8K-style answers,
+and scored by the training reward (rewards.reward: numeric equality for GSM8K-style answers,
 math-verify for MATH). Accuracy is the mean over questions and samples. For GSM8K it also reports
 lm-evaluation-harness' two matchers (strict: the `#### N` line; flexible: the last number) so
 the numbers can be set beside published ones; both read the same completions.
@@ -20,6 +20,7 @@ import time
 import torch
 
 import lora
+import rewards
 import rollout
 import tasks
 from checkpoint import load_model, load_tokenizer
@@ -30,18 +31,18 @@ from checkpoint import load_model, load_tokenizer
 def evaluate(engine, tokenizer, examples, params, batch_size: int = 256,
              system_prompt: str = tasks.SYSTEM_PROMPT) -> tuple[dict, list]:
     """Generate for every example and score. Returns (metrics, one record per example)."""
-    stats = tasks.RewardStats()
+    stats = rewards.RewardStats()
     records, correct, strict, flexible, t0 = [], [], [], [], time.perf_counter()
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
         ids = [tasks.encode_prompt(tokenizer, e.question, system_prompt) for e in chunk]
         for e, comps in zip(chunk, engine.generate(ids, params)):
             texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
-            scores = [tasks.reward(e, t, stats) for t in texts]
+            scores = [rewards.reward(e, t, stats) for t in texts]
             correct += scores
             if e.kind == "numeric":
-                strict += [tasks.gsm8k_strict_match(t, e.answer) for t in texts]
-                flexible += [tasks.gsm8k_flexible_match(t, e.answer) for t in texts]
+                strict += [rewards.gsm8k_strict_match(t, e.answer) for t in texts]
+                flexible += [rewards.gsm8k_flexible_match(t, e.answer) for t in texts]
             records.append({"question": e.question, "answer": e.answer, "completions": texts, "scores": scores,
                             "finish_reasons": [c.finish_reason for c in comps]})
     engine.free_cache()

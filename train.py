@@ -7,7 +7,7 @@ One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
     σ_step  = aqn.sigma_at(step)                     noise level of this step's stage
     z       ~ N(0, σ_step²) per norm channel         drawn once, used by rollout and training
     rollout : P prompts × G samples from the model itself (rollout.py; NVFP4 base + live LoRA + z)
-    reward  : tasks.reward on each completion (+ DAPO overlong shaping); DAPO dynamic sampling
+    reward  : rewards.reward on each completion (+ DAPO overlong shaping); DAPO dynamic sampling
               drops groups whose G rewards are all equal and samples more prompts
     A       = grpo.advantages(r)                     one advantage per completion
     train   : log π_θ(completion) through the same model in micro-batches (gradient checkpointing,
@@ -52,6 +52,7 @@ from tqdm import tqdm
 import aqn
 import grpo
 import lora
+import rewards
 import rollout
 import tasks
 from checkpoint import build_model, load_model, load_tokenizer, random_init_config
@@ -243,13 +244,13 @@ def clock(device) -> float:
     return time.perf_counter()
 
 
-def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, pad_id, args, device) -> dict:
+def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args, device) -> dict:
     """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics.
-    groups, rewards: the whole generation batch; each rank trains on its slice of the groups."""
+    groups, scores (their rewards, (P·G,)): the whole generation batch; each rank trains on its slice."""
     t0 = clock(device)
     times = {"time/logprob_pass": 0.0, "time/forward_backward": 0.0, "time/optimizer": 0.0}
     batch = collate(groups, pad_id, device)
-    adv = grpo.advantages(rewards, args.group_size, gcfg.scale_rewards).to(device)          # (B,)
+    adv = grpo.advantages(scores, args.group_size, gcfg.scale_rewards).to(device)          # (B,)
     L = int(batch["comp_lens"].max())
     mask = grpo.completion_mask(batch["comp_lens"], L, batch["truncated"] if gcfg.mask_truncated else None)
     batch["adv"], batch["mask"] = adv, mask
@@ -362,13 +363,13 @@ class PromptStream:
 
 def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg):
     """The step's generation batch: P prompts × G samples from the policy under the AQN noise, each
-    completion scored (tasks.rewards, + DAPO overlong shaping). With dynamic sampling, groups whose G
+    completion scored (rewards.rewards, + DAPO overlong shaping). With dynamic sampling, groups whose G
     rewards are all equal are dropped and more prompts sampled (grpo.fill_batch). Each rank samples
     its share; every rank returns the whole batch. -> (groups [(example, prompt ids, completions,
-    rewards)], rewards (P·G,), metrics)."""
+    rewards)], scores: their rewards (P·G,), metrics)."""
     rank, world = rank_world()
     per_rank = f"/rank{rank}" if world > 1 else ""   # the ranks' own streams (AQN noise is the same on all)
-    stats, completions = tasks.RewardStats(), []
+    stats, completions = rewards.RewardStats(), []
 
     def sample_round(r):  # this rank's slice of the prompts; returns every rank's groups
         idx = stream.take(args.prompts_per_step)[rank::world]
@@ -379,7 +380,7 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg):
         groups, correct = [], []
         for i, cs in zip(idx, comps):
             texts = tokenizer.batch_decode([c.token_ids for c in cs], skip_special_tokens=True)
-            rs = torch.tensor(tasks.rewards([stream.examples[i]] * len(cs), texts, stats))      # (G,)
+            rs = torch.tensor(rewards.rewards([stream.examples[i]] * len(cs), texts, stats))      # (G,)
             shaped = rs
             if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
                 lens = torch.tensor([len(c.token_ids) for c in cs])
@@ -398,12 +399,12 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg):
         groups, rounds = filled.groups, filled.rounds
     else:
         groups, rounds = sample_round(0)[1], 1
-    rewards = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)   # (P·G,)
+    scores = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)    # (P·G,)
     engine.free_cache()  # the KV cache goes before the backward pass needs the memory
     t_rollout = time.perf_counter() - t0
     new_tokens = sum(len(c.token_ids) for c in completions)   # of all ranks
     errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
-    return groups, rewards, {
+    return groups, scores, {
         "time/rollout": t_rollout, "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
         "reward_errors": errors, "reward_timeouts": timeouts,
         "completions/mean_length": new_tokens / len(completions),
@@ -469,14 +470,14 @@ def main(argv=None):
         torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
         sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
         noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
-        groups, rewards, rollout_metrics = rollout_step(step, engine, tokenizer, stream, noise, args, gcfg)
+        groups, scores, rollout_metrics = rollout_step(step, engine, tokenizer, stream, noise, args, gcfg)
         m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, **rollout_metrics}
         if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
             m.update(skipped=True)
         else:
-            m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, pad_id, args, device))
-            rg = rewards.view(-1, args.group_size)
-            m.update({"reward": rewards.mean().item(), "reward_std": rg.std(1).mean().item(),
+            m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args, device))
+            rg = scores.view(-1, args.group_size)
+            m.update({"reward": scores.mean().item(), "reward_std": rg.std(1).mean().item(),
                       "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
         if eval_set and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
             m.update(run_eval(), **{"eval/updates": step + 1})

@@ -17,7 +17,7 @@ import checkpoint as C
 import model as M
 import nvfp4
 from checkpoint import load_model, save_pretrained
-from conftest import TINY, make_tiny_hf
+from conftest import make_tiny_hf
 from test_model import batch, hf_logits, load32, rel_err
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ relative max-error bound; with dequantized weights for NVFP4), the decoder writt
 below, and a float64 attention for the hook. Loading itself is tested in test_checkpoint.py, the
 fused kernels against ops.py's references in test_kernels_*.py.
 """
-import os
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 import checkpoint as C
 import model as M
 import nvfp4
-from conftest import TINY, make_tiny_hf
+from conftest import TINY
 from ops import apply_rope
 
 ARCHS = [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)]

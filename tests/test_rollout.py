@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import kernels
-import rollout
 from rollout import LLMEngine, SamplingParams, generate
 
 # ----------------------------------------------------------------------------------------------

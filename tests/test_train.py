@@ -133,7 +133,7 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path, monkeypatch)
 
     A random model never solves addition, so the reward is replaced by one that varies with the
     completion (its length parity): the advantages are non-zero and the adapters really move."""
-    monkeypatch.setattr(train.tasks, "rewards", lambda exs, texts, stats=None, **kw: [float(len(t) % 2) for t in texts])
+    monkeypatch.setattr(train.rewards, "rewards", lambda exs, texts, stats=None, **kw: [float(len(t) % 2) for t in texts])
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     common = ["--model", tiny_model, "--save-every", "1", "--eval-limit", "0", "--lr", "1e-2",
               "--lora-dropout", "0.1", "--max-steps", "3", *FAST]
