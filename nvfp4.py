@@ -308,6 +308,7 @@ class NVFP4Linear(nn.Module):
                                                          dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
         self.interleaved = False
+        self.dense = None        # a dequantized copy for training passes (plan.dense_weights), else None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
                                      requires_grad=False)
@@ -356,6 +357,8 @@ class NVFP4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear: input has {x.shape[-1]} features, expected {self.in_features}")
+        if self.dense is not None:                      # one dequantization a step, not one a call
+            return F.linear(x, self.dense, self.bias)
         args = (x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
         needs_grad = x.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if torch.is_grad_enabled() and needs_grad:

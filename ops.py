@@ -23,6 +23,7 @@ The ops:
     gated_mlp_input(parent, x)        silu(gate_proj(x)) ⊙ up_proj(x)
     lora_linear(x, base, A, B, s)     base(x) + s · (x Aᵀ) Bᵀ
     logits(hidden, head)              head(hidden)
+    dense_weight(layer, dtype)        an NVFP4 layer's dequantized weight (training passes: plan.py)
 
 The references keep the rounding the kernels reproduce: the norm and RoPE compute in fp32 and cast
 back to the activation dtype once; the residual sum is rounded to the activation dtype as torch's
@@ -128,3 +129,11 @@ def logits(hidden, head):
     if kernels.runs(hidden) and kernels.lm_head_fits(hidden, head):
         return kernels.lm_head(hidden, head)
     return head(hidden)
+
+
+def dense_weight(layer, dtype=torch.bfloat16):
+    """An nvfp4.NVFP4Linear's weight dequantized, (N, K) in dtype: one Triton pass on the GPU for bf16
+    (the very numbers the kernels' large-M route multiplies by), nvfp4.dequantize elsewhere."""
+    if dtype == torch.bfloat16 and kernels.gemm_runs(layer.weight_packed) and layer.in_features % 64 == 0:
+        return kernels.dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale, layer.interleaved)
+    return layer.dequantized_weight(dtype)

@@ -419,6 +419,11 @@ class LLMEngine:
     def free_cache(self):
         self.runner.free_cache()
 
+    def cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (0 when freed)."""
+        k = self.runner.k_cache
+        return 0 if k is None else 2 * k.numel() * k.element_size()
+
     def _cache_blocks(self, need, prefill_tokens):
         """How many blocks to allocate for a call that needs `need` (no sharing assumed)."""
         if self.num_blocks is not None:

@@ -35,7 +35,6 @@ import argparse
 import functools
 import hashlib
 import json
-import math
 import os
 import time
 
@@ -52,6 +51,7 @@ from tqdm import tqdm
 import aqn
 import grpo
 import lora
+import plan
 import rewards
 import rollout
 import tasks
@@ -78,14 +78,41 @@ def step_seed(seed: int, step: int, stream: str) -> int:
 # log-probabilities of completions through the training forward
 
 
+class ChunkLogprobs(torch.autograd.Function):
+    """log π(target) and the entropy of π for a chunk of rows h (n, H) through the lm_head W (V, H) at
+    a temperature, without keeping the (n, V) logits for the backward: it keeps h and log Z (n,), and
+    the backward multiplies once more, then forms d log π(t) / d logits = onehot(t) - softmax in place.
+    That is half the passes over (n, V) of autograd through logsumexp and gather under a checkpoint
+    (which also recomputes the entropy). W is frozen (no gradient for it)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, target, temperature):
+        logits = (h @ weight.t()).float().div_(temperature)                       # (n, V) fp32
+        logz = logits.logsumexp(-1)                                                # (n,)
+        logp = logits.gather(1, target[:, None])[:, 0] - logz                      # (n,)
+        p = (logits - logz[:, None]).exp_()                                        # softmax (n, V)
+        ent = logz - (p * logits).sum(-1)                                          # -Σ p log p
+        ctx.save_for_backward(h, weight, target, logz)
+        ctx.temperature = temperature
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        h, weight, target, logz = ctx.saved_tensors
+        T = ctx.temperature
+        g = (h @ weight.t()).float().div_(T).sub_(logz[:, None]).exp_()           # softmax (n, V)
+        g.mul_(-grad_logp[:, None]).scatter_add_(1, target[:, None], grad_logp[:, None])
+        return (g.div_(T).to(h.dtype) @ weight), None, None, None                 # (n, H)
+
+
 def completion_logprobs(model, input_ids, prompt_lens, comp_lens, temperature: float, chunk: int = 1024):
     """log π(token) and entropy for every completion token, lm_head applied in chunks.
 
     input_ids (B, T) = prompt + completion (+ right padding); prompt_lens, comp_lens (B,).
     Returns logp, entropy: (B, L) fp32 with L = max(comp_lens); positions past a completion are 0.
-    Only the hidden rows that predict completion tokens reach lm_head, chunk rows at a time under
-    activation checkpointing, so the (rows × vocab) logits exist for one chunk at a time, in the
-    forward and in the backward alike."""
+    Only the hidden rows that predict completion tokens reach lm_head, chunk rows at a time
+    (ChunkLogprobs), so the (rows × vocab) logits exist for one chunk at a time, in the forward and
+    in the backward alike. The entropy is reported, not trained on (it carries no gradient)."""
     B, T = input_ids.shape
     L = int(comp_lens.max())
     hidden = model(input_ids, return_hidden=True)                                  # (B, T, H)
@@ -95,25 +122,11 @@ def completion_logprobs(model, input_ids, prompt_lens, comp_lens, temperature: f
     rows_b, rows_j = valid.nonzero(as_tuple=True)                                  # (N,), (N,)
     h = hidden[rows_b, pos[rows_b, rows_j]]                                        # (N, H)
     target = input_ids[rows_b, pos[rows_b, rows_j] + 1]                            # (N,)
-
-    def chunk_logp(h_c, t_c):
-        logits = model.lm_head(h_c).float() / temperature                          # (n, V)
-        logz = torch.logsumexp(logits, dim=-1)                                     # (n,)
-        logp_all = logits - logz[:, None]
-        ent = -(logp_all.exp() * logp_all).sum(-1)                                 # (n,)
-        return logp_all.gather(1, t_c[:, None]).squeeze(1), ent
-
-    outs = []
-    for s in range(0, h.shape[0], chunk):
-        if torch.is_grad_enabled():
-            outs.append(torch.utils.checkpoint.checkpoint(chunk_logp, h[s:s + chunk], target[s:s + chunk],
-                                                          use_reentrant=False))
-        else:
-            outs.append(chunk_logp(h[s:s + chunk], target[s:s + chunk]))
-    logp = torch.zeros(B, L, device=h.device)
-    ent = torch.zeros(B, L, device=h.device)
-    logp = logp.index_put((rows_b, rows_j), torch.cat([o[0] for o in outs]))
-    ent = ent.index_put((rows_b, rows_j), torch.cat([o[1] for o in outs]).detach())
+    W = model.lm_head.weight                                                       # (V, H)
+    outs = [ChunkLogprobs.apply(h[s:s + chunk], W, target[s:s + chunk], temperature)
+            for s in range(0, h.shape[0], chunk)]
+    logp = torch.zeros(B, L, device=h.device).index_put((rows_b, rows_j), torch.cat([o[0] for o in outs]))
+    ent = torch.zeros(B, L, device=h.device).index_put((rows_b, rows_j), torch.cat([o[1] for o in outs]).detach())
     return logp, ent
 
 
@@ -139,12 +152,13 @@ def collate(groups: list, pad_id: int, device) -> dict:
             "sampler_logp": sampler_logp.to(device)}
 
 
-def micro_batches(batch: dict, size: int):
-    B = batch["input_ids"].shape[0]
-    for s in range(0, B, size):
-        mb = {k: v[s:s + size] for k, v in batch.items()}
-        L = int(mb["comp_lens"].max())
-        T = int((mb["prompt_lens"] + mb["comp_lens"]).max())
+def micro_batches(batch: dict, spans: list):
+    """(start, micro-batch) for each (start, end) of plan.micro_batches, cut to its own longest row."""
+    comp = batch["comp_lens"].tolist()
+    lens = [p + c for p, c in zip(batch["prompt_lens"].tolist(), comp)]
+    for s, e in spans:
+        mb = {k: v[s:e] for k, v in batch.items()}
+        L, T = max(comp[s:e]), max(lens[s:e])
         mb["input_ids"], mb["sampler_logp"] = mb["input_ids"][:, :T], mb["sampler_logp"][:, :L]
         yield s, mb
 
@@ -203,9 +217,11 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--updates-per-rollout", type=int, default=1)
-    p.add_argument("--micro-batch", type=int, default=8, help="completions per training forward")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="completions per training forward (default: as many as free GPU memory holds, plan.py)")
     p.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per lm_head chunk")
-    p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute each layer in the backward (default: only where memory needs it, plan.py)")
     p.add_argument("--max-steps", type=int, default=200, help="the run's length (sets the AQN schedule)")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit after this step (resume later)")
     # bookkeeping
@@ -244,9 +260,12 @@ def clock(device) -> float:
     return time.perf_counter()
 
 
-def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args, device) -> dict:
+def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args, device,
+               step_plan: plan.StepPlan | None = None) -> dict:
     """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics.
-    groups, scores (their rewards, (P·G,)): the whole generation batch; each rank trains on its slice."""
+    groups, scores (their rewards, (P·G,)): the whole generation batch; each rank trains on its slice.
+    step_plan (plan.py): micro-batch sizes and dense weights; default: args.micro_batch completions."""
+    step_plan = step_plan or plan.StepPlan(args.micro_batch, None, model.gradient_checkpointing, False, 0, "")
     t0 = clock(device)
     times = {"time/logprob_pass": 0.0, "time/forward_backward": 0.0, "time/optimizer": 0.0}
     batch = collate(groups, pad_id, device)
@@ -258,13 +277,14 @@ def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, p
     rank, world = rank_world()
     lo, hi = (len(groups) * r // world * args.group_size for r in (rank, rank + 1))       # this rank's groups
     batch = {k: v[lo:hi] for k, v in batch.items()}
-    n_mb = math.ceil(batch["adv"].shape[0] / args.micro_batch)
+    spans = plan.micro_batches((batch["prompt_lens"] + batch["comp_lens"]).tolist(), step_plan)
+    n_mb = len(spans)
     train_noise = {} if acfg.rollout_only else noise
     sums, count, skipped = {}, 0, 0
 
     def logprobs_no_grad(out: dict):  # once per rollout, in eval mode (no dropout)
         with torch.no_grad():
-            for s, mb in micro_batches(batch, args.micro_batch):
+            for s, mb in micro_batches(batch, spans):
                 out[s] = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
                                              args.temperature, args.logprob_chunk)[0]
         return out
@@ -274,14 +294,14 @@ def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, p
     if gcfg.beta > 0:  # the reference policy: the base model, adapters off, no AQN noise
         with lora.adapters_disabled(model):
             logprobs_no_grad(ref)
-    with aqn.noise_applied(model, train_noise):
+    with aqn.noise_applied(model, train_noise), plan.dense_weights(model, step_plan.dense_weights):
         old = logprobs_no_grad({}) if gcfg.updates_per_rollout > 1 else {}  # the policy that sampled
         model.train()
         t1 = clock(device)
         times["time/logprob_pass"] = t1 - t0
         for _ in range(gcfg.updates_per_rollout):
             optimizer.zero_grad(set_to_none=True)
-            for s, mb in micro_batches(batch, args.micro_batch):
+            for s, mb in micro_batches(batch, spans):
                 Lm = mb["sampler_logp"].shape[1]
                 logp, ent = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
                                                 args.temperature, args.logprob_chunk)
@@ -310,20 +330,20 @@ def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, p
     keys = sorted(sums)  # each rank's metrics are its share of the global mean: sum them
     out = {k: sum(part) / count for k, part in zip(keys, zip(*gather([sums[k] for k in keys])))}
     out.update({"grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0],
-                "num_tokens": int(mask.sum()), "skipped_nonfinite_updates": skipped,
+                "num_tokens": int(mask.sum()), "skipped_nonfinite_updates": skipped, "micro_batches": n_mb,
                 "time/train": clock(device) - t0, **times})
     return out
 
 
 def build_policy(args, device):
-    """The flags -> (model with LoRA, AdamW, schedule, GRPOConfig, AQNConfig, sampler): everything a
-    step needs. bench/step.py builds its policy here too, so it measures the step this file runs."""
+    """The flags -> (model with LoRA, AdamW, schedule, GRPOConfig, AQNConfig, sampler, step plan):
+    everything a step needs. bench/step.py builds its policy here too, so it measures the step this file
+    runs. The plan (plan.py) measures what a token of the training pass costs on this device."""
     dtype = getattr(torch, args.dtype)
     if args.random_init:
         model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype, seed=args.seed)
     else:
         model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
-    model.gradient_checkpointing = args.grad_checkpointing
     lora.apply_lora(model, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout),
                     generator=torch.Generator().manual_seed(args.seed))
     params = lora.lora_parameters(model)
@@ -340,7 +360,14 @@ def build_policy(args, device):
     eval_new = args.eval_max_new_tokens or args.max_new_tokens
     engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
                                gpu_memory_utilization=args.gpu_memory_utilization)
-    return model, optimizer, scheduler, gcfg, acfg, engine
+
+    def fwd_bwd(ids, prompt_lens, comp_lens):  # the training pass on one micro-batch, for the memory probe
+        completion_logprobs(model, ids, prompt_lens, comp_lens, args.temperature, args.logprob_chunk)[0].sum().backward()
+    model.train()
+    step_plan = plan.make_plan(model, fwd_bwd, args.max_prompt_len + args.max_new_tokens, args.micro_batch,
+                               args.grad_checkpointing, sum(p.numel() for p in params), device)
+    model.eval()
+    return model, optimizer, scheduler, gcfg, acfg, engine, step_plan
 
 
 class PromptStream:
@@ -361,11 +388,13 @@ class PromptStream:
         return [self._order(i // len(self.examples))[i % len(self.examples)] for i in range(start, self.position)]
 
 
-def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg):
+def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, keep_cache_bytes: int = 0):
     """The step's generation batch: P prompts × G samples from the policy under the AQN noise, each
     completion scored (rewards.rewards, + DAPO overlong shaping). With dynamic sampling, groups whose G
     rewards are all equal are dropped and more prompts sampled (grpo.fill_batch). Each rank samples
-    its share; every rank returns the whole batch. -> (groups [(example, prompt ids, completions,
+    its share; every rank returns the whole batch. The KV cache (and the CUDA graphs that point into it)
+    stays for the next step where it takes at most keep_cache_bytes, else it is freed for the training
+    pass. -> (groups [(example, prompt ids, completions,
     rewards)], scores: their rewards (P·G,), metrics)."""
     rank, world = rank_world()
     per_rank = f"/rank{rank}" if world > 1 else ""   # the ranks' own streams (AQN noise is the same on all)
@@ -400,7 +429,8 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg):
     else:
         groups, rounds = sample_round(0)[1], 1
     scores = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)    # (P·G,)
-    engine.free_cache()  # the KV cache goes before the backward pass needs the memory
+    if engine.cache_bytes() > keep_cache_bytes:
+        engine.free_cache()  # the KV cache goes before the backward pass needs the memory
     t_rollout = time.perf_counter() - t0
     new_tokens = sum(len(c.token_ids) for c in completions)   # of all ranks
     errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
@@ -439,10 +469,12 @@ def main(argv=None):
     if dropped:
         log(f"eval prompts: {len(eval_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
 
-    model, optimizer, scheduler, gcfg, acfg, engine = build_policy(args, device)
+    model, optimizer, scheduler, gcfg, acfg, engine, step_plan = build_policy(args, device)
+    log(plan.describe(step_plan))
     eval_new = args.eval_max_new_tokens or args.max_new_tokens
     if rank == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # it exists once it can start
-        write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps({**vars(args), "world_size": world}, indent=2))
+        write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps({**vars(args), "world_size": world,
+                                                                          "step_plan": step_plan.as_dict()}, indent=2))
 
     start, stream = 0, PromptStream(train_set, train_ids, args.seed)
     if resume_from:
@@ -470,12 +502,14 @@ def main(argv=None):
         torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
         sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
         noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
-        groups, scores, rollout_metrics = rollout_step(step, engine, tokenizer, stream, noise, args, gcfg)
+        groups, scores, rollout_metrics = rollout_step(step, engine, tokenizer, stream, noise, args, gcfg,
+                                                       step_plan.keep_cache_bytes)
         m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, **rollout_metrics}
         if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
             m.update(skipped=True)
         else:
-            m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args, device))
+            m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args, device,
+                                step_plan))
             rg = scores.view(-1, args.group_size)
             m.update({"reward": scores.mean().item(), "reward_std": rg.std(1).mean().item(),
                       "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})

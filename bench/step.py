@@ -2,14 +2,14 @@
 
 A configuration is (model shape, base-weight format, completion length). For each one this builds
 a random-init Qwen2.5 model (checkpoint.SHAPES: no checkpoint, no network) through train.build_policy,
-i.e. with train.py's defaults: LoRA r32 α64 on every linear, AdamW, DAPO loss, micro-batches,
-gradient checkpointing, lm_head log-probs in chunks, AQN noise on (σ of stage 1, 1e-2). Then it
-runs train.py's step on synthetic data:
+i.e. with train.py's defaults: LoRA r32 α64 on every linear, AdamW, DAPO loss, the step plan
+(plan.py: micro-batches sized from free memory, recomputation only where it is needed), lm_head
+log-probs in chunks, AQN noise on (σ of stage 1, 1e-2). Then it runs train.py's step on synthetic data:
 
     prompts   P random-token prompts of prompt-len tokens (default 16 x 256)
     rollout   engine.generate(prompts, n=G) under the step's AQN noise, with no stop token, so every
               completion runs to exactly `completion` tokens (1024 or 2048: the worst case of a step);
-              engine.free_cache() before the backward, as train.py does
+              the KV cache freed before the backward unless the plan keeps it, as train.py does
     reward    uniform random in [0, 1), seeded: every group has a spread, so every advantage is
               non-zero and the backward moves the adapters (grad_norm > 0)
     train     train.train_step: collate, advantages, log-prob pass, forward+backward, AdamW
@@ -17,7 +17,7 @@ runs train.py's step on synthetic data:
 It reports the step time split as train.py logs it: rollout (time/rollout), logprob pass (collate,
 advantages and the no-grad passes that β > 0 or μ > 1 need: ~0 with the defaults), forward+backward
 (time/forward_backward) and optimizer (clip + AdamW); rollout tok/s = generated tokens / rollout
-seconds (CUDA-graph capture included: the graphs die with the KV cache every step); peak GPU memory,
+seconds (CUDA-graph capture included where the KV cache was freed); peak GPU memory,
 allocated and reserved, of the whole step and of its rollout and train halves; the time to build.
 A warm-up step comes first (Triton JIT, cuBLAS, allocator), by default with 64-token completions
 (`--full-warmup`: the same step twice); both are in the JSON, the table shows the timed one.
@@ -82,8 +82,10 @@ def train_args(spec: dict, model_dir: str):
     return train.parse_args(["--model", model_dir, "--random-init", "--quant", spec["quant"], "--dtype", spec["dtype"],
                              "--prompts-per-step", str(spec["prompts"]), "--group-size", str(spec["group"]),
                              "--max-prompt-len", str(spec["prompt_len"]), "--max-new-tokens", str(spec["completion"]),
-                             "--micro-batch", str(spec["micro_batch"]), "--eval-limit", "0",
-                             "--gpu-memory-utilization", str(spec["gpu_memory_utilization"])])
+                             "--eval-limit", "0", "--gpu-memory-utilization", str(spec["gpu_memory_utilization"]),
+                             *(["--micro-batch", str(spec["micro_batch"])] if spec["micro_batch"] else []),
+                             *({True: ["--grad-checkpointing"], False: ["--no-grad-checkpointing"]}
+                               .get(spec["grad_checkpointing"], []))])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def memory(device, key: str) -> float | None:
 
 def grpo_step(policy, args, device, prompts, step: int, new_tokens: int) -> dict:
     """train.py's step on the given prompts, random rewards and forced-length completions."""
-    model, optimizer, scheduler, gcfg, acfg, engine = policy
+    model, optimizer, scheduler, gcfg, acfg, engine, step_plan = policy
     sigma = aqn.sigma_at(step, args.max_steps, acfg)
     noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(train.step_seed(args.seed, step, "aqn")))
     sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=new_tokens,
@@ -108,7 +110,8 @@ def grpo_step(policy, args, device, prompts, step: int, new_tokens: int) -> dict
     with aqn.noise_applied(model, noise):
         comps = engine.generate(prompts, sp)                                   # [P][G] Completion
     kv = dict(kv_blocks=engine.stats["num_blocks"], preemptions=engine.stats["preemptions"])
-    engine.free_cache()
+    if engine.cache_bytes() > step_plan.keep_cache_bytes:                   # as train.rollout_step does
+        engine.free_cache()
     t_rollout = train.clock(device) - t0
     if device.type == "cuda":
         mem = {"rollout_peak_gib": memory(device, "max_memory_allocated"),
@@ -117,14 +120,14 @@ def grpo_step(policy, args, device, prompts, step: int, new_tokens: int) -> dict
     G = args.group_size
     rewards = torch.rand(len(prompts) * G, generator=torch.Generator().manual_seed(step))   # (P·G,)
     groups = [(None, p, cs, rewards[i * G:(i + 1) * G]) for i, (p, cs) in enumerate(zip(prompts, comps))]
-    m = train.train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, 0, args, device)
+    m = train.train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, 0, args, device, step_plan)
     step_s = train.clock(device) - t0
     lens = [len(c.token_ids) for cs in comps for c in cs]
     out = dict(step_s=step_s, rollout_s=t_rollout, logprob_pass_s=m["time/logprob_pass"],
                backward_s=m["time/forward_backward"], optimizer_s=m["time/optimizer"],
                rollout_tok_s=sum(lens) / t_rollout, new_tokens=sum(lens), completion_len_min=min(lens),
                completion_len_max=max(lens), forced=all(n == new_tokens for n in lens),
-               loss=m["loss"], grad_norm=m["grad_norm"], aqn_sigma=sigma, **kv, **mem)
+               loss=m["loss"], grad_norm=m["grad_norm"], aqn_sigma=sigma, micro_batches=m["micro_batches"], **kv, **mem)
     if device.type == "cuda":
         out.update(train_peak_gib=memory(device, "max_memory_allocated"),
                    train_reserved_gib=memory(device, "max_memory_reserved"))
@@ -164,9 +167,10 @@ def run_config(spec: dict) -> dict:
             policy = train.build_policy(args, device)
             rec.update(build_s=train.clock(device) - t0, built_gib=memory(device, "memory_allocated"))
         print(f"     built in {rec['build_s']:.1f} s", flush=True)
-        rec["train_flags"] = {k: getattr(args, k) for k in ("lora_rank", "lora_alpha", "loss_type", "micro_batch",
-                                                            "grad_checkpointing", "logprob_chunk", "aqn",
-                                                            "gpu_memory_utilization", "temperature")}
+        rec["train_flags"] = {k: getattr(args, k) for k in ("lora_rank", "lora_alpha", "loss_type", "logprob_chunk",
+                                                            "aqn", "gpu_memory_utilization", "temperature")}
+        rec["step_plan"] = policy[-1].as_dict()
+        print(f"     {train.plan.describe(policy[-1])}", flush=True)
         prompts = torch.randint(0, cfg["vocab_size"], (spec["prompts"], spec["prompt_len"]),
                                 generator=torch.Generator().manual_seed(args.seed)).tolist()
         step = args.max_steps // args.aqn_stages                 # the first noisy AQN stage
@@ -237,7 +241,10 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--micro-batch", type=int, default=8, help="completions per training forward")
+    ap.add_argument("--micro-batch", type=int, default=None, help="completions per training forward (default: "
+                    "train.py's, sized from free memory)")
+    ap.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                    help="default: train.py's (only where memory needs it)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="KV-cache share (train.py's flag)")
     ap.add_argument("--warmup-tokens", type=int, default=64, help="completion length of the warm-up step")
     ap.add_argument("--full-warmup", action="store_true", help="warm up with the timed step itself")

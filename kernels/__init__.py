@@ -11,7 +11,7 @@ otherwise; this package knows nothing of RL. What is here:
 
     FP4 x BF16 GEMM (gemm.py; marlin_kernel.nvfp4_matmul hands off here where gemm_runs(x))
         gemm_runs(x), nvfp4_matmul(x, packed, scale, global_scale, bias=None, interleaved=False),
-        nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False)
+        nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False), dequantize(...)
     the decoder's small ops (fused_ops.py)
         rms_norm, rope_fits, rope, embed_rope, silu_mul, lm_head_fits, lm_head
     q/k/v and gate/up as one matmul (stacked.py): prepare(model, groups), project(parent, names, x, silu_mul)
@@ -56,6 +56,11 @@ def gemm_runs(x: torch.Tensor) -> bool:
 def nvfp4_matmul(x, packed, scale, global_scale, bias=None, interleaved=False):
     """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16) on the kernel gemm.route picks."""
     return gemm.nvfp4_matmul(x, packed, scale, global_scale, bias, interleaved)
+
+
+def dequantize(packed, scale, global_scale, interleaved=False):
+    """W (N, K) bf16 in one pass (K a multiple of 64): what the large-M route hands to cuBLAS."""
+    return gemm.dequantize_bf16(packed, scale, global_scale, interleaved)
 
 
 def nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False):

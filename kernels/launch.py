@@ -68,9 +68,14 @@ def num_sms(device) -> int:
 
 def pdl_launch(device) -> dict:
     """Launch keywords for a kernel that starts with pdl_start(USE_PDL): programmatic dependent
-    launch where the device has it (Hopper and later, not under the interpreter) and tuning says so."""
-    on = (tuning.current().pdl and device.type == "cuda" and not interpreting()
-          and capability(device.index or 0)[0] >= 9)
+    launch where the device has it (Hopper and later, not under the interpreter) and tuning says so.
+    A decode step asks ~500 times: the answer is kept per (device, setting, interpreter)."""
+    return _pdl_keywords(device, tuning.current().pdl, interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_keywords(device, pdl: bool, interp: bool) -> dict:
+    on = pdl and device.type == "cuda" and not interp and capability(device.index or 0)[0] >= 9
     return dict(USE_PDL=on, launch_pdl=on)
 
 

@@ -79,6 +79,8 @@ Test: tests/test_kernels_register_a.py (GPU: against float64 at odd M, N at its 
 split, bias on and off, poisoned output; CPU: the x permutation against a derivation of the map
 from the PTX ISA's fragment). Benchmark: python bench/kernel.py (the route gemm chooses).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -466,8 +468,10 @@ def weight_descriptors(packed, scale, BN: int, scale_smem=_S_SMEM):
     return w_desc, s_desc
 
 
+@functools.lru_cache(maxsize=None)
 def word_layout(BN: int, warps: int):
-    """The (BN, 16) int32 words of a window in registers: lane (g, t) of warp w holds words 4t..4t+3
+    """(Built once per shape: a layout object costs ~0.3 ms of Python, and every launch passes one.)
+    The (BN, 16) int32 words of a window in registers: lane (g, t) of warp w holds words 4t..4t+3
     of rows 16w + g and 16w + g + 8 (and the same every 16·warps rows): wgmma's A fragment rows."""
     reps = BN // (16 * warps)
     return gl.DistributedLinearLayout(
@@ -476,6 +480,7 @@ def word_layout(BN: int, warps: int):
         warp_bases=[[16 << i, 0] for i in range(warps.bit_length() - 1)], block_bases=[], shape=[BN, 16])
 
 
+@functools.lru_cache(maxsize=None)
 def scale_layout(BN: int, warps: int):
     """The (BN, 8) scale bytes: lane (g, t) holds blocks 2t, 2t+1 of word_layout's rows (the scale of
     word w is block w // 2, so join(sb, sb) reshaped is word_layout itself)."""

@@ -51,7 +51,10 @@ def test_tiny_step_record_and_does_not_fit(tmp_path, capsys):
     # a real backward through train.py's defaults: LoRA r32 α64, DAPO, AQN noise on
     assert r["grad_norm"] > 0 and math.isfinite(r["grad_norm"]) and r["aqn_sigma"] > 0, r
     assert r["train_flags"] == {**r["train_flags"], "lora_rank": 32, "lora_alpha": 64.0, "loss_type": "dapo",
-                                "aqn": True, "grad_checkpointing": True, "micro_batch": 4}
+                                "aqn": True}
+    # the step plan (plan.py) as train.py makes it: the pinned micro-batch, no recomputation on a CPU
+    assert r["step_plan"]["micro_batch"] == 4 and r["step_plan"]["grad_checkpointing"] is False, r["step_plan"]
+    assert r["micro_batches"] == 2, "8 completions, 4 at a time"
 
     # does not fit: checkpoint.check_fits's need against the injected 1 GiB, reported before any build
     r = rows["7b"]

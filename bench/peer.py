@@ -1,0 +1,151 @@
+"""Head-to-head with TRL's GRPOTrainer: the same GRPO run through qerl and through TRL, on one GPU.
+
+What a user choosing between the two would compare: time per step and what the model learned. Both
+runs use the same model, task, batch, adapter, optimizer and loss:
+
+    model      --model (a local directory: the real SmolLM2-135M-Instruct on the GPU machine)
+    task       two-digit addition (tasks.addition_task: the same seeded train / held-out split),
+               the same chat-formatted prompt (tasks.SYSTEM_PROMPT), reward = rewards.reward
+    batch      8 prompts × 8 samples a step, 24 new tokens, temperature 1
+    LoRA       r 16, alpha 32, on q/k/v/o/gate/up/down, dropout 0
+    optimizer  AdamW lr 2e-4, betas (0.9, 0.99), no decay, constant schedule, grad-norm clip 1
+    loss       DAPO (ε 0.2 / 0.28, β = 0, rewards scaled by the group's std)
+
+qerl runs `train.py` with its defaults otherwise (NVFP4 base, AQN, the step plan of plan.py); TRL
+runs GRPOTrainer on the bf16 model with transformers' generate (no vLLM: the machine has none), each
+in its own process. TRL is a benchmark-only dependency (not in requirements.txt): install it beside
+(`pip install trl`; on the GPU machine it travels as wheels). Time per step is the median over the
+steps after the first two (the first compile and capture); held-out accuracy is eval.py's, greedy,
+on --eval-limit addition problems, each adapter on the base it was trained with (qerl's on NVFP4,
+TRL's on bf16), and both bases untrained for reference.
+
+    python bench/peer.py --model /root/smol --steps 50 --out /tmp/peer     # table on stdout, peer.json
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+PROMPTS, GROUP, NEW, RANK, ALPHA, LR = 8, 8, 24, 16, 32, 2e-4
+
+
+def run_ours(model: str, steps: int, out: str) -> dict:
+    """train.py as a user types it; its metrics.jsonl gives the step times."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--dataset", "addition",
+           "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--max-new-tokens", str(NEW),
+           "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", str(LR), "--loss-type", "dapo",
+           "--max-steps", str(steps), "--save-every", str(steps), "--eval-limit", "0", "--output-dir", out]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - t0
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(ln) for ln in f if ln.strip()]
+    return dict(step_s=[r["step_time"] for r in rows], wall_s=wall, adapter=os.path.join(out, f"checkpoint-{steps:06d}"),
+                reward=[r.get("reward") for r in rows], quant="nvfp4")
+
+
+def run_trl(model: str, steps: int, out: str) -> dict:
+    """GRPOTrainer on the bf16 model with the settings of the module docstring (this process)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import rewards
+    import tasks
+    gpu = torch.cuda.is_available()                            # the CPU only for a smoke test
+    train = tasks.addition_task("train", seed=0)
+    data = Dataset.from_list([{"prompt": [{"role": "system", "content": tasks.SYSTEM_PROMPT},
+                                          {"role": "user", "content": e.question}], "answer": e.answer} for e in train])
+
+    def correctness(completions, answer, **kw):
+        return [rewards.reward(tasks.Example("", a, "numeric"), c[-1]["content"]) for c, a in zip(completions, answer)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.t = [], None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if gpu:
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if gpu:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t)
+
+    cfg = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=GROUP, gradient_accumulation_steps=PROMPTS,
+                     num_generations=GROUP, max_completion_length=NEW, temperature=1.0, learning_rate=LR,
+                     lr_scheduler_type="constant", adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,
+                     loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, scale_rewards="group",
+                     bf16=gpu, use_cpu=not gpu, model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32},
+                     logging_steps=1, report_to="none",
+                     save_strategy="no", seed=0)
+    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=correctness, args=cfg, train_dataset=data, peft_config=lora,
+                          callbacks=[clock])
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    adapter = os.path.join(out, "adapter")
+    trainer.save_model(adapter)
+    reward = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
+    return dict(step_s=clock.times, wall_s=wall, adapter=adapter, reward=reward, quant="bf16")
+
+
+def evaluate(model: str, adapter: str | None, quant: str, limit: int) -> float:
+    """Held-out greedy accuracy through eval.py (its last JSON line)."""
+    cmd = [sys.executable, os.path.join(ROOT, "eval.py"), "--model", model, "--dataset", "addition", "--limit", str(limit),
+           "--quant", quant, "--max-new-tokens", str(NEW), "--max-model-len", "512"]
+    out = subprocess.run(cmd + (["--adapter", adapter] if adapter else []), check=True, capture_output=True, text=True)
+    metrics = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith('{"accuracy"')]
+    return metrics[-1]["accuracy"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="a local model directory (SmolLM2-135M-Instruct)")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--eval-limit", type=int, default=200)
+    ap.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side (its JSON merges into --out)")
+    ap.add_argument("--out", default="/tmp/peer")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)          # "trl": run TRL in this process
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.worker == "trl":
+        json.dump(run_trl(args.model, args.steps, os.path.join(args.out, "trl")), open(os.path.join(args.out, "trl.json"), "w"))
+        return
+    path = os.path.join(args.out, "peer.json")
+    res = json.load(open(path)) if os.path.exists(path) else {}
+    if args.only in (None, "ours"):
+        res["qerl"] = run_ours(args.model, args.steps, os.path.join(args.out, "ours"))
+    if args.only in (None, "trl"):
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
+                        "--out", args.out, "--worker", "trl"], check=True)
+        res["trl"] = json.load(open(os.path.join(args.out, "trl.json")))
+    for name, r in res.items():
+        if "accuracy" not in r:
+            r["accuracy"] = evaluate(args.model, r["adapter"], r["quant"], args.eval_limit)
+            r["accuracy_untrained"] = evaluate(args.model, None, r["quant"], args.eval_limit)
+        r["median_step_s"] = statistics.median(r["step_s"][2:] or r["step_s"])
+    json.dump(res, open(path, "w"), indent=1)
+    print(f"{'':6} {'steps':>5} {'median s/step':>13} {'wall s':>7} {'held-out acc (untrained)':>25}")
+    for name, r in res.items():
+        print(f"{name:6} {len(r['step_s']):5d} {r['median_step_s']:13.3f} {r['wall_s']:7.1f} "
+              f"{100 * r['accuracy']:14.1f}% ({100 * r['accuracy_untrained']:.1f}%)")
+    if len(res) == 2:
+        print(f"qerl is {res['trl']['median_step_s'] / res['qerl']['median_step_s']:.2f}x faster a step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""How a training step spends the GPU: micro-batch sizes, recomputation, and what stays resident.
+
+A GRPO step samples P·G completions, then runs the policy forward and backward over all of them
+(train.train_step). That pass is the larger half of a step, and how fast it runs depends on three
+choices that are about memory, not math:
+
+  * micro-batches: the P·G sequences go through forward + backward a few at a time. Each launch of
+    the ~100 kernels of a layer costs the same whatever its size, so one big micro-batch is much
+    cheaper than many small ones (a 135M model: ~0.3 s of launches a micro-batch), and the GPU
+    only reaches its matmul rate on thousands of tokens at once.
+  * recomputation (gradient checkpointing) keeps each layer's input only and runs the layer again
+    in the backward: a third more work, in exchange for ~1/10 of the activation memory.
+  * resident state between steps: the sampler's KV cache and CUDA graphs (captured again after
+    every free: ~0.1-0.3 s a step), and, for the training pass, a bf16 copy of the NVFP4 weights
+    (one dequantization per step instead of one per matmul call and micro-batch).
+
+So the plan measures, once at start-up, what a token costs: a forward + backward over one and two
+synthetic sequences of PROBE_TOKENS tokens, recomputation off and on, gives the peak memory above
+the baseline as a + b·tokens (b: what a token keeps for the backward; a: the lm_head chunk and the
+rest that does not grow). vLLM sizes its KV cache the same way, by measurement, not by formula. Then
+
+    budget   = BUDGET_SHARE · free memory after weights, adapters, optimizer state and dense copies
+    recompute only where one sequence of the longest possible length does not fit without it
+    tokens   = (budget - a) / b  per micro-batch; a micro-batch takes consecutive sequences while
+               count · longest <= tokens
+    dense    = a bf16 copy of each NVFP4 weight during the training pass where those copies take at
+               most DENSE_SHARE of the free memory (7B: yes; 32B on 80 GB: no)
+    KV cache = kept across steps where it takes at most KEEP_CACHE_SHARE of the token budget
+
+The user may still pin --micro-batch (completions) and --[no-]grad-checkpointing. Without a GPU
+there is no memory to measure: the whole batch is one micro-batch, without recomputation. The
+losses do not depend on the grouping (grpo, dr_grpo and dapo normalise over the whole batch), except
+bnpo, whose token mean is per micro-batch by definition (TRL: per device batch).
+
+Test: tests/test_plan.py (the packing rule, the decisions from given measurements, the probe on CPU).
+"""
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+
+import ops
+
+PROBE_TOKENS = 256      # tokens of one synthetic probe sequence (two are measured: 1 and 2 sequences)
+BUDGET_SHARE = 0.85     # of the free memory the training pass may take (the allocator fragments)
+DENSE_SHARE = 0.25      # dense bf16 weight copies are made where they take at most this share of free
+KEEP_CACHE_SHARE = 0.1  # the KV cache stays between steps where it is at most this share of the budget
+GIB = 2 ** 30
+
+
+@dataclass
+class StepPlan:
+    micro_batch: int | None       # completions per micro-batch (pinned), or None: by micro_tokens
+    micro_tokens: int | None      # padded tokens per micro-batch (count · longest), or None: unbounded
+    grad_checkpointing: bool
+    dense_weights: bool           # bf16 copies of the NVFP4 weights during the training pass
+    keep_cache_bytes: int         # the sampler's KV cache stays between steps up to this size
+    why: str                      # the measurements behind it, for the start-up line and run_config.json
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def micro_batches(seq_lens: list[int], plan: StepPlan) -> list[tuple[int, int]]:
+    """[(start, end)] over sequences of these lengths, in order: plan.micro_batch at a time, or as
+    many as keep count · longest within plan.micro_tokens (always at least one)."""
+    if plan.micro_batch:
+        return [(s, min(s + plan.micro_batch, len(seq_lens))) for s in range(0, len(seq_lens), plan.micro_batch)]
+    out, start, longest = [], 0, 0
+    for i, n in enumerate(seq_lens):
+        longest = max(longest, n)
+        if plan.micro_tokens is not None and i > start and (i - start + 1) * longest > plan.micro_tokens:
+            out.append((start, i))
+            start, longest = i, n
+    return out + [(start, len(seq_lens))] if seq_lens else out
+
+
+@contextmanager
+def dense_weights(model, on: bool):
+    """While inside, every NVFP4 linear of model multiplies by a bf16 copy of its dequantized weight
+    (ops.dense_weight; the same bf16 numbers the kernels' large-M route computes per call)."""
+    layers = [m for m in model.modules() if hasattr(m, "weight_packed")] if on else []
+    try:
+        for m in layers:
+            m.dense = ops.dense_weight(m, model.dtype)                        # (N, K) in the activation dtype
+        yield
+    finally:
+        for m in layers:
+            m.dense = None
+
+
+def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device) -> tuple[float, float]:
+    """Peak bytes above the baseline of fwd_bwd over 1 and 2 synthetic sequences of PROBE_TOKENS:
+    -> (a, b) of peak = a + b·tokens. The gradients it leaves are dropped."""
+    model.gradient_checkpointing = ckpt
+    gen = torch.Generator(device).manual_seed(0)
+    peaks = []
+    for rows in (1, 2):
+        ids = torch.randint(0, vocab, (rows, PROBE_TOKENS), device=device, generator=gen)
+        prompt = torch.full((rows,), PROBE_TOKENS // 4, device=device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fwd_bwd(ids, prompt, PROBE_TOKENS - prompt)
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device) - base)
+    for p in model.parameters():
+        p.grad = None
+    b = max(peaks[1] - peaks[0], 1) / PROBE_TOKENS
+    return max(peaks[0] - b * PROBE_TOKENS, 0.0), b
+
+
+def decide(free: float, a_full: float, b_full: float, a_ckpt: float, b_ckpt: float, max_seq_len: int,
+           micro_batch: int | None, grad_checkpointing: bool | None, dense: bool, why: str = "") -> StepPlan:
+    """The plan from measurements (bytes): free memory for the training pass, and peak = a + b·tokens
+    without (full) and with (ckpt) recomputation. The rules of the module docstring."""
+    budget = BUDGET_SHARE * free
+    fits_full = int((budget - a_full) // b_full)
+    ckpt = fits_full < max_seq_len if grad_checkpointing is None else grad_checkpointing
+    a, b = (a_ckpt, b_ckpt) if ckpt else (a_full, b_full)
+    tokens = max(int((budget - a) // b), max_seq_len)
+    return StepPlan(micro_batch, None if micro_batch else tokens, ckpt, dense,
+                    max(0, int(KEEP_CACHE_SHARE * (budget - a))), why)
+
+
+def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_checkpointing: bool | None,
+              trainable: int, device) -> StepPlan:
+    """The plan for this model on this device (sets model.gradient_checkpointing). fwd_bwd(ids,
+    prompt_lens, comp_lens) runs the training forward and backward (train.py's); trainable: adapter
+    parameters (fp32, with a gradient and AdamW's two states each)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        model.gradient_checkpointing = bool(grad_checkpointing)
+        return StepPlan(micro_batch, None, model.gradient_checkpointing, False, 0,
+                        "no GPU: one micro-batch, recomputation off unless asked for")
+    free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
+    dense_bytes = sum(m.out_features * m.in_features * 2 for m in model.modules() if hasattr(m, "weight_packed"))
+    dense = 0 < dense_bytes <= DENSE_SHARE * free
+    with dense_weights(model, dense):
+        free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
+        a_full, b_full = _probe(fwd_bwd, model, model.config.vocab_size, False, device)
+        a_ckpt, b_ckpt = _probe(fwd_bwd, model, model.config.vocab_size, True, device)
+    why = (f"{free / GIB:.1f} GiB free for the training pass; a token keeps {b_full / 2**20:.2f} MiB "
+           f"({b_ckpt / 2**20:.2f} with recomputation)")
+    p = decide(free, a_full, b_full, a_ckpt, b_ckpt, max_seq_len, micro_batch, grad_checkpointing, dense, why)
+    model.gradient_checkpointing = p.grad_checkpointing
+    return p
+
+
+def describe(plan: StepPlan) -> str:
+    """The start-up line."""
+    size = f"{plan.micro_batch} completions" if plan.micro_batch else (
+        f"up to {plan.micro_tokens} tokens" if plan.micro_tokens else "the whole batch")
+    return (f"step plan: micro-batches of {size}, recomputation {'on' if plan.grad_checkpointing else 'off'}, "
+            f"dense bf16 weights for training {'on' if plan.dense_weights else 'off'}, KV cache kept between steps "
+            f"up to {plan.keep_cache_bytes / GIB:.1f} GiB ({plan.why})")

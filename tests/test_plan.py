@@ -1,0 +1,63 @@
+"""plan.py: the micro-batch packing rule, the decisions from given measurements (numbers worked out
+by hand below), and the dense weight copies against the NVFP4 path they replace."""
+import pytest
+import torch
+
+import checkpoint
+import plan
+from plan import StepPlan, decide, micro_batches
+
+MIB = 2 ** 20
+
+
+def test_micro_batches_pack_consecutive_sequences_under_the_token_budget():
+    lens = [100, 300, 200, 50, 400, 10]
+    # count · longest <= 600: [100, 300] (2·300 = 600), [200, 50] (400; + 400 would be 3·400), [400, 10] (800?)
+    spans = micro_batches(lens, StepPlan(None, 600, False, False, 0, ""))
+    assert spans == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert all((e - s) * max(lens[s:e]) <= 600 or e - s == 1 for s, e in spans)
+    assert micro_batches(lens, StepPlan(None, 10, False, False, 0, "")) == [(i, i + 1) for i in range(6)]  # one at least
+    assert micro_batches(lens, StepPlan(None, None, False, False, 0, "")) == [(0, 6)]   # no budget: the whole batch
+    assert micro_batches(lens, StepPlan(4, None, False, False, 0, "")) == [(0, 4), (4, 6)]   # pinned count
+    assert micro_batches([], StepPlan(None, 600, False, False, 0, "")) == []
+
+
+def test_decisions_from_measurements():
+    """free 40 GiB -> budget 0.85 · 40 = 34 GiB. Without recomputation a token keeps 6 MiB and 2 GiB are
+    fixed: (34 GiB - 2 GiB) / 6 MiB = 5461 tokens; with it 0.5 MiB / token."""
+    G = 2 ** 30
+    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 1280, None, None, True)
+    assert not p.grad_checkpointing and p.micro_tokens == 5461 and p.dense_weights
+    assert p.keep_cache_bytes == int(0.1 * 32 * G)
+    # a sequence of 8000 tokens does not fit without recomputation: recompute, budget 65536 tokens
+    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 8000, None, None, False)
+    assert p.grad_checkpointing and p.micro_tokens == 65536
+    # pinned choices win; a budget below one sequence still takes one sequence
+    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 1280, 8, True, False)
+    assert p.grad_checkpointing and p.micro_batch == 8 and p.micro_tokens is None
+    assert decide(3 * G, 2.5 * G, 6 * MIB, 2.5 * G, 6 * MIB, 1280, None, False, False).micro_tokens == 1280
+
+
+def test_cpu_plan_is_one_micro_batch():
+    model = checkpoint.build_model(dict(checkpoint.SHAPES["qwen2.5-7b"], vocab_size=64, hidden_size=64,
+                                        intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2), quant="bf16", device="cpu", dtype=torch.float32)
+    p = plan.make_plan(model, None, 100, None, None, 10, "cpu")
+    assert p.micro_batch is None and p.micro_tokens is None and not p.grad_checkpointing and not model.gradient_checkpointing
+    assert "micro-batches of the whole batch" in plan.describe(p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_weights_give_the_nvfp4_layers_output_and_are_dropped_after(dtype):
+    cfg = dict(checkpoint.SHAPES["qwen2.5-7b"], vocab_size=64, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = checkpoint.build_model(cfg, quant="nvfp4", device="cpu", dtype=dtype)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        want = model(ids)
+        with plan.dense_weights(model, True):
+            layers = [m for m in model.modules() if hasattr(m, "weight_packed")]
+            assert layers and all(m.dense is not None and m.dense.dtype == dtype for m in layers)
+            got = model(ids)
+    assert all(m.dense is None for m in layers)
+    assert torch.equal(got, want), "the dense copy is the dequantized weight the CPU path multiplies by"
