@@ -18,10 +18,13 @@ Per token t of completion i, with ratio ρ = exp(logp - old_logp) against the po
     ℓ_it = -min(ρ·A_i, clip(ρ, 1-ε_low, 1+ε_high)·A_i)  [· w_it]  + β·(exp(ref - logp) - (ref - logp) - 1)
 
 The KL term is Schulman's k3 estimator of KL(π_θ ‖ π_ref), always ≥ 0. w_it is the optional
-truncated importance-sampling (TIS) weight min(exp(old_logp - sampler_logp), cap) that corrects
-for the sampler (our paged-KV rollout, bf16 kernels, AQN noise) not computing exactly the same
-probabilities as the training forward (Yao et al. 2025, "Your efficient RL framework secretly
-brings you off-policy RL training"; TRL's `vllm_importance_sampling_correction`).
+importance-sampling weight that corrects for the sampler (our paged-KV rollout, its kernels, AQN
+noise) not computing exactly the probabilities of the training forward (Yao et al. 2025, "Your
+efficient RL framework secretly brings you off-policy RL training"; TRL's
+`vllm_importance_sampling_mode`). With d_it = old_logp - sampler_logp, the ratio is per token,
+ρ_it = exp(d_it), or one per sequence, ρ_i = exp(Σ_t d_it); ratios outside [C_min, C_max] are
+either truncated to the range (`*_truncate`: TIS) or masked to 0 (`*_mask`: MIS), four modes in all
+(IS_MODES); the fraction of tokens a mode touches is logged beside the mean weight.
 
 Aggregation over the masked (B, T) token grid, the four definitions TRL's GRPOTrainer uses:
 
@@ -44,11 +47,12 @@ truncated completions from the loss (`completion_mask(..., truncated=...)`). Mas
 from the sampler's recorded lengths and finish reasons, never from pad-token ids (a pad id can
 be a real token, e.g. when pad == eos).
 
-Left out: sequence-level importance sampling (GSPO), CISPO/SAPO losses, entropy bonuses, reward
+Left out: GSPO's sequence-level clipped ratio, CISPO/SAPO losses, entropy bonuses, reward
 models. Test: python -m pytest tests/test_grpo.py
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -58,6 +62,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4        # added to the std before dividing (TRL's constant)
 DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher upper bound
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 # -----------------------------------------------------------------------------
@@ -75,7 +80,9 @@ class GRPOConfig:
     max_completion_len: int = 1024       # L_max: sampler cap; dr_grpo's constant normaliser
     overlong_cache_len: int = 0          # L_cache of DAPO's overlong shaping (0 = off)
     mask_truncated: bool = False         # overlong filtering: truncated completions get no loss
-    tis_cap: float | None = None         # truncated IS cap (e.g. 2.0); None = no correction
+    is_mode: str | None = None           # importance-sampling correction (IS_MODES); None = none
+    is_max: float | None = 3.0           # C_max of the correction (None: no upper bound)
+    is_min: float | None = None          # C_min of the correction (None: no lower bound)
     dynamic_sampling: bool = False       # DAPO: drop zero-variance groups and sample more
     max_sampling_rounds: int = 3         # sampling rounds per batch before giving up filling it
     dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal"
@@ -100,8 +107,13 @@ class GRPOConfig:
         if not 0 <= self.overlong_cache_len < self.max_completion_len:
             raise ValueError(f"GRPOConfig.overlong_cache_len must be in [0, max_completion_len="
                              f"{self.max_completion_len}), got {self.overlong_cache_len}")
-        if self.tis_cap is not None and not self.tis_cap > 0.0:
-            raise ValueError(f"GRPOConfig.tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.is_mode is not None and self.is_mode not in IS_MODES:
+            raise ValueError(f"GRPOConfig.is_mode must be one of {IS_MODES} or None, got {self.is_mode!r}")
+        for name in ("is_max", "is_min"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0.0:
+                raise ValueError(f"GRPOConfig.{name} must be > 0 or None, got {getattr(self, name)}")
+        if self.is_max is not None and self.is_min is not None and self.is_min > self.is_max:
+            raise ValueError(f"GRPOConfig.is_min ({self.is_min}) must be <= is_max ({self.is_max})")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"GRPOConfig.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         if self.dynamic_sampling_tol < 0.0:
@@ -193,6 +205,19 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ((x.detach().float() * mask).sum() / mask.sum().clamp(min=1.0))
 
 
+def importance_weights(gap: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """gap (B, T) = old_logp - sampler_logp, 0 off the mask -> (weights, touched) (B, T), no gradient:
+    the ratio per token, or per sequence (exp of the sequence's summed gap, on each of its tokens),
+    truncated to [is_min, is_max] or masked to 0 outside it; touched is 1 where that changed it."""
+    d = gap.sum(-1, keepdim=True) if cfg.is_mode.startswith("sequence") else gap      # (B, 1) or (B, T)
+    ratio = torch.exp(d.detach())
+    lo = cfg.is_min if cfg.is_min is not None else 0.0
+    hi = cfg.is_max if cfg.is_max is not None else math.inf
+    out = (ratio < lo) | (ratio > hi)
+    w = ratio.clamp(lo, hi) if cfg.is_mode.endswith("truncate") else ratio.masked_fill(out, 0.0)
+    return w.expand_as(gap), out.float().expand_as(gap)
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor | None,
@@ -213,8 +238,8 @@ def policy_loss(
     mask:         (B, T) 1 on completion tokens that count (see completion_mask); padding positions
                   of the other tensors may hold anything (even inf/nan): they never reach the loss.
     ref_logp:     (B, T) reference log-probs (adapter disabled); required when cfg.beta > 0.
-    sampler_logp: (B, T) log-probs the sampler reported; enables TIS when cfg.tis_cap is set and
-                  the mismatch metric always.
+    sampler_logp: (B, T) log-probs the sampler reported: the mismatch metric, and the
+                  importance-sampling correction where cfg.is_mode is set.
     num_items:    dapo only: active completion tokens in the whole generation batch (all
                   micro-batches, all ranks; divide by world size under gradient averaging,
                   keep it whole when gradients are summed across ranks as train.py does).
@@ -252,11 +277,11 @@ def policy_loss(
         # log π_old - log π_sampler: how far the sampler's numbers are from the trainer's.
         gap = torch.where(on, old.detach() - sampler_logp.float(), zero)   # (B, T)
         metrics["logprob_mismatch"] = _masked_mean(gap.abs(), m)
-        if cfg.tis_cap is not None:
-            # TIS (Yao et al. 2025): a constant per-token weight, capped to bound the variance.
-            w = torch.exp(gap).clamp(max=cfg.tis_cap).detach()            # (B, T)
+        if cfg.is_mode is not None:
+            w, touched = importance_weights(gap, cfg)                     # (B, T) each, constants
             per_token = per_token * w
-            metrics["tis_weight_mean"] = _masked_mean(w, m)
+            metrics["is_weight_mean"] = _masked_mean(w, m)
+            metrics["is_touched_frac"] = _masked_mean(touched, m)
 
     if ref_logp is not None:
         d = torch.where(on, ref_logp.float() - logp, zero)  # (B, T) log π_ref - log π_θ

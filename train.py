@@ -65,7 +65,8 @@ from run_dir import (METRICS, RUN_CONFIG, load_checkpoint, plot_metrics, prepare
 
 # grpo.policy_loss metric -> the name TRL logs it under.
 METRIC_NAMES = {"logprob_mismatch": "sampling/sampling_logp_difference/mean",
-                "tis_weight_mean": "sampling/importance_sampling_ratio/mean"}
+                "is_weight_mean": "sampling/importance_sampling_ratio/mean",
+                "is_touched_frac": "sampling/importance_sampling_touched/mean"}
 
 
 def step_seed(seed: int, step: int, stream: str) -> int:
@@ -210,7 +211,10 @@ def parse_args(argv=None):
     p.add_argument("--max-sampling-rounds", type=int, default=3)
     p.add_argument("--overlong-cache", type=int, default=0, help="DAPO overlong shaping window (0 = off)")
     p.add_argument("--mask-truncated", action="store_true", help="overlong filtering: no loss on truncated completions")
-    p.add_argument("--tis-cap", type=float, default=None, help="truncated importance sampling cap (e.g. 2.0)")
+    p.add_argument("--importance-sampling", choices=list(grpo.IS_MODES), default=None,
+                   help="correct for the sampler's log-probs differing from the trainer's (TRL's modes; default: none)")
+    p.add_argument("--importance-sampling-max", type=float, default=3.0, help="C_max of the correction")
+    p.add_argument("--importance-sampling-min", type=float, default=None, help="C_min of the correction")
     # optimization
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--warmup-steps", type=int, default=0)
@@ -244,8 +248,9 @@ def parse_args(argv=None):
         p.error("--group-size must be >= 2: GRPO advantages compare samples of one prompt")
     if args.temperature <= 0:
         p.error("--temperature must be > 0: training log-probs are taken under logits / temperature")
-    if args.tis_cap is not None and args.top_p < 1:
-        p.error("--tis-cap needs --top-p 1: with top-p the sampler's log-probs are of a truncated distribution")
+    if args.importance_sampling is not None and args.top_p < 1:
+        p.error("--importance-sampling needs --top-p 1: with top-p the sampler's log-probs are of a truncated "
+                "distribution")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
     if args.prompts_per_step % world:
         p.error(f"--prompts-per-step ({args.prompts_per_step}, the global count) must divide by the "
@@ -353,7 +358,8 @@ def build_policy(args, device):
                            beta=args.beta, scale_rewards=args.scale_rewards,
                            updates_per_rollout=args.updates_per_rollout, max_completion_len=args.max_new_tokens,
                            overlong_cache_len=args.overlong_cache, mask_truncated=args.mask_truncated,
-                           tis_cap=args.tis_cap, dynamic_sampling=args.dynamic_sampling,
+                           is_mode=args.importance_sampling, is_max=args.importance_sampling_max,
+                           is_min=args.importance_sampling_min, dynamic_sampling=args.dynamic_sampling,
                            max_sampling_rounds=args.max_sampling_rounds)
     acfg = aqn.AQNConfig(sigma_start=args.sigma_start, sigma_end=args.sigma_end, stages=args.aqn_stages,
                          rollout_only=args.aqn_rollout_only)
@@ -522,7 +528,8 @@ def main(argv=None):
         if rank == 0:
             with open(os.path.join(args.output_dir, METRICS), "a") as f:
                 f.write(json.dumps(m) + "\n")
-        bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}")
+        bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}",
+                        zero_std=f"{m.get('frac_reward_zero_std', float('nan')):.2f}")   # groups without signal
         stop = step + 1 == args.max_steps or step + 1 == args.stop_at
         if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
             save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, stream.position, args.model,

@@ -31,7 +31,8 @@ def test_config_defaults_and_epsilon_high_resolution():
     (dict(loss_type="ppo"), "loss_type"), (dict(scale_rewards="rank"), "scale_rewards"),
     (dict(epsilon=0.0), "epsilon"), (dict(epsilon_high=-0.1), "epsilon_high"), (dict(beta=-1.0), "beta"),
     (dict(updates_per_rollout=0), "updates_per_rollout"), (dict(max_completion_len=0), "max_completion_len"),
-    (dict(max_completion_len=8, overlong_cache_len=8), "overlong_cache_len"), (dict(tis_cap=0.0), "tis_cap"),
+    (dict(max_completion_len=8, overlong_cache_len=8), "overlong_cache_len"), (dict(is_mode="token"), "is_mode"), (dict(is_max=0.0), "is_max"),
+    (dict(is_min=2.0, is_max=1.0), "is_min"),
     (dict(max_sampling_rounds=0), "max_sampling_rounds"), (dict(dynamic_sampling_tol=-1.0), "dynamic_sampling_tol"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
@@ -184,20 +185,34 @@ def test_kl_term_k3_by_hand():
         policy_loss(logp, old, adv, MASK, cfg)
 
 
-def test_truncated_importance_sampling_by_hand():
+@pytest.mark.parametrize("mode, w, touched", [
+    # old - sampler on the active tokens: row 0 [0.1, 0, 0], row 1 [-0.1, 0]; caps [0.95, 1.05]
+    ("token_truncate", [1.05, 1.0, 1.0, 0.95, 1.0], [1, 0, 0, 1, 0]),          # e^0.1 > 1.05, e^-0.1 < 0.95
+    ("token_mask", [0.0, 1.0, 1.0, 0.0, 1.0], [1, 0, 0, 1, 0]),
+    # per sequence: row 0 e^(0.1 + 0 + 0) = 1.1052 on all its tokens, row 1 e^-0.1 = 0.9048
+    ("sequence_truncate", [1.05] * 3 + [0.95] * 2, [1] * 5),
+    ("sequence_mask", [0.0] * 5, [1] * 5),
+])
+def test_importance_sampling_modes_by_hand(mode, w, touched):
     sampler = torch.tensor([[-1.1, -2.5, -0.2], [-0.9, -0.3, NAN]])
-    # old - sampler on active tokens: [0.1, 0, 0, -0.1, 0]; w = min(e^gap, 1.05)
-    w = [min(E(0.1), 1.05), 1.0, 1.0, E(-0.1), 1.0]
     per_token = sum(_hand_per_token(0.2), [])
     logp, old, adv = _inputs()
-    loss, m = policy_loss(logp, old, adv, MASK, GRPOConfig(loss_type="bnpo", tis_cap=1.05), sampler_logp=sampler)
-    close(loss, sum(p * x for p, x in zip(per_token, w)) / 5, what="TIS loss")
+    cfg = GRPOConfig(loss_type="bnpo", is_mode=mode, is_min=0.95, is_max=1.05)
+    loss, m = policy_loss(logp, old, adv, MASK, cfg, sampler_logp=sampler)
+    close(loss, sum(p * x for p, x in zip(per_token, w)) / 5, what=f"{mode} loss")
     close(m["logprob_mismatch"], 0.2 / 5, what="mismatch")
-    close(m["tis_weight_mean"], sum(w) / 5, what="TIS weight mean")
-    # without a cap: the mismatch is reported, the loss is unweighted
+    close(m["is_weight_mean"], sum(w) / 5, what=f"{mode} weight mean")
+    close(m["is_touched_frac"], sum(touched) / 5, what=f"{mode} touched")
+    # wide caps touch nothing: the weights are the plain ratios
+    loss_w, m_w = policy_loss(logp, old, adv, MASK, GRPOConfig(loss_type="bnpo", is_mode=mode, is_max=10.0),
+                              sampler_logp=sampler)
+    ratios = [E(0.1), 1.0, 1.0, E(-0.1), 1.0] if mode.startswith("token") else [E(0.1)] * 3 + [E(-0.1)] * 2
+    close(loss_w, sum(p * x for p, x in zip(per_token, ratios)) / 5, what=f"{mode} uncapped loss")
+    close(m_w["is_touched_frac"], 0.0, what="uncapped touched")
+    # without a mode: the mismatch is reported, the loss is unweighted
     loss_plain, m2 = policy_loss(logp, old, adv, MASK, GRPOConfig(loss_type="bnpo"), sampler_logp=sampler)
-    close(loss_plain, sum(per_token) / 5, what="no TIS")
-    assert "tis_weight_mean" not in m2 and "logprob_mismatch" in m2
+    close(loss_plain, sum(per_token) / 5, what="no correction")
+    assert "is_weight_mean" not in m2 and "logprob_mismatch" in m2
 
 
 def test_entropy_metric_is_a_masked_mean():

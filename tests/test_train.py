@@ -202,7 +202,7 @@ def test_output_dir_with_another_run_is_refused(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--temperature", "0"], "temperature must be > 0"),
-    (["--tis-cap", "2", "--top-p", "0.9"], "tis-cap needs --top-p 1"),
+    (["--importance-sampling", "token_mask", "--top-p", "0.9"], "importance-sampling needs --top-p 1"),
     (["--save-every", "0"], "save-every must be >= 1"),
     (["--group-size", "1"], "group-size must be >= 2"),
 ])
