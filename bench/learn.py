@@ -1,0 +1,132 @@
+"""Does it learn, and does 4-bit help? The learning curves of QeRL's claim, on a real model.
+
+QeRL's claim: the NVFP4 rounding of the frozen weights raises the policy's entropy early in RL and
+helps exploration, so NVFP4 + LoRA (+ AQN) grows reward at least as fast as 16-bit LoRA. This runs
+the four arms of that comparison with train.py as a user would, several seeds each:
+
+    nvfp4+aqn   --quant nvfp4 --aqn          (qerl's default)
+    nvfp4       --quant nvfp4 --no-aqn       (quantization noise alone)
+    bf16+aqn    --quant bf16  --aqn
+    bf16        --quant bf16  --no-aqn       (plain LoRA)
+
+Every other flag is shared (--train-args, appended to each run); a seed gives every arm the same
+data order and the same adapter initialisation (train.py derives both from --seed alone). Each run
+evaluates greedily on --eval-limit held-out problems every --eval-every steps (train.py's
+eval/accuracy), and logs its train reward and policy entropy each step. The figure has three panels
+against step: held-out accuracy, train reward, entropy; each arm's mean over seeds as a line and its
+min..max as a band. Runs whose metrics.jsonl already covers --steps are reused, so an interrupted
+sweep continues where it stopped.
+
+    python bench/learn.py --model <SmolLM2 dir> --dataset addition --seeds 0,1,2 --steps 100 --out runs/learn
+    python bench/learn.py ... --arms nvfp4+aqn,bf16                     # two arms only
+It runs on a CPU too (slowly: SmolLM2-135M takes ~1 min a step there). Writes OUT/learn.json (the
+per-step means and ranges) and OUT/learn.png. Test: tests/test_learn_bench.py (a tiny model, CPU).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ARMS = {"nvfp4+aqn": ["--quant", "nvfp4", "--aqn"], "nvfp4": ["--quant", "nvfp4", "--no-aqn"],
+        "bf16+aqn": ["--quant", "bf16", "--aqn"], "bf16": ["--quant", "bf16", "--no-aqn"]}
+CURVES = {"eval/accuracy": "held-out greedy accuracy", "reward": "train reward", "entropy": "policy entropy"}
+
+
+def run(arm: str, seed: int, args) -> list[dict]:
+    """One train.py run (reused if its metrics already reach --steps) -> its metric rows."""
+    out = os.path.join(args.out, f"{arm}-seed{seed}")
+    metrics = os.path.join(out, "metrics.jsonl")
+    if not (os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= args.steps):
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", args.model, "--dataset", args.dataset,
+               "--max-steps", str(args.steps), "--eval-every", str(args.eval_every), "--eval-limit",
+               str(args.eval_limit), "--seed", str(seed), "--save-every", str(args.steps), "--output-dir", out,
+               *(["--resume"] if os.path.exists(os.path.join(out, "run_config.json")) else []),
+               *ARMS[arm], *args.train_args.split()]
+        subprocess.run(cmd, check=True)
+    with open(metrics) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def curve(rows: list[dict], key: str) -> dict[int, float]:
+    """{x: value}: eval accuracy at the updates it was measured after (0: before training), else per step."""
+    if key == "eval/accuracy":
+        pts = {0: r["eval/accuracy_initial"] for r in rows if "eval/accuracy_initial" in r}
+        return pts | {r["eval/updates"]: r[key] for r in rows if key in r}
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def summarise(runs: dict[str, list[list[dict]]]) -> dict:
+    """{arm: {curve: {x: (mean, min, max)}}} over the seeds that have the point."""
+    out = {}
+    for arm, seeds in runs.items():
+        out[arm] = {}
+        for key in CURVES:
+            per_seed = [curve(rows, key) for rows in seeds]
+            xs = sorted(set().union(*per_seed))
+            out[arm][key] = {x: (statistics.mean(v), min(v), max(v))
+                             for x in xs for v in [[c[x] for c in per_seed if x in c]]}
+    return out
+
+
+def plot(summary: dict, path: str, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(15, 3.8))
+    for ax, (key, label) in zip(axes, CURVES.items()):
+        for arm, curves in summary.items():
+            pts = sorted(curves[key].items())
+            if not pts:
+                continue
+            xs = [x for x, _ in pts]
+            line, = ax.plot(xs, [m for _, (m, _, _) in pts], label=arm, marker="." if len(xs) < 30 else None)
+            ax.fill_between(xs, [lo for _, (_, lo, _) in pts], [hi for _, (_, _, hi) in pts],
+                            color=line.get_color(), alpha=0.2)
+        ax.set(title=label, xlabel="step")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="a local model directory or Hub id")
+    ap.add_argument("--dataset", default="addition")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-limit", type=int, default=200)
+    ap.add_argument("--train-args", default="--prompts-per-step 8 --group-size 8 --max-new-tokens 24 --lora-rank 16 "
+                    "--lr 2e-4", help="train.py flags every run shares")
+    ap.add_argument("--out", default="runs/learn")
+    args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        ap.error(f"unknown arm(s) {bad}: choose from {', '.join(ARMS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    runs = {arm: [run(arm, seed, args) for seed in seeds] for arm in arms}
+    summary = summarise(runs)
+    with open(os.path.join(args.out, "learn.json"), "w") as f:
+        json.dump({"args": vars(args), "summary": {a: {k: {str(x): v for x, v in c.items()} for k, c in s.items()}
+                                                   for a, s in summary.items()}}, f, indent=1)
+    plot(summary, os.path.join(args.out, "learn.png"),
+         f"{os.path.basename(os.path.normpath(args.model))}, {args.dataset}, {len(seeds)} seeds: mean and range")
+    for arm in arms:
+        acc = summary[arm]["eval/accuracy"]
+        last = max(acc) if acc else None
+        print(f"{arm:10s} held-out accuracy {100 * acc[0][0]:.1f}% -> {100 * acc[last][0]:.1f}% at step {last} "
+              f"(range {100 * acc[last][1]:.1f}..{100 * acc[last][2]:.1f})" if acc else f"{arm:10s} no evaluation")
+    print(f"wrote {os.path.join(args.out, 'learn.png')}")
+
+
+if __name__ == "__main__":
+    main()
