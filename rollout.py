@@ -32,10 +32,14 @@ all three in one kernel launch per layer.
              batch-size bucket, padded rows write nothing; a graph also fills in the tokens of the
              step in flight (kernels.fill_tokens), and
              where sampling is the Triton path (no top-k / top-p) it runs the lm_head and the
-             sampler too (one graph per temperature), keyed by the Runner's seed tensor, which the
-             sampler advances in place: a step is then two small copies in (three after a
-             prefill), one replay and one copy of the step's record (tokens and logprobs in one
-             buffer) out.
+             sampler too (one graph per temperature): a step is then two small copies in (three
+             after a prefill), one replay and one copy of the step's record (tokens and logprobs
+             in one buffer) out.
+    draws:   a sequence's random draws depend only on (the call's seed, the sequence, the position
+             sampled): row keys = seed + seq_id · 2^24 + position (ROW_KEY), each row drawing from
+             its own key. So preemption, a smaller KV cache or another batch composition sample
+             the same tokens (up to the logits' rounding), and a resumed run samples what the
+             uninterrupted one did.
 
 GRPO sharing. The n samples of one prompt are prefilled once and share the prompt's KV blocks,
 copied on write (scheduler.py). Sampling records each token's logprob under the sampling
@@ -152,6 +156,10 @@ class DecodeContext:
 # ----------------------------------------------------------------------------------------------
 # Runner: the KV cache, packed prefill, paged decode, CUDA graphs
 
+META_ROWS = 6          # decode inputs a row: token, position, KV slot, context length, source row, sequence id
+ROW_KEY = 1 << 24      # a draw's key: the call's seed + sequence id · ROW_KEY + position (positions < 2^24)
+
+
 class Runner:
     def __init__(self, model, block_size, max_model_len, attn_backend, cuda_graphs, partition_size):
         cfg = model.config
@@ -175,11 +183,18 @@ class Runner:
         self.k_cache = self.v_cache = None
         self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
         self.graphs, self.graph_pool, self._static = {}, None, None
-        self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the Triton sampler's Philox key
+        self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the call's key (row_keys)
 
     def reseed(self, generator=None):
-        """A new Philox key for the Triton sampler (each sampling step then advances it by one)."""
+        """A new key for this generate() call's draws (graphs read it in place)."""
         self.seed.random_(0, 2 ** 62, generator=generator)
+
+    def row_keys(self, seq_ids, positions):
+        """(B,) int64 on the device: each draw's key, seed + seq_id · ROW_KEY + position, from
+        tensors (inside a graph: the static meta rows) or host lists."""
+        if not torch.is_tensor(seq_ids):
+            seq_ids, positions = self._tensor(seq_ids, torch.int64), self._tensor(positions, torch.int64)
+        return self.seed + seq_ids.long() * ROW_KEY + positions.long()
 
     def _paged_attention_triton(self, q, *args, rope=None):
         """kernels.paged_attention with the counters its partitions merge by. The partitioning it
@@ -231,13 +246,14 @@ class Runner:
         """(rows, H) -> (rows, V) in the model's dtype: sample() reads it as is."""
         return ops.logits(hidden, self.model.lm_head)
 
-    def sample(self, logits, params, generator, record=None):
-        """logits (B, V) -> the step's record (split_record): the sampled tokens and their logprobs
-        in its first B rows. record: a buffer of >= B rows to fill (default: a new one of B rows)."""
+    def sample(self, logits, params, keys, record=None):
+        """logits (B, V), keys (>= B,) int64 (row_keys) -> the step's record (split_record): the
+        sampled tokens and their logprobs in its first B rows. record: a buffer of >= B rows to fill
+        (default: a new one of B rows)."""
         B = logits.shape[0]
         record = new_record(B, logits.device) if record is None else record
         tokens, logprobs = split_record(record)
-        sample(logits, params, generator, seed=self.seed, out=(tokens[:B], logprobs[:B]))
+        sample(logits, params, keys=keys[:B], out=(tokens[:B], logprobs[:B]))
         return record
 
     # ---- prefill: one packed row of all new tokens
@@ -258,7 +274,7 @@ class Runner:
 
     # ---- decode: one token per sequence
     def _decode_inputs(self, seqs, rows, src_rows):
-        """-> (5, rows) int32 [token, position, KV slot, context length, source row] and (rows, width)
+        """-> (6, rows) int32 [token, position, KV slot, context length, source row, sequence id] and (rows, width)
         block tables, built on the host in one tensor each. A token still on the GPU (sampled by the
         step in flight) is 0 here and its row in that step's output is the source row (else -1).
         Rows past len(seqs) are padding that writes no KV (slot -1) and attends to nothing (length 0)."""
@@ -267,7 +283,8 @@ class Runner:
                              [len(s) - 1 for s in seqs] + [0] * pad,
                              [self._slot(s, len(s) - 1) for s in seqs] + [-1] * pad,
                              [len(s) for s in seqs] + [0] * pad,
-                             list(src_rows) + [-1] * pad], dtype=torch.int32)
+                             list(src_rows) + [-1] * pad,
+                             [s.seq_id for s in seqs] + [0] * pad], dtype=torch.int32)
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
                               + [[0] * width] * pad, dtype=torch.int32)
@@ -288,17 +305,18 @@ class Runner:
         meta[0].copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)].to(meta.dtype), meta[0]))
 
     @torch.inference_mode()
-    def decode(self, seqs, src_rows, prev_tokens, params, generator):
+    def decode(self, seqs, src_rows, prev_tokens, params):
         """-> the step's record (split_record), the next token of each sequence in its first B rows;
-        src_rows/prev_tokens: see above; params, generator: as in sample()."""
+        src_rows/prev_tokens: see above; params: as in sample()."""
         B = len(seqs)
         if self.cuda_graphs and B <= self.BUCKETS[-1]:
-            return self._decode_graph(seqs, src_rows, prev_tokens, params, generator)
+            return self._decode_graph(seqs, src_rows, prev_tokens, params)
         meta, tables = (t.to(self.device, non_blocking=True) for t in self._decode_inputs(seqs, B, src_rows))
-        return self.sample(self._logits(self._run_decode(meta, tables, prev_tokens)[:, 0]), params, generator)
+        hidden = self._run_decode(meta, tables, prev_tokens)[:, 0]                     # (B, H)
+        return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]))
 
     def _run_decode(self, meta, tables, prev_tokens):
-        """meta (5, B), tables (B, width) on the device, prev_tokens: the step in flight's tokens
+        """meta (6, B), tables (B, width) on the device, prev_tokens: the step in flight's tokens
         (or None) -> final hidden states (B, 1, H)."""
         self._fill_tokens(meta, prev_tokens)
         ctx = DecodeContext(self, meta[2], tables, meta[3])
@@ -308,15 +326,15 @@ class Runner:
     BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
     def _static_buffers(self, prev_rows=0):
-        """[meta (5·n,), tables (n, width), record (12·n',)]: what the graphs read and write by address.
-        A graph of b rows reads meta[:5·b] as (5, b), contiguous, so that its host copy is one plain
-        copy (a strided view of a (5, n) tensor took a copy kernel as well). The record
+        """[meta (6·n,), tables (n, width), record (12·n',)]: what the graphs read and write by address.
+        A graph of b rows reads meta[:6·b] as (6, b), contiguous, so that its host copy is one plain
+        copy (a strided view of a (6, n) tensor takes a copy kernel as well). The record
         (split_record) receives the graphs' samples; its tokens are also the step in flight's
         tokens, which the next graph fills into meta[0]. A step with more rows than it holds (a
         large prefill) replaces it and drops the graphs that use it."""
         n, d = self.BUCKETS[-1], self.device
         if self._static is None:
-            self._static = [torch.zeros(5 * n, dtype=torch.int32, device=d),
+            self._static = [torch.zeros(META_ROWS * n, dtype=torch.int32, device=d),
                             torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d),
                             new_record(n, d)]
         if len(split_record(self._static[2])[0]) < prev_rows:
@@ -328,14 +346,16 @@ class Runner:
         """A graph of the decode step for `bucket` rows: up to the final hidden states (params None),
         or through the lm_head and the Triton sampler at params.temperature into the static record."""
         static_meta, static_tables, record = self._static_buffers()
-        meta, tables = static_meta[:5 * bucket].view(5, bucket), static_tables[:bucket]
+        meta, tables = static_meta[:META_ROWS * bucket].view(META_ROWS, bucket), static_tables[:bucket]
         prev = split_record(record)[0]
 
         def step():
             hidden = self._run_decode(meta, tables, prev)[:, 0]                      # (bucket, H)
-            return hidden if params is None else self.sample(self._logits(hidden), params, None, record)
+            if params is None:
+                return hidden
+            return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]), record)
 
-        saved = record.clone(), self.seed.clone()    # the warm-up samples: put back what it overwrites
+        saved = record.clone()                       # the warm-up samples: put back what it overwrites
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):      # warm-up: autotuning and lazy inits happen outside capture
@@ -345,16 +365,15 @@ class Runner:
         with torch.cuda.graph(graph, pool=self.graph_pool):
             out = step()
         self.graph_pool = graph.pool()
-        record.copy_(saved[0])
-        self.seed.copy_(saved[1])
+        record.copy_(saved)
         return graph, out
 
-    def _decode_graph(self, seqs, src_rows, prev_tokens, params, generator):
+    def _decode_graph(self, seqs, src_rows, prev_tokens, params):
         B = len(seqs)
         bucket = next(b for b in self.BUCKETS if b >= B)
         meta, tables = self._decode_inputs(seqs, bucket, src_rows)
         static_meta, static_tables, record = self._static_buffers(0 if prev_tokens is None else len(prev_tokens))
-        static_meta[:5 * bucket].view(5, bucket).copy_(meta, non_blocking=True)   # two host->device copies
+        static_meta[:META_ROWS * bucket].view(META_ROWS, bucket).copy_(meta, non_blocking=True)   # two host->device copies
         static_tables[:bucket, :tables.shape[1]].copy_(tables, non_blocking=True)
         prev = split_record(record)[0]
         if prev_tokens is not None and prev_tokens.data_ptr() != prev.data_ptr():
@@ -366,7 +385,10 @@ class Runner:
             self.graphs[key] = self._capture(bucket, params if in_graph else None)
         graph, out = self.graphs[key]
         graph.replay()
-        return out if in_graph else self.sample(self._logits(out[:B]), params, generator)
+        if in_graph:
+            return out
+        keys = self.row_keys([s.seq_id for s in seqs], [len(s) - 1 for s in seqs])
+        return self.sample(self._logits(out[:B]), params, keys)
 
 
 def new_record(rows, device):
@@ -454,7 +476,7 @@ class LLMEngine:
             if not all(isinstance(t, int) and 0 <= t < V for t in p):
                 raise ValueError(f"prompt {i} has a token id outside [0, {V}) or not an int")
 
-    def _launch(self, kind, batch, copies, pending, params, gen):
+    def _launch(self, kind, batch, copies, pending, params):
         """Queue one step on the GPU: forward, sampling, and an asynchronous copy of the tokens and
         logprobs to the host. Each sequence gets a placeholder token (-1) at once, so the scheduler
         sees its true length while the value is still on the GPU. -> the step: a dict of its
@@ -464,13 +486,14 @@ class LLMEngine:
             assert pending is None, "a prefill reads every token on the host: drain the step in flight first"
             seqs = [s for g in batch for s in g]
             logits = r.prefill(batch)                                        # (groups, V)
-            record = r.sample(logits[[i for i, g in enumerate(batch) for _ in g]], params, gen)
+            keys = r.row_keys([s.seq_id for s in seqs], [len(s) - 1 for s in seqs])
+            record = r.sample(logits[[i for i, g in enumerate(batch) for _ in g]], params, keys)
         else:
             seqs = batch
             r.copy_blocks(copies)
             rows = {id(s): i for i, s in enumerate(pending["seqs"])} if pending else {}
             src = [rows[id(s)] if s.token_ids[-1] < 0 else -1 for s in seqs]
-            record = r.decode(seqs, src, pending["tokens"] if pending else None, params, gen)
+            record = r.decode(seqs, src, pending["tokens"] if pending else None, params)
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=record.is_cuda)
         host.copy_(record, non_blocking=True)
         event = torch.cuda.Event() if record.is_cuda else None
@@ -551,7 +574,7 @@ class LLMEngine:
                     pending = None
                     continue
                 steps[kind] += 1
-                step = self._launch(kind, batch, copies, pending, params, gen)
+                step = self._launch(kind, batch, copies, pending, params)
                 if pending:                            # the GPU runs `step` while the host reads this
                     take(pending)
                 pending = step

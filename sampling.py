@@ -9,7 +9,9 @@ logits). train.py hands these to the loss as the sampler's logprobs (truncated i
 
 Shapes: logits (B, V) (bf16 or fp32), one row per sequence of the step -> tokens (B,) long,
 logprobs (B,) fp32, both left on the logits' device. A seeded torch.Generator makes a draw
-reproducible.
+reproducible. With `keys` (B,) int64, row b draws from its own key alone, whatever rows share the
+call: the engine keys a draw by (the call's seed, the sequence, the position being sampled), so
+that preemption, a smaller KV cache or another batch composition sample the same tokens.
 
 The GPU path without top-k / top-p (GRPO samples at temperature 1 from the full distribution) is
 the kernel wing's (kernels/sampler.py): two Triton kernels instead of ~10 torch ones, the same
@@ -41,14 +43,14 @@ def uses_kernels(params, shape, device):
     return kernels.sampler_runs(filtered, shape, device)
 
 
-def sample(logits, params, generator=None, seed=None, out=None):
+def sample(logits, params, generator=None, keys=None, out=None):
     """logits (B, V) -> tokens (B,) long, logprobs (B,) fp32 under the sampling distribution.
     params: a rollout.SamplingParams (only temperature, top_k and top_p are read here).
-    seed: the fast path's per-step key, a (1,) int64 device tensor it advances (kernels.sample);
-    out: (tokens, logprobs) tensors to write into. The torch path draws from `generator`."""
+    keys: (B,) int64 on the logits' device, each row's random key (None: draw from `generator`);
+    out: (tokens, logprobs) tensors to write into."""
     if uses_kernels(params, logits.shape, logits.device):
-        return kernels.sample(logits, params.temperature, generator, seed=seed, out=out)
-    tokens, logprobs = _sample_torch(logits, params, generator)
+        return kernels.sample(logits, params.temperature, generator, keys=keys, out=out)
+    tokens, logprobs = _sample_torch(logits, params, generator, keys)
     if out is None:
         return tokens, logprobs
     out[0].copy_(tokens)
@@ -56,7 +58,7 @@ def sample(logits, params, generator=None, seed=None, out=None):
     return out
 
 
-def _sample_torch(logits, params, generator):
+def _sample_torch(logits, params, generator, keys=None):
     logits = logits.float()
     if params.temperature == 0:
         tokens = logits.argmax(-1)
@@ -72,6 +74,12 @@ def _sample_torch(logits, params, generator):
         drop = (torch.cumsum(probs, -1) - probs) >= params.top_p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     logp = torch.log_softmax(logits, -1)                                            # (B, V)
-    e = torch.empty_like(logp).exponential_(generator=generator).clamp_min_(1e-30)  # no log(0)
+    e = torch.empty_like(logp)
+    if keys is None:
+        e.exponential_(generator=generator)
+    else:                   # one generator per row, seeded by its key (the keys' values reach the host)
+        for row, key in zip(e, keys.tolist()):
+            row.exponential_(generator=torch.Generator(e.device).manual_seed(key % 2 ** 63))
+    e.clamp_min_(1e-30)                                                             # no log(0)
     tokens = (logp - e.log()).argmax(-1)     # argmax p_i / E_i, E_i ~ Exp(1): a draw from p
     return tokens, logp.gather(1, tokens[:, None])[:, 0]

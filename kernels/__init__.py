@@ -142,13 +142,14 @@ def attention_counts(rows, num_kv_heads, device):
 
 
 def sampler_runs(filtered: bool, shape, device) -> bool:
-    """Can sample() draw from (B, V) logits on device (CUDA, no top-k / top-p, B·V < 2^31)?"""
+    """Can sample() draw from (B, V) logits on device (CUDA, no top-k / top-p)?"""
     return available and sampler.fits(filtered, shape, device)
 
 
-def sample(logits, temperature, generator=None, chunk=None, seed=None, out=None):
-    """tokens (B,) int64, logprobs (B,) fp32 drawn by the two sampling kernels (sampler.sample)."""
-    return sampler.sample(logits, temperature, generator, chunk=chunk, seed=seed, out=out)
+def sample(logits, temperature, generator=None, chunk=None, keys=None, out=None):
+    """tokens (B,) int64, logprobs (B,) fp32 drawn by the two sampling kernels, row b with Philox key
+    keys[b] (sampler.sample)."""
+    return sampler.sample(logits, temperature, generator, chunk=chunk, keys=keys, out=out)
 
 
 def fill_tokens(meta, prev_tokens):

@@ -60,28 +60,32 @@ def test_sample_kernels_draws_from_the_softmax_across_chunks():
 
 
 @pytest.mark.interpreter
-def test_sample_kernels_seed_tensor_advances_and_out_buffers():
-    """seed=: the key a CUDA graph reads by address. A call with key k draws what the generator path
-    draws when its generator yields k, and leaves k + 1 behind, so the next call draws with k + 1;
-    out= receives the results (here views of one buffer, as the engine's step record). Bad seed /
-    out: ValueError."""
+def test_sample_kernels_row_keys_and_out_buffers():
+    """keys=: each row draws from its own key alone. The same (row, key) draws the same token wherever
+    the row sits in the batch and whatever rows share the call (the engine's preemption-proof draws);
+    a row with another key draws otherwise; without keys, the rows of a call draw with one generator
+    key plus the row index. out= receives the results (here views of one buffer, as the engine's step
+    record). Bad keys / out: ValueError."""
     g = torch.Generator().manual_seed(4)
     x = torch.randn(6, 40, generator=g)
-    k = int(torch.randint(2 ** 62, (1,), generator=torch.Generator().manual_seed(9)))
-    want = [sample(x, 0.8, torch.Generator().manual_seed(9), chunk=16)]
-    seed = torch.tensor([k])
+    keys = torch.randint(2 ** 62, (6,), generator=g)
     buf = torch.zeros(6 * 12, dtype=torch.uint8)
     out = buf[:48].view(torch.int64), buf[48:].view(torch.float32)
-    tok, lp = sample(x, 0.8, seed=seed, out=out, chunk=16)
-    assert tok.data_ptr() == buf.data_ptr() and int(seed) == k + 1
-    assert torch.equal(tok, want[0][0]) and torch.equal(lp, want[0][1])
-    again = sample(x, 0.8, seed=seed, chunk=16)
-    fresh = sample(x, 0.8, seed=torch.tensor([k + 1]), chunk=16)
-    assert torch.equal(again[0], fresh[0]) and not torch.equal(again[0], tok) and int(seed) == k + 2
-    with pytest.raises(ValueError, match="seed must be"):
-        sample(x, 0.8, seed=torch.tensor([7], dtype=torch.int32))
+    tok, lp = sample(x, 0.8, keys=keys, out=out, chunk=16)
+    assert tok.data_ptr() == buf.data_ptr()
+    perm = torch.tensor([3, 0, 5])                            # three of the rows, in another order, alone
+    tok3, lp3 = sample(x[perm], 0.8, keys=keys[perm], chunk=16)
+    assert torch.equal(tok3, tok[perm]) and torch.equal(lp3, lp[perm])
+    draws = {int(sample(x[:1], 0.8, keys=torch.tensor([k]), chunk=16)[0]) for k in range(40)}
+    assert len(draws) > 5, f"different keys must draw differently, got {draws}"
+    k = int(torch.randint(2 ** 62, (1,), generator=torch.Generator().manual_seed(9)))
+    want = sample(x, 0.8, keys=k + torch.arange(6), chunk=16)
+    got = sample(x, 0.8, torch.Generator().manual_seed(9), chunk=16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="keys must be"):
+        sample(x, 0.8, keys=keys.int())
     with pytest.raises(ValueError, match="out must be"):
-        sample(x, 0.8, seed=seed, out=(out[0][:5], out[1][:5]))
+        sample(x, 0.8, keys=keys, out=(out[0][:5], out[1][:5]))
 
 
 @pytest.mark.gpu
@@ -117,7 +121,8 @@ def test_gpu_sample_dispatches_to_the_kernels_and_matches_the_softmax(monkeypatc
 
 def test_chunk_and_where_the_kernels_run():
     """default_chunk: greedy programs take sample_chunk logits, drawing ones fewer (1024 to 16 rows,
-    2048 beyond); a moved field moves it. sampler_runs: CUDA only, no top-k / top-p, B·V < 2^31."""
+    2048 beyond); a moved field moves it. sampler_runs: CUDA only, no top-k / top-p, any B·V (a
+    logit's Philox counter is its index in the row)."""
     assert [default_chunk(r, t) for r, t in ((1, 0.0), (128, 0.0), (1, 1.0), (16, 1.0), (17, 1.0))] == [
         4096, 4096, 1024, 1024, 2048]
     with tuning.using(dataclasses.replace(tuning.current(), sample_small_rows=32)):
@@ -125,7 +130,7 @@ def test_chunk_and_where_the_kernels_run():
     assert not kernels.sampler_runs(False, (4, 1000), "cpu")
     assert kernels.sampler_runs(False, (4, 1000), "cuda") == kernels.available
     assert not kernels.sampler_runs(True, (4, 1000), "cuda")
-    assert not kernels.sampler_runs(False, (2 ** 16, 2 ** 15), "cuda")
+    assert kernels.sampler_runs(False, (2 ** 16, 2 ** 15), "cuda") == kernels.available
 
 
 @pytest.mark.interpreter

@@ -68,6 +68,26 @@ def test_greedy_matches_hf_generate_tiny(tiny_hf_dir, arch, tie, num_blocks):
             assert c.finish_reason == "length" and len(c.logprobs) == 24
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampled_tokens_do_not_depend_on_the_cache_size(tiny_hf_dir, top_p):
+    """A draw is keyed by (seed, sequence, position) only: at temperature 1 a full cache and one small
+    enough to preempt (the batch runs in other groupings, preempted sequences are prefilled again)
+    sample the same tokens; and a prompt sampled alone gets the tokens it gets in the batch."""
+    model = _load(tiny_hf_dir("qwen2")[0])
+    prompts = _prompts([3, 11, 20, 6], seed=3)
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=20, n=2, seed=5, stop_token_ids=())
+    full = LLMEngine(model, block_size=4).generate(prompts, params)
+    small = LLMEngine(model, block_size=4, num_blocks=14)
+    tight = small.generate(prompts, params)
+    assert small.stats["preemptions"] > 0, small.stats
+    tokens = lambda out: [[c.token_ids for c in comps] for comps in out]          # noqa: E731
+    assert tokens(tight) == tokens(full)
+    alone = LLMEngine(model, block_size=4).generate(prompts[:1], params)
+    assert tokens(alone)[0] == tokens(full)[0]
+    assert tokens(LLMEngine(model, block_size=4).generate(prompts, SamplingParams(**{**vars(params), "seed": 6}))) \
+        != tokens(full), "another seed must sample otherwise"
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.8, 20, 0.9)])
 def test_sampled_logprobs_match_dense_forward(tiny_hf_dir, temperature, top_k, top_p):
     """The recorded logprob of each sampled token equals log softmax of a dense forward of the
@@ -317,7 +337,7 @@ def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora
 @pytest.mark.gpu
 def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
     """At temperature 1 without top-k/top-p the lm_head and the Triton sampler run inside the decode
-    graph, keyed by the Runner's seed tensor (advanced one per step, the capture's warm-up undone):
+    graph, each draw keyed by (the call's seed, the sequence, the position; the capture's warm-up undone):
     the same seed gives the same tokens and logprobs in the call that captures the graphs, in a call
     that replays them, and in a second engine that captured its graphs in another order (another
     seed first); another seed gives others. Stop tokens end sequences at different steps, so the
