@@ -19,15 +19,17 @@ and shape is checked against it from the safetensors headers alone, then tensors
 time with `safe_open` onto the target device. A q/k/v/o/gate/up/down weight is quantized right there
 (nvfp4.quantize) and its bf16 copy dropped before the next tensor is read, so peak device memory is
 the final footprint plus one group of bf16 matrices and quantize's temporaries (load_bytes).
-Embeddings, lm_head, norms and biases stay unquantized, as in QeRL. q/k/v (and gate/up) are
-quantized with one shared global scale, the smallest of theirs (quantize_group), as llm-compressor
-does for checkpoints meant to be served fused: the fast kernels may then multiply a group at once.
+Embeddings, lm_head, norms (Qwen3's per-head q_norm / k_norm too) and biases stay unquantized, as
+in QeRL. q/k/v (and gate/up) are quantized with one shared global scale, the smallest of theirs
+(quantize_group), as llm-compressor does for checkpoints meant to be served fused: the fast kernels
+may then multiply a group at once.
 A compressed-tensors NVFP4 checkpoint is assigned as is. Base weights come back frozen
 (requires_grad=False); LoRA adds the trainable parameters. Last, kernels.prepare puts the weights
 into the fast kernels' layout on a GPU (nvfp4.interleave, and the stacked groups).
 
-Random init (`build_model`). The real Qwen2.5 shapes (SHAPES) with N(0, 0.02²) weights, drawn and
-quantized one group at a time: benchmarks of 7B-32B shapes on machines without the weights.
+Random init (`build_model`). The real Qwen2.5 and Qwen3 shapes (SHAPES) with N(0, 0.02²) weights
+(norms 1), drawn and quantized one group at a time: benchmarks of 7B-32B shapes on machines without
+the weights.
 
 Saving (`save_pretrained`). The base model's state dict (NVFP4 linears as weight_packed /
 weight_scale / weight_global_scale, the tied lm_head once, under the embedding's key) in shards of
@@ -244,11 +246,15 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
     return _finish(model, device)
 
 
-# Qwen2.5 config.json values (vocab, norms, RoPE, shapes), for random-init runs and benchmarks on
-# machines without the weights: `build_model(SHAPES["qwen2.5-7b"])`, `train.py --random-init`.
+# Qwen2.5 and Qwen3 config.json values (vocab, norms, RoPE, shapes), for random-init runs and benchmarks
+# on machines without the weights: `build_model(SHAPES["qwen2.5-7b"])`, `train.py --random-init`.
 _QWEN25 = dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, rms_norm_eps=1e-6, rope_theta=1e6,
                max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
                bos_token_id=151643, eos_token_id=151645)
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, head_dim=128,
+              rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+              attention_bias=False, use_sliding_window=False, sliding_window=None, hidden_act="silu",
+              bos_token_id=151643, eos_token_id=151645)
 SHAPES = {
     "qwen2.5-7b": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4),
@@ -256,6 +262,11 @@ SHAPES = {
                         num_attention_heads=40, num_key_value_heads=8),
     "qwen2.5-32b": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
                         num_attention_heads=40, num_key_value_heads=8),
+    # Qwen3: head_dim 128 given (not hidden / heads), per-head q/k norms, no q/k/v bias
+    "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, max_window_layers=36),
+    "qwen3-32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, max_window_layers=64),
 }
 
 

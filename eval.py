@@ -29,13 +29,13 @@ from checkpoint import load_model, load_tokenizer
 
 
 def evaluate(engine, tokenizer, examples, params, batch_size: int = 256,
-             system_prompt: str = tasks.SYSTEM_PROMPT) -> tuple[dict, list]:
+             system_prompt: str = tasks.SYSTEM_PROMPT, chat_template_kwargs: dict | None = None) -> tuple[dict, list]:
     """Generate for every example and score. Returns (metrics, one record per example)."""
     stats = rewards.RewardStats()
     records, correct, strict, flexible, t0 = [], [], [], [], time.perf_counter()
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
-        ids = [tasks.encode_prompt(tokenizer, e.question, system_prompt) for e in chunk]
+        ids = [tasks.encode_prompt(tokenizer, e.question, system_prompt, chat_template_kwargs) for e in chunk]
         for e, comps in zip(chunk, engine.generate(ids, params)):
             texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
             scores = [rewards.reward(e, t, stats) for t in texts]
@@ -67,6 +67,8 @@ def main(argv=None):
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--system-prompt", default=tasks.SYSTEM_PROMPT, help="the training run's, if it set one")
+    p.add_argument("--chat-template-kwargs", type=tasks.parse_chat_template_kwargs, default=None, metavar="JSON",
+                   help="""extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Qwen3)""")
     # sampling
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -94,7 +96,8 @@ def main(argv=None):
     engine = rollout.LLMEngine(model, max_model_len=args.max_model_len)
     params = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, n=args.samples,
                                     max_tokens=args.max_new_tokens, seed=args.seed)
-    metrics, records = evaluate(engine, tokenizer, examples, params, system_prompt=args.system_prompt)
+    metrics, records = evaluate(engine, tokenizer, examples, params, system_prompt=args.system_prompt,
+                                chat_template_kwargs=args.chat_template_kwargs)
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(f"{args.output}.tmp", "w") as f:

@@ -1,4 +1,4 @@
-"""The policy network: a Qwen2 / Llama decoder in plain PyTorch.
+"""The policy network: a Qwen2 / Qwen3 / Llama decoder in plain PyTorch.
 
 The decoder
 -----------
@@ -8,6 +8,7 @@ RMSNorm(h) = h / sqrt(mean_c(h²) + ε) ⊙ w (statistics over the H channels of
     h⁰      = E[x]                                     embed_tokens                       (B, T, H)
     a       = RMSNorm(hˡ; w₁)                          input_layernorm
     q, k, v = a·W_qᵀ + b_q, a·W_kᵀ + b_k, a·W_vᵀ + b_v  Hq query heads, Hkv key/value heads (B, T, H*, D)
+    q, k    = RMSNorm(q; w_q), RMSNorm(k; w_k)         Qwen3 only: q_norm, k_norm over each head's D channels
     q, k    = RoPE(q, p), RoPE(k, p)                   rotate channel pairs (i, i+D/2) by p·θ^(-2i/D)
     o_t     = Σ_{s≤t} softmax_s(q_t·k_s/√D) v_s        causal; query head j reads kv head j // (Hq/Hkv)
     h'      = hˡ + o·W_oᵀ
@@ -15,12 +16,16 @@ RMSNorm(h) = h / sqrt(mean_c(h²) + ε) ⊙ w (statistics over the H channels of
     hˡ⁺¹    = h' + (silu(m·W_gateᵀ) ⊙ m·W_upᵀ)·W_downᵀ
     logits  = RMSNorm(hᴸ; w_f)·W_headᵀ                 model.norm, lm_head (W_head = E when tied)
 
-Qwen2 has biases on q/k/v only; Llama has none unless `attention_bias` (then o_proj too). Llama 3.1
+Qwen2 has biases on q/k/v only; Llama and Qwen3 have none unless `attention_bias` (then o_proj too).
+Qwen3 normalizes each head of q and k (weights of size D, the layers' ε) before RoPE, and its head_dim
+is given, not H / Hq (Qwen3-0.6B: H 1024, 16 heads of 128, so q_proj maps 1024 -> 2048). Llama 3.1
 "llama3" RoPE divides the low frequencies by `factor` and interpolates the middle band.
 
 Precision. Linears, embeddings and activations are in `dtype` (bf16). Norm weights are fp32: AQN adds
-noise of σ = 5e-4 to them, below bf16's spacing near 1 (2^-8). The norm computes in fp32 and casts its
-output to the activation dtype; RoPE angles, cos/sin and the rotation itself are fp32 as well.
+noise of σ = 5e-4 to them, below bf16's spacing near 1 (2^-8). (Qwen3's q_norm / k_norm are fp32 too,
+and noise-free: the paper's noise is on each layer's two norms only, aqn.NOISY_NORMS.) The norm
+computes in fp32 and casts its output to the activation dtype; RoPE angles, cos/sin and the rotation
+itself are fp32 as well.
 
 Residual adds (vLLM's fused add + RMSNorm). Each `h + ...` above is done by the norm that reads the
 sum: a layer returns the pair (MLP(m), h') instead of hˡ⁺¹ = h' + MLP(m), and the next
@@ -43,17 +48,18 @@ causal SDPA over its T tokens (training, scoring). Otherwise layer i calls
 
     attn_ctx.attend(i, q (B,T,Hq,D), k (B,T,Hkv,D), v (B,T,Hkv,D), cos, sin) -> (B,T,Hq,D)
 
-with q, k not yet rotated and cos/sin (B, T, 1, D/2) at `positions`: the context applies RoPE,
-stores k, v in its paged cache and attends over everything cached (rollout.py: packed prefill, paged
-decode, where one kernel does all three). The model never imports the sampler, and the same
-weights, LoRA adapters and AQN noise serve both paths.
+with q, k not yet rotated (Qwen3's already normed) and cos/sin (B, T, 1, D/2) at `positions`: the
+context applies RoPE, stores k, v in its paged cache and attends over everything cached (rollout.py:
+packed prefill, paged decode, where one kernel does all three). The model never imports the
+sampler, and the same weights, LoRA adapters and AQN noise serve both paths.
 
 Training. `model.gradient_checkpointing = True` keeps only each layer's input and recomputes the
 layer in the backward pass (torch.utils.checkpoint, use_reentrant=False). The recomputation reads
 the weights as they are at backward time, so AQN noise must stay applied across forward and backward.
 
-Left out: KV cache (rollout.py owns it), sliding-window attention, RoPE types other than default and
-llama3, MLP biases, dropout. Tests: tests/test_model.py compares logits with transformers in fp32.
+Left out: KV cache (rollout.py owns it), sliding-window attention (such configs are refused), RoPE
+types other than default and llama3, MLP biases, dropout. Tests: tests/test_model.py and
+tests/test_qwen3.py compare logits with transformers in fp32.
 """
 import math
 from dataclasses import dataclass
@@ -66,8 +72,8 @@ from torch.utils.checkpoint import checkpoint
 import nvfp4
 import ops
 
-SUPPORTED = ("Qwen2ForCausalLM", "LlamaForCausalLM")
-MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}  # share an input
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -79,7 +85,7 @@ LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_po
 @dataclass
 class ModelConfig:
     """Shapes and constants of one decoder; `from_hf` reads a transformers config.json dict."""
-    architecture: str                     # "Qwen2ForCausalLM" | "LlamaForCausalLM"
+    architecture: str                     # "Qwen2ForCausalLM" | "Qwen3ForCausalLM" | "LlamaForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -91,7 +97,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None      # llama3 RoPE: a dict with LLAMA3_KEYS; None: plain RoPE
     tie_word_embeddings: bool = False
-    attention_bias: bool | None = None    # None: True for Qwen2 (q/k/v), False for Llama
+    attention_bias: bool | None = None    # None: True for Qwen2 (q/k/v), False for Qwen3 and Llama
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
@@ -119,16 +125,26 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope_scaling (llama3) needs keys {LLAMA3_KEYS}, got {self.rope_scaling}")
 
     @property
-    def o_bias(self) -> bool:  # Llama's attention_bias covers o_proj too; Qwen2's o_proj never has one
-        return self.attention_bias and self.architecture == "LlamaForCausalLM"
+    def o_bias(self) -> bool:  # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2's never does
+        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+
+    @property
+    def qk_norm(self) -> bool:  # Qwen3: an RMSNorm over each head of q and k, before RoPE
+        return self.architecture == "Qwen3ForCausalLM"
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         arch = (d.get("architectures") or [MODEL_TYPES.get(d.get("model_type"), f"model_type={d.get('model_type')!r}")])[0]
         if arch not in SUPPORTED:
             raise ValueError(f"unsupported architecture {arch}: qerl supports {', '.join(SUPPORTED)}")
-        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias") or d.get("use_sliding_window"):
-            raise ValueError("unsupported config: needs hidden_act='silu', no mlp_bias, no sliding window")
+        if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias"):
+            raise ValueError("unsupported config: needs hidden_act='silu' and no mlp_bias")
+        # transformers 5 also writes layer_types: all "full_attention" when the window is off
+        windowed = sorted({t for t in d.get("layer_types") or () if t != "full_attention"})
+        if d.get("use_sliding_window") or windowed:
+            raise ValueError(f"unsupported config: sliding-window attention (use_sliding_window="
+                             f"{d.get('use_sliding_window')}, layer_types {windowed or 'all full'}); qerl's "
+                             f"attention is full causal in every layer")
         # transformers 4 keeps rope_theta at the top and scaling in rope_scaling; 5 puts both in rope_parameters
         rope = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -142,7 +158,9 @@ class ModelConfig:
                    intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
                    num_heads=d["num_attention_heads"],
                    num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-                   head_dim=d.get("head_dim"), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                   # transformers' Qwen3Config defaults head_dim to 128, not hidden / heads
+                   head_dim=d.get("head_dim", 128 if arch == "Qwen3ForCausalLM" else None),
+                   rms_norm_eps=d.get("rms_norm_eps", 1e-6),
                    rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))), rope_scaling=scaling,
                    tie_word_embeddings=d.get("tie_word_embeddings", False),
                    attention_bias=True if arch == "Qwen2ForCausalLM" else d.get("attention_bias", False),
@@ -165,6 +183,8 @@ class ModelConfig:
                  bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id)
         if self.architecture == "LlamaForCausalLM":
             d.update(attention_bias=self.attention_bias, mlp_bias=False)
+        if self.architecture == "Qwen3ForCausalLM":
+            d.update(attention_bias=self.attention_bias, use_sliding_window=False, sliding_window=None)
         if self.rope_scaling:
             d["rope_scaling"] = rope
         return d
@@ -211,11 +231,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, quant: str, dtype):
         super().__init__()
         self.layer_idx, self.n_heads, self.n_kv, self.head_dim = layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qk_norm = cfg.qk_norm
         H, D, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.q_proj = make_linear(H, self.n_heads * D, b, quant, dtype)
         self.k_proj = make_linear(H, self.n_kv * D, b, quant, dtype)
         self.v_proj = make_linear(H, self.n_kv * D, b, quant, dtype)
         self.o_proj = make_linear(self.n_heads * D, H, cfg.o_bias, quant, dtype)
+        if cfg.qk_norm:  # Qwen3: one weight of size D shared by all heads of q (of k)
+            self.q_norm, self.k_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attn_ctx=None):
         B, T, _ = x.shape
@@ -223,6 +246,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)               # (B, T, Hq, D)
         k = k.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv, self.head_dim)                  # (B, T, Hkv, D)
+        if self.qk_norm:  # before RoPE: every attention path (SDPA, the sampler's kernels) gets them normed
+            q, k = self.q_norm(q), self.k_norm(k)
         if attn_ctx is None:  # dense causal over the T tokens of each row; SDPA wants (B, heads, T, D)
             q, k = ops.rope(q, k, cos, sin)
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -277,8 +302,8 @@ class Decoder(nn.Module):  # HF's `model.` prefix: embeddings, layers, final nor
 
 
 class Transformer(nn.Module):
-    """Qwen2ForCausalLM / LlamaForCausalLM. Set `gradient_checkpointing = True` to recompute each
-    layer in the backward pass (torch.utils.checkpoint, use_reentrant=False)."""
+    """Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM. Set `gradient_checkpointing = True` to
+    recompute each layer in the backward pass (torch.utils.checkpoint, use_reentrant=False)."""
 
     def __init__(self, cfg: ModelConfig, quant: str = "bf16", dtype=torch.bfloat16):
         super().__init__()

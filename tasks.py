@@ -136,21 +136,44 @@ def load_task(name_or_path: str, split: str = "train", *, limit: int | None = No
 # -----------------------------------------------------------------------------
 # prompts
 
-def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
+def parse_chat_template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs (TRL's name): a JSON object of extra variables for the chat template,
+    e.g. '{"enable_thinking": false}' (Qwen3's thinking switch). An argparse type: a bad value fails
+    at parse time, and argparse names the flag."""
+    import argparse
+    want = """a JSON object such as '{"enable_thinking": false}'"""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg} at column {e.colno}): want {want}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}: want {want}")
+    taken = sorted(set(value) & {"conversation", "tokenize", "add_generation_prompt"})
+    if taken:
+        raise argparse.ArgumentTypeError(f"{taken} are set by tasks.build_prompt, not template variables")
+    return value
+
+
+def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT,
+                 chat_template_kwargs: dict | None = None) -> str:
     """The chat-formatted prompt text, ending where the assistant's answer starts.
 
-    Uses the tokenizer's chat template; a tokenizer without one gets a plain
-    "<system>\\n\\nQuestion: ...\\nAnswer:" fallback (tiny test tokenizers).
+    Uses the tokenizer's chat template, with chat_template_kwargs as extra template variables
+    (e.g. enable_thinking=False); a tokenizer without one gets a plain
+    "<system>\\n\\nQuestion: ...\\nAnswer:" fallback (tiny test tokenizers), where they do nothing.
     """
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
     return f"{system_prompt}\n\nQuestion: {question}\nAnswer:"
 
 
-def encode_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
+def encode_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT,
+                  chat_template_kwargs: dict | None = None) -> list[int]:
     """build_prompt as token ids (the template already holds its special tokens: none added)."""
-    return tokenizer(build_prompt(tokenizer, question, system_prompt), add_special_tokens=False)["input_ids"]
+    text = build_prompt(tokenizer, question, system_prompt, chat_template_kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # -----------------------------------------------------------------------------

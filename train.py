@@ -173,7 +173,8 @@ def parse_args(argv=None):
     # model
     p.add_argument("--model", required=True, help="Hugging Face hub id or local checkpoint directory")
     p.add_argument("--random-init", action="store_true",
-                   help="random weights of --model's shape (qwen2.5-7b|14b|32b or a dir with config.json): benchmarks")
+                   help="random weights of --model's shape (checkpoint.SHAPES: qwen2.5-7b|14b|32b, qwen3-8b|32b; "
+                        "or a dir with config.json): benchmarks")
     p.add_argument("--tokenizer", default=None, help="default: --model")
     p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -184,6 +185,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-limit", type=int, default=500, help="0 = no evaluation")
     p.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are dropped (counted)")
     p.add_argument("--system-prompt", default=tasks.SYSTEM_PROMPT)
+    p.add_argument("--chat-template-kwargs", type=tasks.parse_chat_template_kwargs, default=None, metavar="JSON",
+                   help="""extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Qwen3)""")
     # LoRA
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--lora-alpha", type=float, default=64.0)
@@ -462,7 +465,8 @@ def main(argv=None):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     def encode(examples):
-        ids = [tasks.encode_prompt(tokenizer, e.question, args.system_prompt) for e in examples]
+        ids = [tasks.encode_prompt(tokenizer, e.question, args.system_prompt, args.chat_template_kwargs)
+               for e in examples]
         keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_len]
         return [examples[i] for i in keep], [ids[i] for i in keep], len(ids) - len(keep)
 
@@ -492,7 +496,8 @@ def main(argv=None):
 
     def run_eval():  # each rank answers every world-th question
         params_eval = rollout.SamplingParams(temperature=0.0, max_tokens=eval_new)
-        _, recs = evaluate(engine, tokenizer, eval_set[rank::world], params_eval, system_prompt=args.system_prompt)
+        _, recs = evaluate(engine, tokenizer, eval_set[rank::world], params_eval, system_prompt=args.system_prompt,
+                           chat_template_kwargs=args.chat_template_kwargs)
         hits = gather((sum(sum(r["scores"]) for r in recs), sum(len(r["scores"]) for r in recs)))
         return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
 

@@ -48,9 +48,10 @@ from checkpoint import SHAPES, build_model
 from kernels import tuning
 
 # ----------------------------------------------------------------------------------------------
-# Qwen2.5 shapes (checkpoint.SHAPES, ANCHORS.md)
+# Qwen2.5 and Qwen3 shapes (checkpoint.SHAPES, ANCHORS.md)
 
 CONFIGS = {"7b": SHAPES["qwen2.5-7b"], "14b": SHAPES["qwen2.5-14b"], "32b": SHAPES["qwen2.5-32b"],
+           "qwen3-8b": SHAPES["qwen3-8b"],
            "tiny": dict(SHAPES["qwen2.5-7b"], hidden_size=512, intermediate_size=1024,   # a smoke test
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)}
 WORKLOADS = {f"batch{b}": dict(prompts=b, n=1, prompt_len=256, new=512) for b in (1, 2, 4, 8, 16)}
@@ -84,11 +85,14 @@ def decode_tok_s(w, r):
 
 
 def hf_from_ours(model, cfg, device="cuda"):
-    """A transformers Qwen2ForCausalLM whose linears/embeddings are our bf16 tensors (no copy)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    hcfg = Qwen2Config(**{k: v for k, v in cfg.items() if k != "architectures"})
+    """A transformers Qwen2ForCausalLM / Qwen3ForCausalLM whose linears and embeddings are our bf16
+    tensors (no copy)."""
+    import transformers
+    arch = cfg["architectures"][0]
+    hcfg = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
     with torch.device("meta"):
-        hf = Qwen2ForCausalLM(hcfg).to(torch.bfloat16)
+        hf = getattr(transformers, arch)(hcfg).to(torch.bfloat16)
     state = {k: (v.to(torch.bfloat16) if "norm" in k else v) for k, v in model.state_dict().items()
              if k in hf.state_dict()}
     missing, _ = hf.load_state_dict(state, strict=False, assign=True)
@@ -232,7 +236,7 @@ def print_table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="7b", help="comma-separated: 7b, 32b, tiny (a quick smoke test)")
+    ap.add_argument("--models", default="7b", help="comma-separated: 7b, 14b, 32b, qwen3-8b, tiny (a quick smoke test)")
     ap.add_argument("--engines", default="ours-nvfp4,ours-bf16,hf-bf16",
                     help="comma-separated: ours-nvfp4, ours-bf16, hf-bf16 (hf is skipped for 32b); "
                          "an -unfused suffix (ours-nvfp4-unfused) runs norms/RoPE/SiLU as plain torch ops, "

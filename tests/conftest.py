@@ -34,18 +34,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 def make_tiny_hf(arch: str, tie: bool = False, seed: int = 0):
-    """A tiny random transformers model: arch is "qwen2" or "llama"."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A tiny random transformers model: arch is "qwen2", "qwen3" or "llama". Qwen3's heads are 32
+    wide, not hidden / heads = 16 (q_proj 64 -> 128), as a real Qwen3's head_dim is given, not derived."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
     torch.manual_seed(seed)
     if arch == "qwen2":
         cfg = Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=tie)
         model = Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**dict(TINY, head_dim=32), rope_theta=1e6, tie_word_embeddings=tie)
+        model = Qwen3ForCausalLM(cfg)
     elif arch == "llama":
         cfg = LlamaConfig(**TINY, rope_theta=1e4, tie_word_embeddings=tie, attention_bias=False)
         model = LlamaForCausalLM(cfg)
     else:
         raise ValueError(arch)
-    # Random norms (not all ones) so that a wrong norm weight cannot hide.
+    # Random norms (not all ones; Qwen3's q_norm / k_norm too) so that a wrong norm weight cannot hide.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
