@@ -1,0 +1,98 @@
+"""export.py: what leaves a run, in the three forms the Hugging Face stack and vLLM read.
+
+    python export.py --model Qwen/Qwen2.5-7B-Instruct --adapter runs/gsm8k/checkpoint-000200 --out exported
+
+writes, each with the base model's tokenizer beside it:
+
+    exported/adapter/   the PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): load it
+                        with peft.PeftModel.from_pretrained on the base, or serve it beside the NVFP4 base
+    exported/merged/    a bf16 Hugging Face checkpoint with the adapter folded in, W + s·B·A (the NVFP4
+                        base dequantized first where the run trained on one): transformers and vLLM load
+                        it as any model
+    exported/nvfp4/     the base in compressed-tensors NVFP4 (the run's own 4-bit weights, bit for bit:
+                        nvfp4-pack-quantized, what llm-compressor writes), which vLLM serves on Hopper and
+                        Blackwell with the adapter on top
+
+Serving and evaluating them:
+
+    vllm serve exported/nvfp4 --enable-lora --lora-modules qerl=exported/adapter --max-lora-rank 32
+    vllm serve exported/merged
+    python eval.py --model exported/merged --quant bf16 --dataset gsm8k          # the merged model
+    python eval.py --model exported/nvfp4 --adapter exported/adapter --dataset gsm8k   # base + adapter
+
+--formats picks a subset. The base is loaded as the run trained on it (--quant, default NVFP4), on
+the CPU unless --device says otherwise; nothing is written under an existing file's name without
+--overwrite. Test: tests/test_export.py (each export loaded by transformers / PEFT against our model).
+"""
+import argparse
+import json
+import os
+import shutil
+
+import torch
+
+import lora
+from checkpoint import load_model, load_tokenizer, save_pretrained
+from model import Transformer
+
+FORMATS = ("adapter", "merged", "nvfp4")
+
+
+def export_merged(model, directory: str) -> None:
+    """The bf16 checkpoint of model with its adapters folded in (lora.merge_lora)."""
+    merged = lora.merge_lora(model, torch.bfloat16)
+    with torch.device("meta"):
+        dense = Transformer(model.config, "bf16", torch.bfloat16)
+    expected = set(dense.state_dict()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    if set(merged) != expected:
+        raise ValueError(f"export: merged weights do not match the architecture: missing "
+                         f"{sorted(expected - set(merged))[:4]}, unexpected {sorted(set(merged) - expected)[:4]}")
+    dense.load_state_dict(merged, strict=False, assign=True)
+    dense.tie_weights()
+    save_pretrained(dense, directory)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Export a run's adapter, a merged bf16 model and the NVFP4 base")
+    p.add_argument("--model", required=True, help="the base the run trained: a Hub id or a local checkpoint dir")
+    p.add_argument("--adapter", required=True, help="the run's PEFT adapter directory (a checkpoint-<step>/)")
+    p.add_argument("--out", required=True, help="directory that receives adapter/, merged/, nvfp4/")
+    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4", help="the base format the run trained on")
+    p.add_argument("--device", default="cpu", help="where to load the base (cpu needs the bf16 model's RAM)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing exports in --out")
+    args = p.parse_args(argv)
+    formats = [f for f in args.formats.split(",") if f]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        p.error(f"--formats: unknown {bad or '(none)'}; choose from {', '.join(FORMATS)}")
+    if "nvfp4" in formats and args.quant != "nvfp4":
+        p.error("--formats nvfp4 needs --quant nvfp4: the NVFP4 export is the run's own 4-bit base")
+    for f in formats:
+        if os.path.exists(os.path.join(args.out, f)) and not args.overwrite:
+            p.error(f"{os.path.join(args.out, f)} exists: pass --overwrite or choose another --out")
+    if not os.path.isfile(os.path.join(args.adapter, lora.ADAPTER_CONFIG)):
+        p.error(f"--adapter {args.adapter}: no {lora.ADAPTER_CONFIG} there (a train.py checkpoint-<step>/ holds one)")
+
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, quant=args.quant, device=args.device, dtype=torch.bfloat16)
+    written = []
+    for f in formats:                                      # the base first, while it has no adapters
+        shutil.rmtree(os.path.join(args.out, f), ignore_errors=True)
+    if "nvfp4" in formats:
+        save_pretrained(model, os.path.join(args.out, "nvfp4"))
+        written.append("nvfp4")
+    lora.load_adapter(model, args.adapter, args.model)
+    if "adapter" in formats:
+        lora.save_adapter(model, os.path.join(args.out, "adapter"), args.model)
+        written.append("adapter")
+    if "merged" in formats:
+        export_merged(model, os.path.join(args.out, "merged"))
+        written.append("merged")
+    for f in written:
+        tokenizer.save_pretrained(os.path.join(args.out, f))
+    print(json.dumps({f: os.path.join(args.out, f) for f in written}))
+
+
+if __name__ == "__main__":
+    main()
