@@ -7,6 +7,7 @@ otherwise; this package knows nothing of RL. What is here:
     available                 Triton imports and the kernels are defined (False: every predicate
                               below is False, and `import kernels` still works)
     runs(x)                   the rollout fast path for x: available, CUDA, no autograd, tuning's fused
+    describe(device)          the start-up line: which fast paths run here, and what an off one costs
     interpreting()            Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)
 
     FP4 x BF16 GEMM (gemm.py; marlin_kernel.nvfp4_matmul hands off here where gemm_runs(x))
@@ -26,6 +27,7 @@ Tests: tests/test_kernels_*.py.
 import torch
 
 from . import tuning                       # first: tuning imports shapes, which reads tuning at call time
+from . import launch
 from .launch import interpreting
 from .stacked import prepare
 from .tuning import Tuning, current, using
@@ -37,6 +39,35 @@ try:
     available = True
 except ImportError:          # the trunk's torch paths need no triton
     available = False
+
+
+def describe(device) -> tuple[str, list[str]]:
+    """What runs on this device: (one start-up line, warnings for each fast path a version or the
+    device turns off, with what it costs). The numbers behind the costs are kernels/README.md's."""
+    device = torch.device(device)
+    if not available:
+        return "kernels: none (Triton is not installed): every op runs as its torch reference", [
+            "Triton missing: NVFP4 matmuls dequantize the weight every call and the sampler runs ~10 torch "
+            "ops a layer where one kernel would; install triton (pip install -r requirements.txt)"]
+    if device.type != "cuda":
+        return "kernels: the CPU runs the torch references (Triton kernels need a CUDA device)", []
+    import triton
+    cap = launch.capability(device.index or 0)
+    on = ["FP4 GEMV and fragment kernels", "fused norms / RoPE / attention / LoRA / sampling"]
+    warnings = []
+    if cap >= (9, 0):
+        on.append("programmatic dependent launch")
+    else:
+        warnings.append(f"sm_{cap[0]}{cap[1]}: no programmatic dependent launch (Hopper and later); each of a "
+                        f"decode step's ~500 launches waits for the one before it")
+    if gemm.gluon_runs(device, True):
+        on.append(f"the register-A wgmma kernel (sm_90, triton {triton.__version__})")
+    else:
+        why = (f"triton {triton.__version__} (its Gluon is written for {gemm.GLUON_TRITON}x: pip install -c "
+               f"constraints-gpu.txt)" if cap == (9, 0) else f"sm_{cap[0]}{cap[1]} (it needs sm_90)")
+        warnings.append(f"register-A wgmma kernel off on {why}: NVFP4 matmuls at 2-1024 rows run on the tile "
+                        f"kernels or dequantize + cuBLAS, 1.2-2x slower there (the GRPO rollout's batch)")
+    return f"kernels: {', '.join(on)} on {torch.cuda.get_device_name(device)}", warnings
 
 
 def runs(x: torch.Tensor) -> bool:

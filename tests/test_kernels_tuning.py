@@ -87,3 +87,27 @@ def test_import_kernels_without_triton():
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_describe_names_every_fast_path_a_version_or_device_turns_off(monkeypatch):
+    """The start-up line: on an sm_90 GPU with another Triton, the register-A kernel is off and the warning
+    says why and how to get it (constraints-gpu.txt); on sm_80 PDL is off too; the CPU runs references."""
+    if not kernels.available:
+        line, warnings = kernels.describe("cuda")
+        assert "Triton is not installed" in line and warnings
+        return
+    assert kernels.describe("cpu") == ("kernels: the CPU runs the torch references (Triton kernels need a CUDA "
+                                       "device)", [])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    monkeypatch.setattr(gemm, "gluon_runs", lambda device, il: False)
+    monkeypatch.setattr(launch, "capability", lambda index: (9, 0))
+    line, warnings = kernels.describe("cuda")
+    assert "programmatic dependent launch" in line and "register-A" not in line and len(warnings) == 1
+    assert "register-A wgmma kernel off" in warnings[0] and "constraints-gpu.txt" in warnings[0]
+    monkeypatch.setattr(launch, "capability", lambda index: (8, 0))
+    line, warnings = kernels.describe("cuda")
+    assert "programmatic dependent launch" not in line and len(warnings) == 2 and "sm_80" in warnings[1]
+    monkeypatch.setattr(gemm, "gluon_runs", lambda device, il: True)
+    monkeypatch.setattr(launch, "capability", lambda index: (9, 0))
+    line, warnings = kernels.describe("cuda")
+    assert "register-A wgmma kernel" in line and warnings == []
