@@ -15,6 +15,7 @@ mean accuracy over k samples per question (an estimate of pass@1).
 import argparse
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -54,6 +55,27 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256,
     return metrics, records
 
 
+def output_problem(path: str) -> str | None:
+    """Why --output cannot be written (else None), found before the evaluation: it is a directory, or
+    its directory cannot be made or written to (probed with a temporary file)."""
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        return f"cannot write in {parent} ({e.strerror or e})"
+    return None
+
+
+def adapter_problem(path: str) -> str | None:
+    """Why --adapter is not a PEFT adapter directory (else None)."""
+    missing = [f for f in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS) if not os.path.isfile(os.path.join(path, f))]
+    return f"{path} has no {' or '.join(missing)}" if missing else None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Evaluate a model (+ LoRA adapter) on GSM8K / MATH500 / JSONL")
     # model
@@ -83,15 +105,39 @@ def main(argv=None):
     for name in ("samples", "max_new_tokens", "max_model_len") + (("limit",) if args.limit is not None else ()):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.temperature < float("inf"):
+        p.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2 ** 63:
+        p.error(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.samples > 1 and args.temperature == 0:
         p.error("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    # Everything that can be checked without the model is, before it loads (so is --output).
+    problems = {"--dataset": tasks.source_problem(args.dataset, args.split),
+                "--model": tasks.local_path_missing(args.model) and f"{args.model} does not exist",
+                "--adapter": args.adapter and adapter_problem(args.adapter),
+                "--output": args.output and output_problem(args.output)}
+    for flag, problem in problems.items():
+        if problem:
+            p.error(f"{flag}: {problem}")
+    try:
+        torch.device(args.device or "cpu")
+    except (RuntimeError, ValueError) as e:
+        p.error(f"--device: {e}")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    examples = tasks.load_task(args.dataset, args.split, limit=args.limit, seed=args.seed)
+    try:
+        examples = tasks.load_task(args.dataset, args.split, limit=args.limit, seed=args.seed)
+    except (ValueError, FileNotFoundError) as e:  # bad data, an empty file, a split that is not there
+        raise SystemExit(f"error: --dataset: {e}") from None
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, quant=args.quant, device=device, dtype=getattr(torch, args.dtype))
     if args.adapter:
-        lora.load_adapter(model, args.adapter, args.model)
+        try:
+            lora.load_adapter(model, args.adapter, args.model)
+        except (ValueError, FileNotFoundError) as e:  # another base or shape, NaN or Inf in it
+            raise SystemExit(f"error: --adapter: {e}") from None
     model.eval()
     engine = rollout.LLMEngine(model, max_model_len=args.max_model_len)
     params = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, n=args.samples,

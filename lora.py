@@ -354,6 +354,9 @@ def load_adapter(model: nn.Module, dir: str, base_model_name_or_path: str | None
     bad = [k for k in tensors if not k.startswith(KEY_PREFIX) or not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if bad:
         raise ValueError(f"load_adapter: {wpath} holds tensors this LoRA does not know: {bad[:4]}")
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:  # a diverged run's adapter: refused, rather than evaluated as 0% or trained on
+        raise ValueError(f"load_adapter: {wpath}: {bad[0]} holds NaN or Inf ({len(bad)} tensor(s) do)")
 
     mods = lora_modules(model)
     if not mods:

@@ -8,19 +8,36 @@ Checkers. Numeric tasks (GSM8K, addition) compare numbers exactly after dropping
 commas, `$`, `%` and a trailing period, so `1,000` == 1000 and `$18.00` == 18 (Fractions, not
 floats). MATH answers are LaTeX with many spellings of one value (\frac12, 0.5, \dfrac{1}{2};
 \left( 3, \frac{\pi}{2} \right); intervals, sets, matrices, 10\%): string matching undercounts
-badly, so `math_reward` uses math-verify, HuggingFace's checker (used by lighteval and open-r1),
+badly, so `math_equal` uses math-verify, HuggingFace's checker (used by lighteval and open-r1),
 which parses LaTeX into sympy (through latex2sympy2_extended) and tests equivalence, gold first:
 verify(parse(gold), parse(pred)). That is why math-verify is a dependency. Scoring the gold
 solutions against their own gold answers gives 100% on GSM8K test and on MATH500 here.
 
-Every reward call is guarded: an exception or a call longer than `timeout_s` scores 0 and is
-counted in a `RewardStats`; the run never crashes on a reward. math-verify's own timeouts use
-signal.alarm and raise ValueError off the main thread, and an inner alarm would cancel an outer
-one, so we switch its timeouts off and run one deadline of our own around the whole call: a
-SIGALRM interval timer in the main thread (the exception derives from BaseException so that no
-`except Exception` inside sympy or math-verify can swallow it). Off the main thread no signal
-can be used; there a call that overruns is scored 0 and counted once it returns. C code that
-never returns to the interpreter cannot be interrupted either way.
+The guard. A completion is text the policy wrote, so a reward must neither crash the run nor stall
+it, whichever thread calls it. `reward` scores 0, and counts in a `RewardStats`, a call that raises,
+overruns or is refused, in three layers:
+
+  1. Limits before any parsing, each a linear scan: the completion's length, the extracted answer's
+     length and bracket nesting, and the big-integer work a short answer can ask for (1e999999999,
+     2^{99999999}, a power tower 2^2^2^..., 100000!): CPython does that arithmetic in C holding the
+     GIL, where no timer and no other thread can stop it. Finding the last \boxed{ is one pass
+     (a stack matches every brace), not a rescan per candidate.
+  2. math-verify (sympy) runs in a worker process (`MathWorker`: one per process, started on the
+     first MATH answer; a request and a reply over pipes, a small cost beside math-verify's own).
+     A call past its deadline is ended by killing the worker, which works from any thread and stops
+     C code too; a spare worker, kept started after the first kill, takes over at once. A process
+     per call would pay sympy's import (hundreds of ms) each time; the persistent one costs what
+     math-verify costs in-process.
+  3. The numeric checker is bounded by the limits of (1) and runs in-process; `guarded` adds a
+     deadline of its own for any function: a SIGALRM timer in the main thread (the exception derives
+     from BaseException so that no `except Exception` inside a reward can swallow it), and off it an
+     overrun is scored 0 once it returns.
+
+Time per step: a call gets DEFAULT_TIMEOUT_S (an order of magnitude above the slowest MATH500 gold
+check), and a `RewardStats` (one per training step) carries a budget: once its calls have spent
+STEP_BUDGET_S, each further call gets MIN_TIMEOUT_S. The limits refuse the known pathological inputs at the cost of
+one linear scan, so only inputs they do not foresee reach a deadline, and a step full of those costs
+at most the budget plus MIN_TIMEOUT_S each (tests/test_rewards.py times both).
 
 For eval.py there are also lm-evaluation-harness's GSM8K matchers: "strict" (the first
 `#### N`) and "flexible" (the last number), with its exact-match normalisation.
@@ -29,10 +46,16 @@ Test: python -m pytest tests/test_rewards.py; self-check: python tasks.py ../sha
 """
 from __future__ import annotations
 
+import atexit
+import json
 import logging
 import math
+import os
 import re
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -40,30 +63,51 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Callable
 
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = 2.0          # one reward call
+STEP_BUDGET_S = 4.0              # reward seconds of one RewardStats before calls get MIN_TIMEOUT_S
+MIN_TIMEOUT_S = 0.25
+WORKER_START_TIMEOUT_S = 60.0    # the math-verify worker's start (an import of sympy)
+MAX_COMPLETION_CHARS = 400_000   # ~100k tokens, past any --max-new-tokens: longer is refused
+MAX_ANSWER_CHARS = 300           # the extracted answer (MATH500's longest gold answer: 53)
+MAX_NESTING = 10                 # brackets { ( [ open at once in an answer (MATH500's gold: 2)
+MAX_EXPONENT = 1_000             # 1e1000, 2^{1000}: a thousand digits at most
+MAX_FACTORIAL = 1_000            # n! for n up to this
 
 # A number: thousands-grouped (1,000.5) or plain (1000.5, .5), optionally negative.
 NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
+BOXED_RE = re.compile(r"\\(?:boxed|fbox)\b( *)")
+BRACE_RE = re.compile(r"[{}]")
+WORD_RE = re.compile(r"[^\s$]+")
+SCI_EXPONENT_RE = re.compile(r"\d\s*[eE]\s*[-+]?\s*(\d+)")
 
 
 # -----------------------------------------------------------------------------
 # answer extraction
 
+def matching_braces(text: str) -> dict[int, int]:
+    """{index of "{": index of its "}"} for every brace that closes, in one pass (a stack)."""
+    close, stack = {}, []
+    for m in BRACE_RE.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:  # a "}" with nothing open is prose: skipped
+            close[stack.pop()] = m.start()
+    return close
+
+
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last complete \boxed{...} or \fbox{...} (nested braces), or `\boxed 5`."""
-    for m in reversed(list(re.finditer(r"\\(?:boxed|fbox)\b", text))):
+    r"""Content of the last complete \boxed{...} or \fbox{...} (nested braces), or `\boxed 5`.
+    One pass over the text: a \boxed{ that never closes (cut off) falls back to an earlier one."""
+    boxes = list(BOXED_RE.finditer(text))
+    close = matching_braces(text) if boxes else {}
+    for m in reversed(boxes):
         i = m.end()
-        while i < len(text) and text[i] == " ":
-            i += 1
         if i < len(text) and text[i] == "{":
-            depth = 0
-            for j in range(i, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[j], 0)
-                if depth == 0:
-                    return text[i + 1:j]
+            if i in close:
+                return text[i + 1:close[i]]
             continue                          # unbalanced (e.g. cut off): try an earlier one
-        word = re.match(r"[^\s$]+", text[i:])
-        if word and i > m.end():              # "\boxed 5": the next word (space required)
+        word = WORD_RE.match(text, i)
+        if word and m.group(1):               # "\boxed 5": the next word (space required)
             return word.group(0)
     return None
 
@@ -79,7 +123,8 @@ def extract_answer(text: str) -> str | None:
 
 def to_number(s: str | None) -> Fraction | None:
     r"""Exact value of a numeric answer: "1,000" -> 1000, "$18.00" -> 18, "\frac{3}{4}" -> 3/4,
-    "18 apples" -> 18 (the last number of non-numeric text); None when there is no number."""
+    "18 apples" -> 18 (the last number of non-numeric text); None when there is no number, and
+    for an exponent past MAX_EXPONENT (1e999999999 would be a billion-digit integer)."""
     if s is None:
         return None
     t = s.strip()
@@ -90,6 +135,8 @@ def to_number(s: str | None) -> Fraction | None:
     if frac:
         sign, num, den = frac.groups()
         return None if int(den) == 0 else Fraction(int(num), int(den)) * (-1 if sign else 1)
+    if any(len(e) > 5 or int(e) > MAX_EXPONENT for e in SCI_EXPONENT_RE.findall(t)):
+        return None
     try:
         return Fraction(t)
     except (ValueError, ZeroDivisionError):
@@ -99,7 +146,72 @@ def to_number(s: str | None) -> Fraction | None:
 
 
 # -----------------------------------------------------------------------------
-# rewards (unguarded: call them through `reward`, which guards them)
+# limits: refuse, before parsing, what could take unbounded time
+
+class Refused(ValueError):
+    """An input past a limit: scored 0 and counted as an error, never parsed."""
+
+
+def _literal_bound(expr: str) -> int:
+    """An upper bound on the value of an exponent built from its integer literals with + - · /:
+    the product of max(2, n) over them (digit runs longer than 6 count as past any limit)."""
+    bound = 1
+    for run in re.findall(r"\d+", expr):
+        if len(run) > 6:
+            return 10 ** 7
+        bound *= max(2, int(run))
+        if bound > 10 ** 7:
+            break
+    return bound
+
+
+def check_completion(text: str) -> None:
+    if len(text) > MAX_COMPLETION_CHARS:
+        raise Refused(f"completion of {len(text)} characters > MAX_COMPLETION_CHARS={MAX_COMPLETION_CHARS}")
+
+
+def check_answer(ans: str, kind: str = "math") -> None:
+    r"""Refuse an extracted answer whose checking could take unbounded time: longer than
+    MAX_ANSWER_CHARS (to_number's regexes backtrack on long digit runs); for MATH answers (sympy
+    evaluates them) also brackets nested deeper than MAX_NESTING, a power tower (2^2^2, 9^{9^9}), an
+    exponent (2^{...}, 1e...) past MAX_EXPONENT, a factorial past MAX_FACTORIAL or of a bracket.
+    A numeric answer is only ever read as a Fraction, whose exponent to_number bounds itself."""
+    if len(ans) > MAX_ANSWER_CHARS:
+        raise Refused(f"answer of {len(ans)} characters > MAX_ANSWER_CHARS={MAX_ANSWER_CHARS}")
+    if kind == "numeric":
+        return
+    depth = deepest = 0
+    for ch in ans:
+        depth += (ch in "{([") - (ch in "})]")
+        deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        raise Refused(f"answer nests brackets {deepest} deep > MAX_NESTING={MAX_NESTING}")
+    if any(len(e) > 5 or int(e) > MAX_EXPONENT for e in SCI_EXPONENT_RE.findall(ans)):
+        raise Refused(f"answer has a scientific exponent > MAX_EXPONENT={MAX_EXPONENT}")
+    close = matching_braces(ans)
+    for m in re.finditer(r"\^\s*", ans):
+        i = m.end()
+        if i < len(ans) and ans[i] == "{":      # ^{...}: the group
+            end = close.get(i, len(ans) - 1) + 1
+        else:                                    # ^2, ^x, ^\pi: one character or one command
+            word = re.match(r"\\[a-zA-Z]+|.", ans[i:i + 64], re.S)
+            end = i + (len(word.group(0)) if word else 0)
+        exponent = ans[i:end]
+        if "^" in exponent or ans[end:].lstrip().startswith("^"):
+            raise Refused("answer has a power tower (an exponent raised to a power)")
+        if _literal_bound(exponent) > MAX_EXPONENT:
+            raise Refused(f"answer has an exponent {exponent[:40]!r} that may exceed MAX_EXPONENT={MAX_EXPONENT}")
+    for m in re.finditer(r"(?<!\\)!", ans):
+        before = ans[:m.start()].rstrip()
+        digits = re.search(r"\d+$", before[-8:])
+        if digits and (len(digits.group(0)) > 6 or int(digits.group(0)) > MAX_FACTORIAL):
+            raise Refused(f"answer has a factorial past MAX_FACTORIAL={MAX_FACTORIAL}")
+        if before.endswith((")", "}", "]")):
+            raise Refused("answer has a factorial of a bracketed expression")
+
+
+# -----------------------------------------------------------------------------
+# checkers (unguarded: call them through `reward`, which guards them)
 
 def gsm8k_reward(completion: str, gold: str) -> float:
     """1.0 when the extracted answer equals the gold number exactly, else 0.0."""
@@ -126,23 +238,140 @@ def _as_latex(s: str) -> str:
     return s if ("\\boxed" in s or s.lstrip().startswith("$")) else "\\boxed{" + s + "}"
 
 
-def math_reward(completion: str, gold: str) -> float:
-    r"""1.0 when math-verify finds the extracted answer equivalent to the gold LaTeX, else 0.0.
-
-    Both sides are wrapped in \boxed{} so that math-verify parses exactly the answer (not other
-    LaTeX in the text); its own signal-based timeouts are off (see the module docstring)."""
+def math_equal(pred: str, gold: str) -> bool:
+    r"""math-verify's verdict on an extracted answer against the gold LaTeX. Both sides are wrapped
+    in \boxed{} so that math-verify parses exactly the answer; its own signal-based timeouts are off
+    (they raise off the main thread, and an inner alarm would cancel an outer one)."""
     from math_verify import parse, verify
-    pred = extract_answer(completion)
-    if pred is None:
-        return 0.0
     g = parse(_as_latex(gold), parsing_timeout=None)
     p = parse("\\boxed{" + pred + "}", parsing_timeout=None)
-    return float(bool(g) and bool(p) and verify(g, p, timeout_seconds=None))
+    return bool(g) and bool(p) and bool(verify(g, p, timeout_seconds=None))
+
+
+def math_reward(completion: str, gold: str) -> float:
+    """1.0 when math-verify finds the extracted answer equivalent to the gold LaTeX, else 0.0.
+    In this process, with no limits and no deadline: `reward` is the guarded way."""
+    pred = extract_answer(completion)
+    return 0.0 if pred is None else float(math_equal(pred, gold))
 
 
 def format_reward(completion: str) -> float:
     r"""1.0 when the completion states its answer in a complete \boxed{...}, else 0.0."""
     return float(last_boxed(completion) is not None)
+
+
+# -----------------------------------------------------------------------------
+# the math-verify worker process
+
+class _Child:
+    """One worker process and the bytes read from it that do not yet end a line."""
+
+    def __init__(self):
+        code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                f"import rewards; rewards._serve()")
+        # close_fds (the default) keeps the run directory's lock and every other descriptor out of it
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, bufsize=0)
+        self.pid, self.ready, self.buf = os.getpid(), False, b""
+
+    def usable(self) -> bool:  # not after a fork (the pipes are the parent's), not once it died
+        return self.pid == os.getpid() and self.proc.poll() is None
+
+    def read_line(self, deadline: float) -> bytes | None:
+        """One line, or None at the deadline (math.inf: none) or if the child died."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], None if math.isinf(left) else left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line
+
+    def kill(self):
+        if self.pid == os.getpid():
+            self.proc.kill()
+            self.proc.wait()
+            self.proc.stdin.close()
+            self.proc.stdout.close()
+
+
+class MathWorker:
+    """math_equal in a child process, from any thread: one request at a time (a lock), a reply
+    within the deadline or the child is killed (SIGKILL: C code stops too). After the first kill a
+    spare child is kept started, so a run of overruns does not wait ~0.3 s for each replacement."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._child = self._spare = None
+        atexit.register(self.close)
+
+    def call(self, pred: str, gold: str, timeout_s: float | None) -> bool:
+        """math_equal(pred, gold) in the worker; RewardTimeout past timeout_s (None: no deadline;
+        the worker's start is not counted)."""
+        with self._lock:
+            if self._child is None or not self._child.usable():
+                spare, self._spare = self._spare, None
+                self._child = spare if spare is not None and spare.usable() else _Child()
+            child = self._child
+            if not child.ready:
+                if child.read_line(time.monotonic() + WORKER_START_TIMEOUT_S) != b"ready":
+                    self.close()
+                    raise RuntimeError("the math-verify worker did not start (is math-verify installed?)")
+                child.ready = True
+            try:
+                child.proc.stdin.write(json.dumps([pred, gold]).encode() + b"\n")
+                line = child.read_line(time.monotonic() + (math.inf if timeout_s is None else timeout_s))
+            except BaseException:  # a caller's alarm or an interrupt mid-call: the reply would be stale
+                self._replace()
+                raise
+            if line is None:
+                dead = child.proc.poll() is not None
+                self._replace()
+                if dead:
+                    raise RuntimeError("the math-verify worker died (out of memory?)")
+                raise RewardTimeout(f"math-verify exceeded {timeout_s} s")
+            reply = json.loads(line)
+            if "error" in reply:
+                raise ValueError(reply["error"])
+            return reply["equal"]
+
+    def _replace(self):
+        """Kill the child; the spare takes its place and a new spare starts (its import overlaps)."""
+        self._child.kill()
+        self._child, self._spare = self._spare, _Child()
+
+    def close(self):
+        for c in (self._child, self._spare):
+            if c is not None:
+                c.kill()
+        self._child = self._spare = None
+
+
+def _serve():
+    """The worker's loop: a JSON [pred, gold] per line in, {"equal": bool} or {"error": str} out."""
+    try:  # die with the parent even mid-computation (Linux)
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    math_equal("1", "1")  # the slow import and math-verify's first-call set-up, before "ready"
+    out = sys.stdout.buffer
+    out.write(b"ready\n")
+    out.flush()
+    for line in sys.stdin.buffer:
+        try:
+            reply = {"equal": math_equal(*json.loads(line))}
+        except Exception as e:
+            reply = {"error": f"{type(e).__name__}: {e}"[:500]}
+        out.write(json.dumps(reply).encode() + b"\n")
+        out.flush()
+
+
+MATH_WORKER = MathWorker()
 
 
 # -----------------------------------------------------------------------------
@@ -154,12 +383,20 @@ class RewardTimeout(BaseException):
 
 @dataclass
 class RewardStats:
-    """Counters over reward calls, for logging: failures score 0 and are counted here."""
+    """Counters over reward calls, for logging: failures score 0 and are counted here. budget_s: the
+    seconds these calls may spend before each further math-verify call gets only MIN_TIMEOUT_S."""
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
     last_error: str = ""
     seconds: float = field(default=0.0, repr=False)
+    budget_s: float | None = field(default=STEP_BUDGET_S, repr=False)
+
+    def timeout(self, timeout_s: float | None) -> float | None:
+        """The deadline of the next call: timeout_s, or MIN_TIMEOUT_S once the budget is spent."""
+        if timeout_s is not None and self.budget_s is not None and self.seconds >= self.budget_s:
+            return min(timeout_s, MIN_TIMEOUT_S)
+        return timeout_s
 
     def as_dict(self) -> dict:
         return {"reward/calls": self.calls, "reward/errors": self.errors, "reward/timeouts": self.timeouts,
@@ -218,12 +455,35 @@ def guarded(fn: Callable[..., float], *args, stats: RewardStats | None = None,
         stats.seconds += time.monotonic() - t0
 
 
+def _checked_gsm8k(completion: str, gold: str) -> float:
+    check_completion(completion)
+    pred = extract_answer(completion)
+    if pred is not None:
+        check_answer(pred, "numeric")
+    return gsm8k_reward(completion, gold)
+
+
+def _checked_math(completion: str, gold: str, timeout_s: float | None) -> float:
+    check_completion(completion)
+    pred = extract_answer(completion)
+    if pred is None:
+        return 0.0
+    check_answer(pred)
+    return float(MATH_WORKER.call(pred, gold, timeout_s))
+
+
 def reward(example, completion: str, stats: RewardStats | None = None, *,
            timeout_s: float | None = DEFAULT_TIMEOUT_S, format_weight: float = 0.0) -> float:
-    """Correctness (0/1, guarded) of a tasks.Example's completion, plus format_weight · format_reward."""
-    fn = gsm8k_reward if example.kind == "numeric" else math_reward
-    r = guarded(fn, completion, example.answer, stats=stats, timeout_s=timeout_s)
-    if format_weight:
+    """Correctness (0/1, guarded) of a tasks.Example's completion, plus format_weight · format_reward.
+    Numeric answers are checked here under `guarded`'s deadline; MATH answers in MATH_WORKER, whose
+    deadline (the kill) works from any thread."""
+    stats = stats if stats is not None else RewardStats()
+    deadline = stats.timeout(timeout_s)
+    if example.kind == "numeric":
+        r = guarded(_checked_gsm8k, completion, example.answer, stats=stats, timeout_s=deadline)
+    else:
+        r = guarded(_checked_math, completion, example.answer, deadline, stats=stats, timeout_s=None)
+    if format_weight and len(completion) <= MAX_COMPLETION_CHARS:
         r += format_weight * format_reward(completion)
     return r
 

@@ -1,22 +1,46 @@
-"""The run directory: the arguments, the metrics, the checkpoints, the plots.
+"""The run directory: the arguments, the metrics, the checkpoints, the plots, and one writer at a time.
 
     <output-dir>/run_config.json        the arguments of the run (its identity is checked on --resume)
                  metrics.jsonl          one JSON line per step, TRL's metric names where they exist
                  plots.png              reward, eval accuracy, entropy and completion length against step
                  checkpoint-<step>/     adapter_model.safetensors + adapter_config.json (a PEFT adapter)
                                         + trainer_state.pt (optimizer, schedule, step, data position)
-                 latest                 the name of the newest complete checkpoint
+                                        + manifest.json (the size and sha256 of each of those files)
+                 latest                 the name of the newest checkpoint: a hint, not the truth
+                 .lock                  held by the live run (flock); it holds the run's pid and host
+
+One writer. A run holds an exclusive flock on .lock for its whole life; the kernel drops it when the
+process ends, however it ends (a kill -9 included), so a lock is never stale. A second run on the
+directory, fresh or --resume, finds it held and stops before it reads or writes anything else, with
+the holder's pid and host in the message.
 
 Crash safety. Every file is written under a temporary name, flushed to disk and renamed; a checkpoint
-is written as the directory .tmp-checkpoint-<step> and renamed whole, and only then does `latest`
-name it. So a run killed at any instant leaves the previous checkpoint intact and resumes from it.
+is written as the directory .tmp-checkpoint-<step>, its manifest last, and renamed whole; only then
+does `latest` name it. A run killed while writing its first run_config.json leaves only the .tmp file,
+and the directory counts as empty. Nothing non-finite is written: save_checkpoint refuses an adapter
+or optimizer tensor holding NaN or Inf (the run stops there, naming it, and the previous checkpoint
+stays the newest).
+
+Trust. --resume takes the newest checkpoint inside the directory whose manifest verifies (every
+file's size and sha256), whatever `latest` says: a `latest` that is missing, names a checkpoint that
+does not verify, or points outside the directory is reported and passed over. A directory whose
+checkpoints all fail is refused with each one's reason, and nothing is changed. Resuming never
+deletes a checkpoint newer than the one it resumed from (one that failed verification is moved aside
+under a .unverified-* name when the run writes that step again), and metrics.jsonl keeps every row
+before the resumed step. Loading refuses non-finite values too, naming the tensor.
 trainer_state.pt is read with torch.load(weights_only=True): tensors and numbers, never code.
 
-Test: tests/test_train.py (resume, refusals, a SIGKILL mid-run).
+Test: tests/test_run_dir.py (lock, manifest, resume choice, metrics); tests/test_integrity.py (two
+runs at once, kill -9 at random instants, bad input, end to end); tests/test_train.py (resume).
 """
+import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
+import socket
+import time
 
 import torch
 
@@ -25,65 +49,255 @@ import lora
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
 LATEST = "latest"
+LOCK = ".lock"
+MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
+CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
+# What a fresh run may find in its directory: a run killed before its first run_config.json landed.
+LEFTOVERS = {LOCK, RUN_CONFIG + ".tmp"}
 # Arguments that must match for --resume to continue the same run (max_steps sets the AQN schedule).
 RUN_IDENTITY = ("max_steps", "model", "quant", "dataset", "lora_rank", "lora_alpha", "group_size", "prompts_per_step", "seed")
 
+_held = {}  # realpath of a run directory -> the open .lock this process holds (closing it unlocks)
 
-def prepare_output_dir(args, write: bool = True) -> str | None:
-    """Check (and, if write, create) the output directory; return the checkpoint to resume from.
 
-    A directory that holds another run is never overwritten: without --resume that is an error,
-    and with --resume the run's identity (model, dataset, LoRA shape, ...) must match. Every rank
-    checks, before rank 0 writes anything, so a refusal stops all ranks with the same message."""
-    out = args.output_dir
-    cfg_path = os.path.join(out, RUN_CONFIG)
-    if os.path.exists(cfg_path):
-        if not args.resume:
-            raise SystemExit(f"error: {out} already holds a run ({RUN_CONFIG}); pass --resume to continue it "
-                             f"or choose another --output-dir")
-        with open(cfg_path) as f:
-            old = json.load(f)
-        diff = {k: (old.get(k), getattr(args, k)) for k in RUN_IDENTITY if old.get(k) != getattr(args, k)}
-        if diff:
-            raise SystemExit(f"error: --resume with settings that differ from the run in {out}: "
-                             + ", ".join(f"{k}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items()))
-    elif os.path.isdir(out) and os.listdir(out):
-        raise SystemExit(f"error: {out} is not empty and holds no qerl run ({RUN_CONFIG} missing); "
-                         f"choose another --output-dir")
-    if write:
-        os.makedirs(out, exist_ok=True)
-        for name in os.listdir(out):  # half-written checkpoints of a killed run
-            if name.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-    return latest_checkpoint(out) if args.resume else None
+# ----------------------------------------------------------------------------------------------
+# the lock
+
+
+def lock_run_dir(out: str) -> None:
+    """Take the directory's exclusive lock for this process's life, or stop naming who holds it.
+    A later call in the same process (a second train.main in one Python) takes it over."""
+    key = os.path.realpath(out)
+    if key in _held:
+        _held.pop(key).close()
+    f = open(os.path.join(out, LOCK), "a+")  # never truncated before the lock is ours
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that has not written its pid yet"
+        f.close()
+        raise SystemExit(f"error: {out} is in use by another run ({holder}); wait for it to end, or choose "
+                         f"another --output-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _held[key] = f
+
+
+def unlock_run_dir(out: str) -> None:
+    f = _held.pop(os.path.realpath(out), None)
+    if f is not None:
+        f.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# files
 
 
 def write_atomic(path: str, text: str) -> None:
     """Write under a temporary name, flush to disk, rename: readers see the old or the new file."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def latest_checkpoint(out: str) -> str | None:
-    """The newest complete checkpoint, as named by `latest` (written after the rename)."""
-    path = os.path.join(out, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        name = f.read().strip()
-    ckpt = os.path.join(out, name)
-    if not os.path.exists(os.path.join(ckpt, TRAINER_STATE)):
-        raise SystemExit(f"error: {path} names {name}, which is missing or incomplete")
+def _fsync_dir(path: str) -> None:  # a rename is durable once its directory is on disk
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl_rows(path: str) -> list[tuple[object, str]]:
+    """[(row, its line)] of a JSONL file (blank lines skipped), stopping with path:line on a line that
+    is not UTF-8 or not JSON; a last line without its newline (cut by a kill mid-write) is dropped."""
+    out = []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SystemExit(f"error: {path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                             f"fix or remove that line") from None
+        try:
+            out.append((json.loads(text), text))
+        except json.JSONDecodeError as e:
+            if lineno == len(lines):  # no newline after it: the write was cut
+                break
+            raise SystemExit(f"error: {path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
+                             f"fix or remove that line") from None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the directory at start
+
+
+def prepare_output_dir(args, write: bool = True) -> str | None:
+    """Check (and, if write, lock and create) the output directory; return the checkpoint to resume from.
+
+    A directory that holds another run is never overwritten: without --resume that is an error,
+    and with --resume the run's identity (model, dataset, LoRA shape, ...) must match. Every rank
+    checks; rank 0 (write) holds the lock and says what it chose. A refusal changes nothing."""
+    out = args.output_dir
+    say = print if write else (lambda *a, **k: None)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"error: --output-dir {out} is a file, not a directory")
+    found = set(os.listdir(out)) if os.path.isdir(out) else set()
+    if found - LEFTOVERS and RUN_CONFIG not in found:
+        raise SystemExit(f"error: {out} is not empty and holds no qerl run ({RUN_CONFIG} missing); "
+                         f"choose another --output-dir")
+    if write:
+        os.makedirs(out, exist_ok=True)
+        lock_run_dir(out)  # from here on, no other run changes the directory
+    try:
+        ckpt = _check_run(args, say)
+    except BaseException:
+        if write:
+            unlock_run_dir(out)
+        raise
+    if write:
+        for name in os.listdir(out):  # half-written checkpoints of a killed run
+            if name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
     return ckpt
 
 
+def _check_run(args, say) -> str | None:
+    out = args.output_dir
+    cfg_path = os.path.join(out, RUN_CONFIG)
+    if not os.path.exists(cfg_path):
+        if args.resume:
+            say(f"--resume: {out} holds no run yet; starting one")
+        return None
+    if not args.resume:
+        raise SystemExit(f"error: {out} already holds a run ({RUN_CONFIG}); pass --resume to continue it "
+                         f"or choose another --output-dir")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: {cfg_path} is unreadable ({e}); it is the run's identity: restore it") from None
+    diff = {k: (old.get(k), getattr(args, k)) for k in RUN_IDENTITY if old.get(k) != getattr(args, k)}
+    if diff:
+        raise SystemExit(f"error: --resume with settings that differ from the run in {out}: "
+                         + ", ".join(f"{k}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items()))
+    return resume_checkpoint(out, say)
+
+
+def checkpoints(out: str) -> list[tuple[int, str]]:
+    """[(step, name)] of the checkpoint-<step> directories in out, oldest first."""
+    found = [(int(m.group(1)), d) for d in os.listdir(out) if (m := CHECKPOINT_RE.fullmatch(d))]
+    return sorted(found)
+
+
+def resume_checkpoint(out: str, say=print) -> str | None:
+    """The newest checkpoint inside out whose manifest verifies; `latest` is only compared with it.
+    None when there is no checkpoint at all; a SystemExit (naming each reason) when none verifies."""
+    hint = None
+    latest = os.path.join(out, LATEST)
+    if os.path.exists(latest):
+        with open(latest, "rb") as f:
+            hint = f.read().decode("utf-8", "replace").strip()
+        if not CHECKPOINT_RE.fullmatch(hint):
+            say(f"warning: {latest} names {hint!r}, not a checkpoint of this run: ignored")
+            hint = None
+    found = checkpoints(out)
+    problems = []
+    for step, name in reversed(found):
+        path = os.path.join(out, name)
+        why = verify_checkpoint(path, root=out)
+        if why is None:
+            if hint is None:
+                say(f"resuming from {name}, the newest complete checkpoint ({LATEST} is missing or unusable)")
+            elif hint != name:
+                say(f"resuming from {name}, the newest complete checkpoint ({LATEST} names {hint})")
+            return path
+        problems.append(f"{name}: {why}")
+        say(f"warning: {name} is not a complete checkpoint ({why}): passed over")
+    if problems:
+        raise SystemExit(f"error: no checkpoint in {out} verifies, so --resume cannot continue the run "
+                         f"(nothing was changed): " + "; ".join(problems))
+    say(f"--resume: {out} has no checkpoint yet" + (f" ({LATEST} names {hint}, which does not exist)" if hint else "")
+        + ": starting at step 0")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_checkpoint(path: str, root: str | None = None) -> str | None:
+    """None if the checkpoint directory is complete (its manifest matches every file), else why not."""
+    if root is not None and os.path.dirname(os.path.realpath(path)) != os.path.realpath(root):
+        return f"it links outside the run ({os.path.realpath(path)})"
+    if not os.path.isdir(path):
+        return "not a directory"
+    try:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (written incompletely, or by a version without manifests)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST} ({e})"
+    for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG, TRAINER_STATE):
+        if name not in files:
+            return f"{MANIFEST} lists no {name}"
+    for name, want in files.items():
+        fp = os.path.join(path, name)
+        if os.path.basename(name) != name or not os.path.isfile(fp):
+            return f"{name} is missing"
+        if os.path.getsize(fp) != want["size"]:
+            return f"{name} has {os.path.getsize(fp)} bytes, the manifest says {want['size']}"
+        if _sha256(fp) != want["sha256"]:
+            return f"{name} does not match its sha256 in {MANIFEST} (corrupted)"
+    return None
+
+
+def _nonfinite(named_tensors) -> str | None:
+    """The name of the first tensor holding NaN or Inf, with what it holds."""
+    for name, t in named_tensors:
+        if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
+            kind = "NaN" if torch.isnan(t).any() else "Inf"
+            return f"{name} holds {kind}"
+    return None
+
+
+def _optimizer_tensors(optimizer, names: dict):
+    """(name, tensor) for every optimizer state tensor, named by its parameter (names: id -> name)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        for k, v in optimizer.state.get(p, {}).items():
+            yield f"optimizer {k} of {names.get(id(p), 'a parameter')}", v
+
+
 def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: int, base_model: str, keep: int):
-    """checkpoint-<step>/ = PEFT adapter + trainer_state.pt, written as .tmp-... and renamed."""
+    """checkpoint-<step>/ = PEFT adapter + trainer_state.pt + manifest.json, written as .tmp-... and
+    renamed; then `latest`, then the oldest beyond `keep` go. Checkpoints newer than this one stay."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    bad = _nonfinite((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    bad = bad or _nonfinite(_optimizer_tensors(optimizer, names))
+    if bad:
+        raise SystemExit(f"error: at step {step} {bad}; the checkpoint is not written and the run stops "
+                         f"(the previous checkpoint in {out} is intact)")
     name = f"checkpoint-{step:06d}"
     tmp, final = os.path.join(out, f".tmp-{name}"), os.path.join(out, name)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -91,39 +305,62 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
     state = {"step": step, "data_pos": data_pos, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict()}
     torch.save(state, os.path.join(tmp, TRAINER_STATE))
-    for f in os.listdir(tmp):  # on disk before the rename makes them the checkpoint (power loss, not just kill)
+    files = {}
+    for f in sorted(os.listdir(tmp)):  # on disk before the rename makes them the checkpoint (power loss, not just kill)
         with open(os.path.join(tmp, f), "rb") as fh:
             os.fsync(fh.fileno())
-    shutil.rmtree(final, ignore_errors=True)
+        files[f] = {"size": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
+    write_atomic(os.path.join(tmp, MANIFEST), json.dumps({"step": step, "files": files}, indent=1))
+    if os.path.exists(final):  # only one that failed verification (else the run would have resumed from it)
+        aside = f"{final}.unverified-{int(time.time())}"
+        os.replace(final, aside)
+        print(f"warning: {name} failed verification when the run resumed; kept as {os.path.basename(aside)}")
     os.replace(tmp, final)
+    _fsync_dir(out)
     write_atomic(os.path.join(out, LATEST), name)
-    old = sorted(d for d in os.listdir(out) if d.startswith("checkpoint-") and d != name)
-    for d in old[:max(0, len(old) - (keep - 1))]:
+    older = [d for s, d in checkpoints(out) if s < step]
+    for d in older[:max(0, len(older) - (keep - 1))]:
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
 
 
 def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> dict:
-    lora.load_adapter(model, ckpt, base_model)
+    """Restore the adapter, optimizer and schedule from a verified checkpoint; returns its state
+    (step, data_pos). Refuses, naming the tensor, anything non-finite."""
+    try:
+        lora.load_adapter(model, ckpt, base_model)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: cannot resume from {ckpt}: {e}") from None
     # Optimizer state holds only tensors and numbers: weights_only refuses anything that would unpickle code.
     state = torch.load(os.path.join(ckpt, TRAINER_STATE), map_location="cpu", weights_only=True)
+    opt_state = state["optimizer"]["state"]
+    bad = _nonfinite((f"optimizer {k} of parameter #{i}", v) for i, s in opt_state.items() for k, v in s.items())
+    if bad:
+        raise SystemExit(f"error: cannot resume from {ckpt}: {TRAINER_STATE}: {bad}")
+    m = CHECKPOINT_RE.fullmatch(os.path.basename(os.path.normpath(ckpt)))
+    if m and int(m.group(1)) != state["step"]:
+        raise SystemExit(f"error: cannot resume from {ckpt}: its {TRAINER_STATE} is of step {state['step']}")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return state
 
 
+# ----------------------------------------------------------------------------------------------
+# metrics and plots
+
+
 def truncate_metrics(out: str, step: int) -> None:
-    """Keep the metric lines of steps before `step`: a resumed run rewrites what came after."""
+    """Keep the metric lines of steps before `step`, byte for byte: a resumed run rewrites what came
+    after. The file is rewritten only if a line goes; a line that is not UTF-8 or not JSON (but the
+    last, cut by a kill) stops the run with path:line rather than be dropped."""
     path = os.path.join(out, METRICS)
     if not os.path.exists(path):
         return
-    kept = []
-    with open(path) as f:
-        for ln in f:
-            try:
-                kept += [ln] if json.loads(ln)["step"] < step else []
-            except (ValueError, KeyError):  # a blank line, or one cut by a kill mid-write
-                pass
-    write_atomic(path, "".join(kept))
+    keep = "".join(line + "\n" for row, line in read_jsonl_rows(path)
+                   if not (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= step))
+    with open(path, "rb") as f:
+        if f.read() == keep.encode():
+            return
+    write_atomic(path, keep)
 
 
 def plot_metrics(out: str) -> None:
@@ -131,8 +368,7 @@ def plot_metrics(out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    with open(os.path.join(out, METRICS)) as f:
-        rows = [json.loads(ln) for ln in f if ln.strip()]
+    rows = [r for r, _ in read_jsonl_rows(os.path.join(out, METRICS)) if isinstance(r, dict) and "step" in r]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
     for ax, key in zip(axes, ("reward", "eval/accuracy", "entropy", "completions/mean_length")):
         pts = [(r["step"], r[key]) for r in rows if key in r]

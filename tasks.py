@@ -8,6 +8,9 @@ A task is a list of `Example`s (question, gold answer, which checker scores it).
     load_task("path/to/file.jsonl")       any JSONL with question/answer or problem/answer fields
     load_task("path/to/dir", "test")      <dir>/test.jsonl (e.g. ../shared/data/gsm8k)
 
+A file that cannot be used (bytes that are not UTF-8, bad JSON, missing fields, no examples at all)
+raises DatasetError naming the file and line; `source_problem` is the check made at parse time.
+
 The model is asked (system prompt) to reason and put its final answer in \boxed{}; the prompt goes
 through the tokenizer's own chat template. rewards.py scores what comes back.
 
@@ -69,21 +72,35 @@ def example_from_record(rec: dict, where: str = "record") -> Example:
     return Example(question, gold, "numeric" if to_number(gold) is not None else "math")
 
 
+class DatasetError(ValueError):
+    """A dataset that cannot be used as it is (bad bytes, bad JSON, missing fields, no examples):
+    the message names the file and line; train.py and eval.py print it as one line."""
+
+
 def read_jsonl(path: str) -> list[Example]:
     """Every non-blank line of a JSONL file as an Example; errors name the file and line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no such JSONL file: {path}")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-            out.append(example_from_record(rec, where))
+                raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            try:
+                out.append(example_from_record(rec, where))
+            except ValueError as e:
+                raise DatasetError(str(e)) from None
+    if not out:
+        raise DatasetError(f"{path}: the dataset is empty (no JSON lines)")
     return out
 
 
@@ -131,6 +148,29 @@ def load_task(name_or_path: str, split: str = "train", *, limit: int | None = No
         raise FileNotFoundError(f"unknown task {name_or_path!r}: use one of "
                                 f"{sorted([*HUB, 'addition'])} or a path to a .jsonl file or directory")
     return examples[:limit] if limit is not None else examples
+
+
+def source_problem(name_or_path: str, split: str) -> str | None:
+    """What load_task(name_or_path, split) would refuse before reading a line, else None: the
+    check train.py and eval.py make at parse time, before any model loads."""
+    if name_or_path in HUB or name_or_path == "addition":
+        if name_or_path == "math500" and split != "test":
+            return f"math500 has only the 'test' split, not {split!r}"
+        return None
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, f"{split}.jsonl")
+        return None if os.path.isfile(path) else f"{path} not found (the {split} split of {name_or_path})"
+    if os.path.isfile(name_or_path):
+        return None
+    return (f"unknown task {name_or_path!r}: use one of {sorted([*HUB, 'addition'])} or a path to a .jsonl file "
+            f"or directory")
+
+
+def local_path_missing(name_or_path: str) -> bool:
+    """True for a model path that can only be local (absolute, ./, ../, ~, or more than one '/':
+    a hub id is 'name' or 'org/name') and does not exist."""
+    local = name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1
+    return local and not os.path.exists(os.path.expanduser(name_or_path))
 
 
 # -----------------------------------------------------------------------------

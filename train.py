@@ -35,6 +35,7 @@ import argparse
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 
@@ -50,6 +51,7 @@ from tqdm import tqdm
 
 import aqn
 import grpo
+import kernels
 import lora
 import plan
 import rewards
@@ -58,7 +60,7 @@ import tasks
 from checkpoint import build_model, load_model, load_tokenizer, random_init_config
 from distributed import all_reduce_grads, dist_setup, gather, rank_world
 from run_dir import (METRICS, RUN_CONFIG, load_checkpoint, plot_metrics, prepare_output_dir, save_checkpoint,
-                     truncate_metrics, write_atomic)
+                     truncate_metrics, unlock_run_dir, write_atomic)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -168,6 +170,29 @@ def micro_batches(batch: dict, spans: list):
 # the run
 
 
+# The accepted range of every numeric flag (an unset optional one, None, is not checked):
+# name -> (the range as the error states it, the test). Floats must also be finite.
+FLAG_RANGES = {
+    **dict.fromkeys(("prompts_per_step", "max_new_tokens", "micro_batch", "max_steps", "lora_rank", "max_prompt_len",
+                     "keep_checkpoints", "logprob_chunk", "save_every", "eval_max_new_tokens", "stop_at",
+                     "max_sampling_rounds", "updates_per_rollout"), (">= 1", lambda v: v >= 1)),
+    **dict.fromkeys(("eval_limit", "eval_every", "warmup_steps", "overlong_cache", "weight_decay", "beta"),
+                    (">= 0", lambda v: v >= 0)),
+    **dict.fromkeys(("lr", "lora_alpha", "epsilon_high", "importance_sampling_max", "importance_sampling_min"),
+                    ("> 0", lambda v: v > 0)),
+    **dict.fromkeys(("sigma_start", "sigma_end"), ("> 0 (the AQN schedule is geometric)", lambda v: v > 0)),
+    "group_size": (">= 2: GRPO advantages compare samples of one prompt", lambda v: v >= 2),
+    "aqn_stages": (">= 2: stage 0 is noise-free, the others carry the noise", lambda v: v >= 2),
+    "temperature": ("> 0: training log-probs are taken under logits / temperature", lambda v: v > 0),
+    "max_grad_norm": ("> 0 (clipping to <= 0 reverses or zeroes every update)", lambda v: v > 0),
+    "top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "epsilon": ("in (0, 1)", lambda v: 0 < v < 1),
+    "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "seed": ("in [0, 2**63)", lambda v: 0 <= v < 2 ** 63),
+}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="GRPO/DAPO post-training with NVFP4 weights, LoRA and AQN (QeRL)")
     # model
@@ -240,20 +265,40 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
     args = p.parse_args(argv)
-    for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch", "max_steps", "lora_rank",
-                 "max_prompt_len", "keep_checkpoints", "logprob_chunk", "save_every",
-                 "eval_max_new_tokens", "stop_at"):  # the last two may be None (unset)
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.eval_every < 0 or args.eval_limit < 0:
-        p.error("--eval-every and --eval-limit must be >= 0")
-    if args.group_size < 2:
-        p.error("--group-size must be >= 2: GRPO advantages compare samples of one prompt")
-    if args.temperature <= 0:
-        p.error("--temperature must be > 0: training log-probs are taken under logits / temperature")
+    # Every flag is checked here, before any model or data loads: one line and exit 2 (argparse's).
+    for name, (rule, ok) in FLAG_RANGES.items():
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and ok(v)):
+            p.error(f"--{name.replace('_', '-')} must be {rule}, got {v}")
+    if args.overlong_cache >= args.max_new_tokens:
+        p.error(f"--overlong-cache must be < --max-new-tokens ({args.max_new_tokens}), got {args.overlong_cache}")
+    if None not in (args.importance_sampling_min, args.importance_sampling_max) and \
+            args.importance_sampling_min > args.importance_sampling_max:
+        p.error(f"--importance-sampling-min ({args.importance_sampling_min}) must be <= --importance-sampling-max "
+                f"({args.importance_sampling_max})")
     if args.importance_sampling is not None and args.top_p < 1:
         p.error("--importance-sampling needs --top-p 1: with top-p the sampler's log-probs are of a truncated "
                 "distribution")
+    for flag, source, split in (("--dataset", args.dataset, "train"),
+                                ("--eval-dataset", args.eval_dataset or args.dataset, "test")):
+        problem = tasks.source_problem(source, split) if split == "train" or args.eval_limit else None
+        if problem:
+            p.error(f"{flag}: {problem}" + ("" if split == "train" or args.eval_dataset else
+                                            " (the default: --dataset's test split; --eval-limit 0 skips evaluation)"))
+    if args.random_init:
+        try:
+            random_init_config(args.model)
+        except ValueError as e:
+            p.error(f"--model: {e}")
+    for flag, path in (("--model", None if args.random_init else args.model), ("--tokenizer", args.tokenizer)):
+        if path and tasks.local_path_missing(path):
+            p.error(f"{flag}: {path} does not exist (and is not a Hugging Face hub id)")
+    try:
+        torch.device(args.device or "cpu")
+    except (RuntimeError, ValueError) as e:
+        p.error(f"--device: {e}")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        p.error(f"--output-dir: {args.output_dir} is a file, not a directory")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
     if args.prompts_per_step % world:
         p.error(f"--prompts-per-step ({args.prompts_per_step}, the global count) must divide by the "
@@ -481,6 +526,10 @@ def main(argv=None):
 
     model, optimizer, scheduler, gcfg, acfg, engine, step_plan = build_policy(args, device)
     log(plan.describe(step_plan))
+    line, slow = kernels.describe(device)                  # which fast paths run here, and any that cannot
+    log(line)
+    for w in slow:
+        log(f"warning: {w}")
     eval_new = args.eval_max_new_tokens or args.max_new_tokens
     if rank == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # it exists once it can start
         write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps({**vars(args), "world_size": world,
@@ -545,10 +594,14 @@ def main(argv=None):
             break
     if rank == 0:
         plot_metrics(args.output_dir)
+        unlock_run_dir(args.output_dir)  # the OS would at exit; a second run in this process may follow
     log(f"done: {args.output_dir}")
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except tasks.DatasetError as e:  # bad data is the user's to fix: one line, no traceback
+        raise SystemExit(f"error: {e}") from None

@@ -1,10 +1,23 @@
-"""rewards.py: answer extraction, the checkers, the guard, the lm-eval GSM8K matchers."""
+"""rewards.py: answer extraction, the checkers, the guard, the lm-eval GSM8K matchers.
+
+The guard's tests feed the completions that hung or stalled the trainer before it had limits and a
+worker process (exponents like 1e999999999, power towers, 1 MB strings, 10k nested braces, 140 KB of
+\\boxed{), from the main thread and from a worker thread, and time them. References: the quadratic
+scan for the last \\boxed{ that rewards.py used before (kept here), and MATH500's gold answers, which
+every limit must let through."""
+import json
+import os
+import random
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
+import rewards as rw
 from rewards import (RewardStats, extract_answer, format_reward, gsm8k_flexible_extract, gsm8k_flexible_match,
                      gsm8k_reward, gsm8k_strict_extract, gsm8k_strict_match, guarded, math_reward, reward, rewards,
                      to_number)
@@ -98,19 +111,17 @@ def test_guard_timeout_interrupts_sleep_and_busy_loops():
     assert stats.timeouts == 2 and stats.errors == 0 and time.monotonic() - t0 < 4.0
 
 
-def test_timeout_is_not_swallowed_by_except_exception(monkeypatch):
-    import math_verify
-
-    def stubborn_verify(*args, **kwargs):   # math-verify and sympy catch Exception in many places
+def test_timeout_is_not_swallowed_by_except_exception():
+    def stubborn():   # math-verify and sympy catch Exception in many places
         try:
             time.sleep(5)
         except Exception:
-            return True
-        return True
-    monkeypatch.setattr(math_verify, "verify", stubborn_verify)
+            return 1.0
+        return 1.0
     stats = RewardStats()
-    assert reward(Example("q", "2", "math"), r"\boxed{2}", stats, timeout_s=0.2) == 0.0
-    assert stats.timeouts == 1
+    t0 = time.monotonic()
+    assert guarded(stubborn, stats=stats, timeout_s=0.2) == 0.0
+    assert stats.timeouts == 1 and time.monotonic() - t0 < 2.0
 
 
 def test_guard_restores_an_outer_timer():
@@ -161,3 +172,137 @@ def test_lmeval_matchers():
     assert gsm8k_flexible_match("3 eggs, total 1018", "1018")
     assert not gsm8k_flexible_match("3 eggs, total 1017", gold)
     assert gsm8k_flexible_extract("no digits") == "[invalid]"
+
+
+# -----------------------------------------------------------------------------
+# the guard against pathological completions
+
+def quadratic_last_boxed(text):
+    """rw.last_boxed as it was: rescan from every \\boxed (140 KB of them took 177 s)."""
+    for m in reversed(list(re.finditer(r"\\(?:boxed|fbox)\b", text))):
+        i = m.end()
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                if depth == 0:
+                    return text[i + 1:j]
+            continue
+        word = re.match(r"[^\s$]+", text[i:])
+        if word and i > m.end():
+            return word.group(0)
+    return None
+
+
+def test_last_boxed_matches_the_quadratic_scan_on_random_text():
+    rng = random.Random(0)
+    pieces = ["\\boxed", "\\fbox", "\\boxedx", "{", "}", " ", "  ", "a", "12", "$", "\\{", "\n"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert rw.last_boxed(text) == quadratic_last_boxed(text), repr(text)
+
+
+def pathological():
+    """Completions that hung or stalled the trainer (name -> text); none holds the gold answer 7."""
+    return {
+        "exponent 1e999999999": r"so \boxed{1e999999999}",
+        "exponent 1e-999999999": r"\boxed{1e-999999999}",
+        "power tower 2^2^...": "\\boxed{" + "2^" * 30 + "2}",
+        "braced tower 9^{9^{9}}": r"\boxed{9^{9^{9}}}",
+        "nested tower 2^{2^{...}}": "\\boxed{" + "2^{" * 20 + "2" + "}" * 20 + "}",
+        "exponent 2^{99999999}": r"\boxed{2^{99999999}}",
+        "factorial 100000!": r"\boxed{100000!}",
+        "1 MB of digits": "1 " * 500_000,
+        "1 MB in a box": "\\boxed{" + "1+" * 500_000 + "1}",
+        "10k nested braces": "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
+        "10k open braces": "\\boxed{" + "{" * 10_000 + "1",
+        "10k nested parens": "\\boxed{" + "(" * 10_000 + "1" + ")" * 10_000 + "}",
+        "140 KB of \\boxed{": "\\boxed{" * 20_000,
+        "deep \\log(": "\\boxed{" + "\\log(" * 40 + "2" + ")" * 40 + "}",
+    }
+
+
+BUDGET_S = 0.25  # per completion (refused by the limits: microseconds to ~60 ms here)
+
+
+@pytest.mark.parametrize("kind", ["numeric", "math"])
+def test_pathological_completions_score_zero_quickly(kind):
+    rw.reward(Example("q", "2", kind), r"\boxed{2}")   # math: the worker is started, not timed
+    for name, text in pathological().items():
+        stats = RewardStats()
+        t0 = time.monotonic()
+        r = reward(Example("q", "7", kind), text, stats)
+        dt = time.monotonic() - t0
+        assert r == 0.0 and dt < BUDGET_S, f"{name}: reward {r} in {dt:.3f} s"
+        assert stats.calls == 1 and stats.timeouts == 0
+
+
+def test_pathological_completions_from_a_worker_thread():
+    """In a child process (a hang there cannot hang pytest): every case from a thread, timed."""
+    code = f"""
+import json, sys, threading, time
+sys.path[:0] = [{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+import rewards, test_rewards
+from tasks import Example
+out = {{}}
+def work():
+    rewards.reward(Example("q", "2", "math"), r"\\boxed{{2}}")
+    for kind in ("numeric", "math"):
+        for name, text in test_rewards.pathological().items():
+            t0 = time.monotonic()
+            out[kind + ": " + name] = (rewards.reward(Example("q", "7", kind), text), time.monotonic() - t0)
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(json.dumps(out))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out) == 2 * len(pathological())
+    slow = {k: v for k, v in out.items() if v[0] != 0.0 or v[1] >= BUDGET_S}
+    assert not slow, f"scored or timed past the budget: {slow}"
+
+
+def test_limits_refuse_the_pathological_and_pass_every_math500_gold_answer(shared_data):
+    for text in ("1e999999999", "2^2^2", "9^{9^{9}}", "2^{99999999}", "x^{1001}", "100000!", "(3+4)!",
+                 "{" * 11 + "1" + "}" * 11, "1" * 301):
+        with pytest.raises(rw.Refused):
+            rw.check_answer(text)
+    with pytest.raises(rw.Refused, match="MAX_COMPLETION_CHARS"):
+        rw.check_completion("1" * (rw.MAX_COMPLETION_CHARS + 1))
+    golds = [json.loads(line)["answer"] for line in open(os.path.join(shared_data, "math500", "test.jsonl"))]
+    for text in golds + ["2^{1000}", "1e100", "10! + 5!", r"\frac{\sqrt{3}}{2}", "x^5 - x^4", r"10,\!080"]:
+        rw.check_answer(text)
+    assert rw.to_number("1e999999999") is None and rw.to_number("1e3") == 1000
+
+
+def test_math_worker_kills_an_overrun_from_a_thread():
+    """Past the limits (called directly), 9^{9^{9}} is C-level big-integer work: only a kill stops it.
+    The process stays responsive, and the next call gets a fresh worker."""
+    out = {}
+
+    def work():
+        t0 = time.monotonic()
+        try:
+            rw.MATH_WORKER.call("9^{9^{9}}", "2", 0.5)
+        except rw.RewardTimeout:
+            out["timeout"] = time.monotonic() - t0
+        out["next"] = rw.MATH_WORKER.call("0.5", r"\frac{1}{2}", 30)
+    rw.MATH_WORKER.call("1", "1", 30)   # started
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and out["timeout"] < 1.5 and out["next"] is True, out
+
+
+def test_a_spent_step_budget_shortens_each_call():
+    stats = RewardStats(budget_s=0.0)
+    assert stats.timeout(rw.DEFAULT_TIMEOUT_S) == rw.MIN_TIMEOUT_S
+    assert RewardStats().timeout(rw.DEFAULT_TIMEOUT_S) == rw.DEFAULT_TIMEOUT_S
+    rw.reward(Example("q", "2", "math"), r"\boxed{2}")
+    t0 = time.monotonic()   # passes the limits, and math-verify takes seconds on it
+    assert reward(Example("q", "3", "math"), r"\boxed{\binom{1000000}{500000}}", stats) == 0.0
+    assert stats.timeouts == 1 and time.monotonic() - t0 < rw.MIN_TIMEOUT_S + 1.0
