@@ -21,7 +21,9 @@ weight sync, and the only sampler/trainer mismatch is the numerics of decode vs 
 
 The loop reads as its stages: `rollout_step` (sample and score the generation batch), `train_step`
 (advantages, the training forward and backward in micro-batches, AdamW), then log, evaluate and
-checkpoint. The run directory (run_config.json, metrics.jsonl, plots.png, crash-safe checkpoints
+checkpoint. The flags and their checks are flags.py's; the batch as training tensors and the
+chunked log-probs logprobs.py's; how a step uses the GPU's memory (micro-batch sizes, recomputation,
+what stays resident) plan.py's. The run directory (run_config.json, metrics.jsonl, plots.png, crash-safe checkpoints
 that `--resume` continues from) is run_dir.py's; data parallel over torchrun (`torchrun
 --nproc-per-node N train.py ...`, ranks as replicas of one policy) is distributed.py's. Every random
 draw (data order, AQN noise, sampling) is seeded from (seed, step), so a resumed run samples what the
@@ -31,11 +33,9 @@ Left out here: multi-node (the output directory must be shared), a learning-rate
 Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run);
 tests/test_distributed.py (2 CPU processes over gloo give the single-process update).
 """
-import argparse
 import functools
 import hashlib
 import json
-import math
 import os
 import time
 
@@ -58,6 +58,8 @@ import rewards
 import rollout
 import tasks
 from checkpoint import build_model, load_model, load_tokenizer, random_init_config
+from flags import parse_args
+from logprobs import collate, completion_logprobs, micro_batches
 from distributed import all_reduce_grads, dist_setup, gather, rank_world
 from run_dir import (METRICS, RUN_CONFIG, load_checkpoint, plot_metrics, prepare_output_dir, save_checkpoint,
                      truncate_metrics, unlock_run_dir, write_atomic)
@@ -78,232 +80,7 @@ def step_seed(seed: int, step: int, stream: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# log-probabilities of completions through the training forward
-
-
-class ChunkLogprobs(torch.autograd.Function):
-    """log π(target) and the entropy of π for a chunk of rows h (n, H) through the lm_head W (V, H) at
-    a temperature, without keeping the (n, V) logits for the backward: it keeps h and log Z (n,), and
-    the backward multiplies once more, then forms d log π(t) / d logits = onehot(t) - softmax in place.
-    That is half the passes over (n, V) of autograd through logsumexp and gather under a checkpoint
-    (which also recomputes the entropy). W is frozen (no gradient for it)."""
-
-    @staticmethod
-    def forward(ctx, h, weight, target, temperature):
-        logits = (h @ weight.t()).float().div_(temperature)                       # (n, V) fp32
-        logz = logits.logsumexp(-1)                                                # (n,)
-        logp = logits.gather(1, target[:, None])[:, 0] - logz                      # (n,)
-        p = (logits - logz[:, None]).exp_()                                        # softmax (n, V)
-        ent = logz - (p * logits).sum(-1)                                          # -Σ p log p
-        ctx.save_for_backward(h, weight, target, logz)
-        ctx.temperature = temperature
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        h, weight, target, logz = ctx.saved_tensors
-        T = ctx.temperature
-        g = (h @ weight.t()).float().div_(T).sub_(logz[:, None]).exp_()           # softmax (n, V)
-        g.mul_(-grad_logp[:, None]).scatter_add_(1, target[:, None], grad_logp[:, None])
-        return (g.div_(T).to(h.dtype) @ weight), None, None, None                 # (n, H)
-
-
-def completion_logprobs(model, input_ids, prompt_lens, comp_lens, temperature: float, chunk: int = 1024):
-    """log π(token) and entropy for every completion token, lm_head applied in chunks.
-
-    input_ids (B, T) = prompt + completion (+ right padding); prompt_lens, comp_lens (B,).
-    Returns logp, entropy: (B, L) fp32 with L = max(comp_lens); positions past a completion are 0.
-    Only the hidden rows that predict completion tokens reach lm_head, chunk rows at a time
-    (ChunkLogprobs), so the (rows × vocab) logits exist for one chunk at a time, in the forward and
-    in the backward alike. The entropy is reported, not trained on (it carries no gradient)."""
-    B, T = input_ids.shape
-    L = int(comp_lens.max())
-    hidden = model(input_ids, return_hidden=True)                                  # (B, T, H)
-    j = torch.arange(L, device=input_ids.device)                                   # (L,)
-    valid = j[None] < comp_lens[:, None]                                           # (B, L)
-    pos = (prompt_lens[:, None] - 1 + j[None]).clamp(max=T - 2)                    # (B, L) predicting rows
-    rows_b, rows_j = valid.nonzero(as_tuple=True)                                  # (N,), (N,)
-    h = hidden[rows_b, pos[rows_b, rows_j]]                                        # (N, H)
-    target = input_ids[rows_b, pos[rows_b, rows_j] + 1]                            # (N,)
-    W = model.lm_head.weight                                                       # (V, H)
-    outs = [ChunkLogprobs.apply(h[s:s + chunk], W, target[s:s + chunk], temperature)
-            for s in range(0, h.shape[0], chunk)]
-    logp = torch.zeros(B, L, device=h.device).index_put((rows_b, rows_j), torch.cat([o[0] for o in outs]))
-    ent = torch.zeros(B, L, device=h.device).index_put((rows_b, rows_j), torch.cat([o[1] for o in outs]).detach())
-    return logp, ent
-
-
-# ----------------------------------------------------------------------------------------------
-# a generation batch
-
-
-def collate(groups: list, pad_id: int, device) -> dict:
-    """groups: [(example, prompt_ids, [Completion × G], rewards)] -> padded tensors for the training forward."""
-    rows = [(p, c) for _, p, comps, _ in groups for c in comps]
-    T = max(len(p) + len(c.token_ids) for p, c in rows)
-    L = max(len(c.token_ids) for _, c in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    sampler_logp = torch.zeros(len(rows), L)
-    for i, (p, c) in enumerate(rows):
-        seq = p + c.token_ids
-        ids[i, :len(seq)] = torch.tensor(seq)
-        sampler_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
-    return {"input_ids": ids.to(device),
-            "prompt_lens": torch.tensor([len(p) for p, _ in rows], device=device),
-            "comp_lens": torch.tensor([len(c.token_ids) for _, c in rows], device=device),
-            "truncated": torch.tensor([c.finish_reason == "length" for _, c in rows], device=device),
-            "sampler_logp": sampler_logp.to(device)}
-
-
-def micro_batches(batch: dict, spans: list):
-    """(start, micro-batch) for each (start, end) of plan.micro_batches, cut to its own longest row."""
-    comp = batch["comp_lens"].tolist()
-    lens = [p + c for p, c in zip(batch["prompt_lens"].tolist(), comp)]
-    for s, e in spans:
-        mb = {k: v[s:e] for k, v in batch.items()}
-        L, T = max(comp[s:e]), max(lens[s:e])
-        mb["input_ids"], mb["sampler_logp"] = mb["input_ids"][:, :T], mb["sampler_logp"][:, :L]
-        yield s, mb
-
-
-# ----------------------------------------------------------------------------------------------
 # the run
-
-
-# The accepted range of every numeric flag (an unset optional one, None, is not checked):
-# name -> (the range as the error states it, the test). Floats must also be finite.
-FLAG_RANGES = {
-    **dict.fromkeys(("prompts_per_step", "max_new_tokens", "micro_batch", "max_steps", "lora_rank", "max_prompt_len",
-                     "keep_checkpoints", "logprob_chunk", "save_every", "eval_max_new_tokens", "stop_at",
-                     "max_sampling_rounds", "updates_per_rollout"), (">= 1", lambda v: v >= 1)),
-    **dict.fromkeys(("eval_limit", "eval_every", "warmup_steps", "overlong_cache", "weight_decay", "beta"),
-                    (">= 0", lambda v: v >= 0)),
-    **dict.fromkeys(("lr", "lora_alpha", "epsilon_high", "importance_sampling_max", "importance_sampling_min"),
-                    ("> 0", lambda v: v > 0)),
-    **dict.fromkeys(("sigma_start", "sigma_end"), ("> 0 (the AQN schedule is geometric)", lambda v: v > 0)),
-    "group_size": (">= 2: GRPO advantages compare samples of one prompt", lambda v: v >= 2),
-    "aqn_stages": (">= 2: stage 0 is noise-free, the others carry the noise", lambda v: v >= 2),
-    "temperature": ("> 0: training log-probs are taken under logits / temperature", lambda v: v > 0),
-    "max_grad_norm": ("> 0 (clipping to <= 0 reverses or zeroes every update)", lambda v: v > 0),
-    "top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "epsilon": ("in (0, 1)", lambda v: 0 < v < 1),
-    "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1),
-    "seed": ("in [0, 2**63)", lambda v: 0 <= v < 2 ** 63),
-}
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="GRPO/DAPO post-training with NVFP4 weights, LoRA and AQN (QeRL)")
-    # model
-    p.add_argument("--model", required=True, help="Hugging Face hub id or local checkpoint directory")
-    p.add_argument("--random-init", action="store_true",
-                   help="random weights of --model's shape (checkpoint.SHAPES: qwen2.5-7b|14b|32b, qwen3-8b|32b; "
-                        "or a dir with config.json): benchmarks")
-    p.add_argument("--tokenizer", default=None, help="default: --model")
-    p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu (torchrun: cuda:LOCAL_RANK)")
-    # data
-    p.add_argument("--dataset", default="gsm8k", help="gsm8k | math500 | addition | path to JSONL (file or dir)")
-    p.add_argument("--eval-dataset", default=None, help="default: the test split of --dataset")
-    p.add_argument("--eval-limit", type=int, default=500, help="0 = no evaluation")
-    p.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are dropped (counted)")
-    p.add_argument("--system-prompt", default=tasks.SYSTEM_PROMPT)
-    p.add_argument("--chat-template-kwargs", type=tasks.parse_chat_template_kwargs, default=None, metavar="JSON",
-                   help="""extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Qwen3)""")
-    # LoRA
-    p.add_argument("--lora-rank", type=int, default=32)
-    p.add_argument("--lora-alpha", type=float, default=64.0)
-    p.add_argument("--lora-dropout", type=float, default=0.0)
-    # AQN
-    p.add_argument("--aqn", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--sigma-start", type=float, default=1e-2)
-    p.add_argument("--sigma-end", type=float, default=5e-4)
-    p.add_argument("--aqn-stages", type=int, default=10)
-    p.add_argument("--aqn-rollout-only", action="store_true", help="noise in rollout only (the reference code)")
-    # rollout
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--prompts-per-step", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="share of free memory for the KV cache")
-    # objective
-    p.add_argument("--loss-type", choices=list(grpo.LOSS_TYPES), default="dapo")
-    p.add_argument("--epsilon", type=float, default=0.2)
-    p.add_argument("--epsilon-high", type=float, default=None, help="default: 0.28 for dapo, else --epsilon")
-    p.add_argument("--beta", type=float, default=0.0)
-    p.add_argument("--scale-rewards", choices=list(grpo.SCALE_REWARDS), default="group")
-    p.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--max-sampling-rounds", type=int, default=3)
-    p.add_argument("--overlong-cache", type=int, default=0, help="DAPO overlong shaping window (0 = off)")
-    p.add_argument("--mask-truncated", action="store_true", help="overlong filtering: no loss on truncated completions")
-    p.add_argument("--importance-sampling", choices=list(grpo.IS_MODES), default=None,
-                   help="correct for the sampler's log-probs differing from the trainer's (TRL's modes; default: none)")
-    p.add_argument("--importance-sampling-max", type=float, default=3.0, help="C_max of the correction")
-    p.add_argument("--importance-sampling-min", type=float, default=None, help="C_min of the correction")
-    # optimization
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--updates-per-rollout", type=int, default=1)
-    p.add_argument("--micro-batch", type=int, default=None,
-                   help="completions per training forward (default: as many as free GPU memory holds, plan.py)")
-    p.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per lm_head chunk")
-    p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute each layer in the backward (default: only where memory needs it, plan.py)")
-    p.add_argument("--max-steps", type=int, default=200, help="the run's length (sets the AQN schedule)")
-    p.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit after this step (resume later)")
-    # bookkeeping
-    p.add_argument("--eval-every", type=int, default=0, help="0 = only at the end")
-    p.add_argument("--eval-max-new-tokens", type=int, default=None, help="default: --max-new-tokens")
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--output-dir", default="runs/qerl")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
-    args = p.parse_args(argv)
-    # Every flag is checked here, before any model or data loads: one line and exit 2 (argparse's).
-    for name, (rule, ok) in FLAG_RANGES.items():
-        v = getattr(args, name)
-        if v is not None and not (math.isfinite(v) and ok(v)):
-            p.error(f"--{name.replace('_', '-')} must be {rule}, got {v}")
-    if args.overlong_cache >= args.max_new_tokens:
-        p.error(f"--overlong-cache must be < --max-new-tokens ({args.max_new_tokens}), got {args.overlong_cache}")
-    if None not in (args.importance_sampling_min, args.importance_sampling_max) and \
-            args.importance_sampling_min > args.importance_sampling_max:
-        p.error(f"--importance-sampling-min ({args.importance_sampling_min}) must be <= --importance-sampling-max "
-                f"({args.importance_sampling_max})")
-    if args.importance_sampling is not None and args.top_p < 1:
-        p.error("--importance-sampling needs --top-p 1: with top-p the sampler's log-probs are of a truncated "
-                "distribution")
-    for flag, source, split in (("--dataset", args.dataset, "train"),
-                                ("--eval-dataset", args.eval_dataset or args.dataset, "test")):
-        problem = tasks.source_problem(source, split) if split == "train" or args.eval_limit else None
-        if problem:
-            p.error(f"{flag}: {problem}" + ("" if split == "train" or args.eval_dataset else
-                                            " (the default: --dataset's test split; --eval-limit 0 skips evaluation)"))
-    if args.random_init:
-        try:
-            random_init_config(args.model)
-        except ValueError as e:
-            p.error(f"--model: {e}")
-    for flag, path in (("--model", None if args.random_init else args.model), ("--tokenizer", args.tokenizer)):
-        if path and tasks.local_path_missing(path):
-            p.error(f"{flag}: {path} does not exist (and is not a Hugging Face hub id)")
-    try:
-        torch.device(args.device or "cpu")
-    except (RuntimeError, ValueError) as e:
-        p.error(f"--device: {e}")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        p.error(f"--output-dir: {args.output_dir} is a file, not a directory")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
-    if args.prompts_per_step % world:
-        p.error(f"--prompts-per-step ({args.prompts_per_step}, the global count) must divide by the "
-                f"number of processes ({world})")
-    return args
 
 
 def clock(device) -> float:
