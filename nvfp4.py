@@ -179,6 +179,13 @@ def _quantize_rows(w: torch.Tensor, global_scale: torch.Tensor):
     return pack_fp4(codes), scale.to(torch.float8_e4m3fn)
 
 
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """E2M1_VALUES as an fp32 tensor on device, made once: a CUDA graph being captured (the sampler's
+    decode step, at fp32) may not copy it from the host."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(N, K/2) uint8, (N, K/16) float8_e4m3fn, (1,) fp32 -> W' (N, K) in dtype (fp32 math)."""
@@ -194,8 +201,7 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
     if K % BLOCK or tuple(scale.shape) != (N, K // BLOCK):
         raise ValueError(f"dequantize: packed {tuple(packed.shape)} needs scale ({N}, {K // BLOCK}), "
                          f"got {tuple(scale.shape)}")
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    q = lut[unpack_fp4(packed).long()].unflatten(1, (K // BLOCK, BLOCK))  # (N, K/16, 16) fp32
+    q = _e2m1_table(packed.device)[unpack_fp4(packed).long()].unflatten(1, (K // BLOCK, BLOCK))  # (N, K/16, 16) fp32
     step = scale.to(torch.float32) / global_scale.reshape(1)              # (N, K/16) fp32 s/g
     return (q * step.unsqueeze(-1)).flatten(1).to(dtype)                  # (N, K)
 

@@ -11,8 +11,11 @@ launch shapes, routes or fusions; the wing knows nothing of RL.
 When does the fast path run? `kernels.runs(x)`: Triton is present, x is on a CUDA device, and
 autograd is off, i.e. on the rollout's forwards (sampling, scoring). Training forwards, every CPU
 run and anything the kernels do not cover take the reference below, so autograd never meets a
-Triton kernel and a reader can check every formula here against model.py's docstring. The NVFP4
-matmul itself is the other hand-off (nvfp4.linear -> marlin_kernel.nvfp4_matmul -> kernels).
+hand-written kernel and a reader can check every formula here against model.py's docstring. On a
+CUDA training pass the norm, RoPE and SiLU·mul references are handed to `kernels.compiled`, which
+runs that same function compiled by torch.compile: one fused kernel forward and one backward where
+eager autograd launches ~10 each. The NVFP4 matmul itself is the other hand-off (nvfp4.linear ->
+marlin_kernel.nvfp4_matmul -> kernels).
 
 The ops:
 
@@ -48,6 +51,10 @@ def rms_norm(x, weight, eps, residual=None):
     residual must be the stream, never the output of the op just before (a decoder layer's is)."""
     if kernels.runs(x):
         return kernels.rms_norm(x, weight, eps, residual)
+    return kernels.compiled(_rms_norm, x)(x, weight, eps, residual)
+
+
+def _rms_norm(x, weight, eps, residual=None):
     if residual is not None:
         x = x + residual                                                  # rounded to x.dtype, as a layer's add
     h = x.float()
@@ -66,6 +73,10 @@ def rope(q, k, cos, sin):
     """apply_rope on q (B, T, Hq, D) and k (B, T, Hkv, D): one launch, in place, where the layout allows."""
     if kernels.runs(q) and kernels.rope_fits(q, k):
         return kernels.rope(q, k, cos, sin)
+    return kernels.compiled(_rope, q)(q, k, cos, sin)
+
+
+def _rope(q, k, cos, sin):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
@@ -96,7 +107,11 @@ def gated_mlp_input(parent, x):
     if kernels.runs(x):
         return kernels.project(parent, ("gate_proj", "up_proj"), x, silu_mul=True)
     gate, up = parent.gate_proj(x), parent.up_proj(x)     # both before the SiLU: the backward sums dx
-    return F.silu(gate) * up                               # in this graph's order, the same bits each run
+    return kernels.compiled(_silu_mul, x)(gate, up)        # in this graph's order, the same bits each run
+
+
+def _silu_mul(gate, up):
+    return F.silu(gate) * up
 
 
 # ----------------------------------------------------------------------------------------------

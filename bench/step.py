@@ -34,6 +34,7 @@ the real free memory: lower --gpu-memory-utilization to match), and the CPU test
 check and checkpoint.check_fits itself, to watch the allocation fail for real.
 
     python bench/step.py --models 7b --quants nvfp4,bf16 --completion 1024       # ~2.5 min on an H100
+    python bench/step.py --models 7b --quants nvfp4,nvfp4-eager --completion 1024  # compiled vs eager small ops
     python bench/step.py --models 32b --quants bf16 --completion 1024     # passes check_fits; does the step?
     python bench/step.py --models 32b --quants bf16 --completion 1024 --available-gib 60 --force  # OOM, for real
     python bench/step.py --models tiny --device cpu --dtype float32 --prompts 2 --group 2 \\
@@ -42,6 +43,7 @@ Results merge into --out by (model, quant, completion), so runs split over sever
 add up to one table. Test: tests/test_step_bench.py (the tiny run and the "does not fit" path on CPU).
 """
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -58,6 +60,7 @@ import checkpoint as qckpt
 import model as qmodel
 import rollout
 import train
+from kernels import tuning
 
 # ----------------------------------------------------------------------------------------------
 # configurations
@@ -66,8 +69,14 @@ MODELS = {"7b": qckpt.SHAPES["qwen2.5-7b"], "14b": qckpt.SHAPES["qwen2.5-14b"],
           "32b": qckpt.SHAPES["qwen2.5-32b"], "qwen3-8b": qckpt.SHAPES["qwen3-8b"],
           "tiny": dict(qckpt.SHAPES["qwen2.5-7b"], vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}  # a smoke test
+QUANTS = ("nvfp4", "bf16", "nvfp4-eager", "bf16-eager")   # -eager: training-pass small ops not compiled
 KEY = ("model", "quant", "completion")
 GIB = 2 ** 30
+
+
+def base_quant(spec: dict) -> str:
+    """"nvfp4-eager" -> "nvfp4": an -eager arm runs the training pass's small ops uncompiled."""
+    return spec["quant"].removesuffix("-eager")
 
 
 def needed_bytes(cfg: dict, quant: str, dtype) -> tuple[int, int]:
@@ -79,7 +88,7 @@ def needed_bytes(cfg: dict, quant: str, dtype) -> tuple[int, int]:
 
 def train_args(spec: dict, model_dir: str):
     """train.py's flags for this configuration: every other setting is train.py's default."""
-    return train.parse_args(["--model", model_dir, "--random-init", "--quant", spec["quant"], "--dtype", spec["dtype"],
+    return train.parse_args(["--model", model_dir, "--random-init", "--quant", base_quant(spec), "--dtype", spec["dtype"],
                              "--prompts-per-step", str(spec["prompts"]), "--group-size", str(spec["group"]),
                              "--max-prompt-len", str(spec["prompt_len"]), "--max-new-tokens", str(spec["completion"]),
                              "--eval-limit", "0", "--gpu-memory-utilization", str(spec["gpu_memory_utilization"]),
@@ -143,7 +152,7 @@ def run_config(spec: dict) -> dict:
     rec = {k: spec[k] for k in ("model", "quant", "completion", "prompts", "group", "prompt_len", "micro_batch")}
     rec.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                torch=torch.__version__, triton=getattr(sys.modules.get("triton"), "__version__", None))
-    weights, need = needed_bytes(cfg, spec["quant"], dtype)
+    weights, need = needed_bytes(cfg, base_quant(spec), dtype)
     free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (None, None)
     if spec["available_gib"] is not None:
         free = spec["available_gib"] * GIB
@@ -236,7 +245,8 @@ def print_table(rows: list) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="7b,14b,32b", help=f"comma-separated: {', '.join(MODELS)}")
-    ap.add_argument("--quants", default="nvfp4,bf16", help="comma-separated: nvfp4, bf16")
+    ap.add_argument("--quants", default="nvfp4,bf16", help="comma-separated: nvfp4, bf16; an -eager suffix "
+                    "(nvfp4-eager) runs the training pass's norms / RoPE / SiLU·mul eagerly (kernels/compiled.py)")
     ap.add_argument("--completion", default="1024,2048", help="comma-separated completion lengths (forced)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
@@ -257,14 +267,18 @@ def main(argv=None):
     ap.add_argument("--record", help=argparse.SUPPRESS)   # where the worker writes its record
     args = ap.parse_args(argv)
     if args.worker:
+        spec = json.loads(args.worker)
+        eager = spec["quant"].endswith("-eager")
+        with tuning.using(dataclasses.replace(tuning.current(), compiled_training=not eager)):
+            rec = run_config(spec)
         with open(args.record, "w") as f:
-            json.dump(run_config(json.loads(args.worker)), f)
+            json.dump(rec, f)
         return
     print(json.dumps(vars(args)))
     bad = [m for m in args.models.split(",") if m not in MODELS] + \
-        [q for q in args.quants.split(",") if q not in ("nvfp4", "bf16")]
+        [q for q in args.quants.split(",") if q not in QUANTS]
     if bad:
-        ap.error(f"unknown model or quant {bad}: models {list(MODELS)}, quants nvfp4, bf16")
+        ap.error(f"unknown model or quant {bad}: models {list(MODELS)}, quants {', '.join(QUANTS)}")
     command = " ".join([os.path.relpath(os.path.abspath(__file__)), *(sys.argv[1:] if argv is None else argv)])
     base = {k: v for k, v in vars(args).items() if k not in ("models", "quants", "completion", "out", "worker",
                                                                 "record")}

@@ -17,6 +17,7 @@ otherwise; this package knows nothing of RL. What is here:
         rms_norm, rope_fits, rope, embed_rope, silu_mul, lm_head_fits, lm_head
     q/k/v and gate/up as one matmul (stacked.py): prepare(model, groups), project(parent, names, x, silu_mul)
     LoRA (lora.py): lora_linear(x, base, A, B, scale)
+    the training pass's small ops, forward and backward (compiled.py): compiled(fn, x)
     paged decode attention (paged_decode.py): store_kv, paged_attention, attention_counts
     sampling (sampler.py): sampler_runs(filtered, shape, device), sample, fill_tokens
     tuning (tuning.py): Tuning, current(), using(t)
@@ -28,6 +29,7 @@ import torch
 
 from . import tuning                       # first: tuning imports shapes, which reads tuning at call time
 from . import launch
+from .compiled import compiled
 from .launch import interpreting
 from .stacked import prepare
 from .tuning import Tuning, current, using

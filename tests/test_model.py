@@ -300,7 +300,7 @@ def test_gpu_inference_forward_with_fused_kernels_matches_the_training_forward(d
     with torch.no_grad():
         fused = model(ids).float()                 # Triton norm / RoPE / SiLU·mul
     with torch.enable_grad():
-        plain = model(ids).float()                 # torch ops (the training forward)
+        plain = model(ids).float()                 # the training forward (ops.py's references, compiled)
     err = rel_err(fused, plain)
     print(f"fused vs torch-op forward ({dtype}, {quant}): logits rel err {err:.2e}")
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
