@@ -12,8 +12,9 @@ writes each activation about once. What is compiled is the trunk's own reference
 in by ops.py: the formula a reader checks there is the one that runs, not a second copy of it.
 
     compiled(fn, x)   fn compiled, where it pays: x on CUDA with autograd on (the training forward and
-                      its recomputation); fn itself elsewhere (the CPU, no-grad passes, tuning's
-                      compiled_training off: bench/step.py's -eager arms)
+                      its recomputation) and at least tuning's compile_min_numel elements in x; fn
+                      itself elsewhere (the CPU, no-grad passes, small micro-batches of small models,
+                      where a compiled call's fixed host cost exceeds what it saves)
 
 Each fn compiles once per process and call pattern (rank, dtype, residual or not) with dynamic
 shapes (`dynamic=True`): a micro-batch of another (B, T) reuses the kernels instead of compiling
@@ -38,7 +39,7 @@ _INDUCTOR_GPU = importlib.util.find_spec("triton") is not None     # Inductor wr
 
 def compiled(fn, x: torch.Tensor):
     """fn, or fn compiled by Inductor when x is a CUDA tensor on the training path (module docstring)."""
-    if not (_INDUCTOR_GPU and x.is_cuda and torch.is_grad_enabled() and current().compiled_training):
+    if not (_INDUCTOR_GPU and x.is_cuda and torch.is_grad_enabled() and x.numel() >= current().compile_min_numel):
         return fn
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})

@@ -36,8 +36,10 @@ class Tuning:
                                       # overlap the previous kernel's tail (bench/rollout.py's -nopdl turns it off)
     fused: bool = True                # the rollout path takes the wing's kernels for norms, RoPE, attention,
                                       # LoRA and sampling (bench/rollout.py's -unfused runs torch ops instead)
-    compiled_training: bool = True    # the training pass runs norms, RoPE and SiLU·mul compiled by Inductor
-                                      # (compiled.py; bench/step.py's -eager arms run them eagerly)
+    compile_min_numel: int = 1 << 24  # the training pass compiles its norm / RoPE / SiLU·mul (compiled.py) where
+                                      # x has this many elements: below, a compiled call's fixed host cost
+                                      # exceeds what fusion saves (SmolLM2's ~3M-element micro-batches ran
+                                      # slower compiled, 7B's ~34M faster; bench/step.py's -eager arms: never)
     reduce_in_kernel: bool = True     # a split-K launch that can sum its own partials does (its last split):
                                       # one launch less; tests turn it off to compare with the reduce kernel
 

@@ -18,16 +18,20 @@ import ops
 from kernels import tuning
 
 
+ALWAYS = dataclasses.replace(tuning.current(), compile_min_numel=0)
+
+
 def test_compiled_is_the_reference_itself_off_the_cuda_training_path():
     x = torch.randn(4, 8, requires_grad=True)
-    assert kernels.compiled(ops._rms_norm, x) is ops._rms_norm          # CPU
+    with tuning.using(ALWAYS):
+        assert kernels.compiled(ops._rms_norm, x) is ops._rms_norm      # CPU
     if torch.cuda.is_available():
         xc = x.detach().cuda()
-        with torch.no_grad():
-            assert kernels.compiled(ops._rms_norm, xc) is ops._rms_norm  # no autograd: the sampler's forwards
-        with tuning.using(dataclasses.replace(tuning.current(), compiled_training=False)):
-            assert kernels.compiled(ops._rms_norm, xc) is ops._rms_norm
-        assert kernels.compiled(ops._rms_norm, xc) is not ops._rms_norm
+        assert kernels.compiled(ops._rms_norm, xc) is ops._rms_norm      # 32 elements: below the default size
+        with tuning.using(ALWAYS):
+            with torch.no_grad():
+                assert kernels.compiled(ops._rms_norm, xc) is ops._rms_norm   # no autograd: the sampler's
+            assert kernels.compiled(ops._rms_norm, xc) is not ops._rms_norm
 
 
 def _norm64(x, w, eps, r):
@@ -75,7 +79,7 @@ def test_gpu_compiled_rms_norm_forward_and_backward(residual):
     w = 1 + 0.1 * torch.randn(512, device="cuda", generator=g)                 # fp32, AQN-noised in training
     up = [torch.randn(3, 37, 512, device="cuda", generator=g).double() for _ in range(1 + residual)]
     inputs = [x, r] if residual else [x]
-    with torch.enable_grad():
+    with torch.enable_grad(), tuning.using(ALWAYS):
         compiled = kernels.compiled(ops._rms_norm, x.requires_grad_(True))
         assert compiled is not ops._rms_norm
         _as_close_as_eager(lambda *a: compiled(a[0], w, 1e-6, *a[1:]), lambda *a: ops._rms_norm(a[0], w, 1e-6, *a[1:]),
@@ -91,7 +95,7 @@ def test_gpu_compiled_rope_and_silu_mul_forward_and_backward():
     ang = torch.arange(33, device="cuda")[None, :, None, None] * torch.rand(32, device="cuda", generator=g)
     cos, sin = ang.cos().expand(2, 33, 1, 32), ang.sin().expand(2, 33, 1, 32)
     up = [torch.randn_like(q, dtype=torch.float64), torch.randn_like(k, dtype=torch.float64)]
-    with torch.enable_grad():
+    with torch.enable_grad(), tuning.using(ALWAYS):
         rope = kernels.compiled(ops._rope, q.requires_grad_(True))
         _as_close_as_eager(lambda a, b: rope(a, b, cos, sin), lambda a, b: ops._rope(a, b, cos, sin),
                            lambda a, b: (_rope64(a, cos, sin), _rope64(b, cos, sin)), [q.detach(), k.detach()], up)
@@ -116,7 +120,7 @@ def test_gpu_training_pass_with_compiled_ops_matches_eager(quant):
         for name, p in model.named_parameters():               # B = 0 at init: give the adapters a say
             if "lora_B" in name:
                 p.data.normal_(0, 0.02, generator=torch.Generator(device="cuda").manual_seed(len(name)))
-        with tuning.using(dataclasses.replace(tuning.current(), compiled_training=compiled)):
+        with tuning.using(dataclasses.replace(tuning.current(), compile_min_numel=0 if compiled else 2 ** 62)):
             logits = model(ids).float()
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, 4096), ids[:, 1:].reshape(-1))
             loss.backward()
