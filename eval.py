@@ -1,13 +1,17 @@
-"""eval.py: accuracy of a (quantized, optionally adapted) model on GSM8K, MATH500 or a JSONL file.
+"""eval.py: accuracy of a (quantized, optionally adapted) model on GSM8K, MATH500 or any dataset tasks.py reads.
 
     python eval.py --model Qwen/Qwen2.5-7B-Instruct --adapter runs/gsm8k/checkpoint-000200 --dataset gsm8k
 
-Each question is formatted with the tokenizer's chat template and the system prompt of tasks.py
-(final answer in \\boxed{}), sampled by the same paged engine that training uses (rollout.py),
-and scored by the training reward (rewards.reward: numeric equality for GSM8K-style answers,
+Each question is formatted with the tokenizer's chat template and a system prompt (final answer in
+\\boxed{}), sampled by the same paged engine that training uses (rollout.py), and scored by the
+training reward's correctness check (rewards.reward: numeric equality for GSM8K-style answers,
 math-verify for MATH). Accuracy is the mean over questions and samples. For GSM8K it also reports
 lm-evaluation-harness' two matchers (strict: the `#### N` line; flexible: the last number) so
 the numbers can be set beside published ones; both read the same completions.
+
+The prompt is the one the model was trained on: for an adapter inside a train.py run directory
+(runs/x/checkpoint-N), the system prompt and chat-template variables of its run_config.json, unless
+--system-prompt / --chat-template-kwargs say otherwise; else tasks.SYSTEM_PROMPT.
 
 Greedy by default (--temperature 0); with --samples k > 1 and a temperature, the figure is the
 mean accuracy over k samples per question (an estimate of pass@1).
@@ -19,24 +23,29 @@ import tempfile
 import time
 
 import torch
+from tqdm import tqdm
 
 import lora
 import rewards
 import rollout
 import tasks
 from checkpoint import load_model, load_tokenizer
+from flags import HelpFormatter
+from run_dir import RUN_CONFIG
 
 # ----------------------------------------------------------------------------------------------
 
 
-def evaluate(engine, tokenizer, examples, params, batch_size: int = 256,
-             system_prompt: str = tasks.SYSTEM_PROMPT, chat_template_kwargs: dict | None = None) -> tuple[dict, list]:
-    """Generate for every example and score. Returns (metrics, one record per example)."""
+def evaluate(engine, tokenizer, examples, params, batch_size: int = 256, system_prompt: str = tasks.SYSTEM_PROMPT,
+             chat_template_kwargs: dict | None = None, progress: bool = False) -> tuple[dict, list]:
+    """Generate for every example and score; progress shows a bar over the questions (advanced a batch
+    at a time). Returns (metrics, one record per example)."""
     stats = rewards.RewardStats()
     records, correct, strict, flexible, t0 = [], [], [], [], time.perf_counter()
+    bar = tqdm(total=len(examples), desc="eval", unit="q", disable=not progress, leave=False)
     for s in range(0, len(examples), batch_size):
         chunk = examples[s:s + batch_size]
-        ids = [tasks.encode_prompt(tokenizer, e.question, system_prompt, chat_template_kwargs) for e in chunk]
+        ids = [tasks.encode_prompt(tokenizer, e.prompt, system_prompt, chat_template_kwargs) for e in chunk]
         for e, comps in zip(chunk, engine.generate(ids, params)):
             texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
             scores = [rewards.reward(e, t, stats) for t in texts]
@@ -46,6 +55,8 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256,
                 flexible += [rewards.gsm8k_flexible_match(t, e.answer) for t in texts]
             records.append({"question": e.question, "answer": e.answer, "completions": texts, "scores": scores,
                             "finish_reasons": [c.finish_reason for c in comps]})
+        bar.update(len(chunk))
+    bar.close()
     engine.free_cache()
     metrics = {"accuracy": sum(correct) / max(1, len(correct)), "n_questions": len(examples),
                "n_samples": len(correct), "seconds": time.perf_counter() - t0, **stats.as_dict()}
@@ -53,6 +64,20 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256,
         metrics["gsm8k_strict_match"] = sum(strict) / len(strict)
         metrics["gsm8k_flexible_match"] = sum(flexible) / len(flexible)
     return metrics, records
+
+
+def run_prompt(adapter: str | None) -> dict:
+    """The prompt settings (system_prompt, chat_template_kwargs) of the train.py run an adapter was saved
+    in (its parent directory's run_config.json), or {} for an adapter outside a run."""
+    path = os.path.join(os.path.dirname(os.path.abspath(adapter)), RUN_CONFIG) if adapter else None
+    if not path or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return {k: run[k] for k in ("system_prompt", "chat_template_kwargs") if isinstance(run, dict) and k in run}
 
 
 def output_problem(path: str) -> str | None:
@@ -76,32 +101,54 @@ def adapter_problem(path: str) -> str | None:
     return f"{path} has no {' or '.join(missing)}" if missing else None
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Evaluate a model (+ LoRA adapter) on GSM8K / MATH500 / a dataset",
+                                usage="%(prog)s --model MODEL [--adapter DIR] [--dataset DATASET] [flags] "
+                                      "(--help lists them)", formatter_class=HelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", required=True, help="Hugging Face hub id or local checkpoint directory (required)")
+    g.add_argument("--adapter", default=None, help="PEFT-format LoRA adapter directory, e.g. a train.py checkpoint (default: none)")
+    g.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4", help="base weights: 4-bit NVFP4 or bf16")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="activations and adapters")
+    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", default="gsm8k",
+                   help="gsm8k | math500 | addition | a Hub dataset id | a .jsonl/.csv/.parquet file | a directory")
+    g.add_argument("--dataset-config", default=None, help="the Hub dataset's configuration, e.g. main (default: its only or default one)")
+    g.add_argument("--split", default="test", help="the split evaluated")
+    g.add_argument("--prompt-column", default=None,
+                   help=f"column holding the prompt (default: the first of {', '.join(tasks.PROMPT_COLUMNS)})")
+    g.add_argument("--answer-column", default=None, help="column holding the gold answer (default: answer)")
+    g.add_argument("--limit", type=int, default=None, help="the first N questions (default: all)")
+    g.add_argument("--system-prompt", default=None,
+                   help="default: the run's (run_config.json beside --adapter), else tasks.SYSTEM_PROMPT")
+    g.add_argument("--chat-template-kwargs", type=tasks.parse_chat_template_kwargs, default=None, metavar="JSON",
+                   help="""extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Qwen3); """
+                        "default: the run's")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--samples", type=int, default=1, help="samples per question")
+    g.add_argument("--max-new-tokens", type=int, default=1024, help="completion length limit")
+    g.add_argument("--max-model-len", type=int, default=4096, help="prompt + completion tokens the KV cache holds")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (and the addition task's split)")
+    g = p.add_argument_group("output")
+    g.add_argument("--output", default=None, help="write one JSON line per question to this file (default: none)")
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Evaluate a model (+ LoRA adapter) on GSM8K / MATH500 / JSONL")
-    # model
-    p.add_argument("--model", required=True, help="Hugging Face hub id or local checkpoint directory")
-    p.add_argument("--adapter", default=None, help="PEFT-format LoRA adapter directory (e.g. a train.py checkpoint)")
-    p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--device", default=None)
-    # data
-    p.add_argument("--dataset", default="gsm8k", help="gsm8k | math500 | addition | path to JSONL")
-    p.add_argument("--split", default="test")
-    p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--system-prompt", default=tasks.SYSTEM_PROMPT, help="the training run's, if it set one")
-    p.add_argument("--chat-template-kwargs", type=tasks.parse_chat_template_kwargs, default=None, metavar="JSON",
-                   help="""extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Qwen3)""")
-    # sampling
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--samples", type=int, default=1, help="samples per question")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0)
-    # output
-    p.add_argument("--output", default=None, help="write one JSON line per question (predictions.jsonl)")
+    p = build_parser()
     args = p.parse_args(argv)
+    run = run_prompt(args.adapter)
+    for key in ("system_prompt", "chat_template_kwargs"):
+        if getattr(args, key) is None and key in run:
+            setattr(args, key, run[key])
+    if args.system_prompt is None:
+        args.system_prompt = tasks.SYSTEM_PROMPT
     print(json.dumps(vars(args)))
+    if run:
+        print(f"prompt settings of the run: {os.path.dirname(os.path.abspath(args.adapter))}/{RUN_CONFIG}")
     for name in ("samples", "max_new_tokens", "max_model_len") + (("limit",) if args.limit is not None else ()):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -114,7 +161,8 @@ def main(argv=None):
     if args.samples > 1 and args.temperature == 0:
         p.error("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
     # Everything that can be checked without the model is, before it loads (so is --output).
-    problems = {"--dataset": tasks.source_problem(args.dataset, args.split),
+    columns = tasks.Columns(args.prompt_column, args.answer_column)
+    problems = {"--dataset": tasks.source_problem(args.dataset, args.split, args.dataset_config, columns),
                 "--model": tasks.local_path_missing(args.model) and f"{args.model} does not exist",
                 "--adapter": args.adapter and adapter_problem(args.adapter),
                 "--output": args.output and output_problem(args.output)}
@@ -128,11 +176,19 @@ def main(argv=None):
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        examples = tasks.load_task(args.dataset, args.split, limit=args.limit, seed=args.seed)
-    except (ValueError, FileNotFoundError) as e:  # bad data, an empty file, a split that is not there
-        raise SystemExit(f"error: --dataset: {e}") from None
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, quant=args.quant, device=device, dtype=getattr(torch, args.dtype))
+        examples = tasks.load_task(args.dataset, args.split, limit=args.limit, seed=args.seed,
+                                   config=args.dataset_config, columns=columns)
+    except (ValueError, FileNotFoundError) as e:  # bad data, an empty file, a split that is not there, offline
+        raise SystemExit(f"error: --dataset: {' '.join(str(e).split())}") from None
+    if any(e.answer is None for e in examples):
+        raise SystemExit(f"error: --dataset {args.dataset} has no gold answers (no 'answer' column): pass --answer-column")
+    print(f"{args.dataset} [{args.split}]: {len(examples)} questions; loading {args.model} ({args.quant}) ...")
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = load_model(args.model, quant=args.quant, device=device, dtype=getattr(torch, args.dtype))
+    except OSError as e:  # a Hub id that cannot be fetched (offline)
+        raise SystemExit(f"error: --model: {' '.join(str(e).split())}; pass a local directory, or set "
+                         f"HF_HUB_OFFLINE=1 to use a cached copy") from None
     if args.adapter:
         try:
             lora.load_adapter(model, args.adapter, args.model)
@@ -143,7 +199,7 @@ def main(argv=None):
     params = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, n=args.samples,
                                     max_tokens=args.max_new_tokens, seed=args.seed)
     metrics, records = evaluate(engine, tokenizer, examples, params, system_prompt=args.system_prompt,
-                                chat_template_kwargs=args.chat_template_kwargs)
+                                chat_template_kwargs=args.chat_template_kwargs, progress=True)
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(f"{args.output}.tmp", "w") as f:

@@ -31,7 +31,8 @@ overruns or is refused, in three layers:
   3. The numeric checker is bounded by the limits of (1) and runs in-process; `guarded` adds a
      deadline of its own for any function: a SIGALRM timer in the main thread (the exception derives
      from BaseException so that no `except Exception` inside a reward can swallow it), and off it an
-     overrun is scored 0 once it returns.
+     overrun is scored 0 once it returns. reward_funcs.py runs the user's reward functions under the
+     same `deadline`.
 
 Time per step: a call gets DEFAULT_TIMEOUT_S (an order of magnitude above the slowest MATH500 gold
 check), and a `RewardStats` (one per training step) carries a budget: once its calls have spent
@@ -404,7 +405,7 @@ class RewardStats:
 
 
 @contextmanager
-def _deadline(seconds: float | None):
+def deadline(seconds: float | None):
     """Raise RewardTimeout in this (main) thread after `seconds`; a no-op elsewhere."""
     usable = (seconds is not None and seconds > 0 and hasattr(signal, "setitimer")
               and threading.current_thread() is threading.main_thread())
@@ -436,7 +437,7 @@ def guarded(fn: Callable[..., float], *args, stats: RewardStats | None = None,
     stats.calls += 1
     t0 = time.monotonic()
     try:
-        with _deadline(timeout_s) as interruptible:
+        with deadline(timeout_s) as interruptible:
             value = float(fn(*args))
         elapsed = time.monotonic() - t0
         if not interruptible and timeout_s is not None and timeout_s > 0 and elapsed > timeout_s:
@@ -478,11 +479,11 @@ def reward(example, completion: str, stats: RewardStats | None = None, *,
     Numeric answers are checked here under `guarded`'s deadline; MATH answers in MATH_WORKER, whose
     deadline (the kill) works from any thread."""
     stats = stats if stats is not None else RewardStats()
-    deadline = stats.timeout(timeout_s)
+    limit = stats.timeout(timeout_s)
     if example.kind == "numeric":
-        r = guarded(_checked_gsm8k, completion, example.answer, stats=stats, timeout_s=deadline)
+        r = guarded(_checked_gsm8k, completion, example.answer, stats=stats, timeout_s=limit)
     else:
-        r = guarded(_checked_math, completion, example.answer, deadline, stats=stats, timeout_s=None)
+        r = guarded(_checked_math, completion, example.answer, limit, stats=stats, timeout_s=None)
     if format_weight and len(completion) <= MAX_COMPLETION_CHARS:
         r += format_weight * format_reward(completion)
     return r

@@ -1,8 +1,10 @@
 """The run directory: the arguments, the metrics, the checkpoints, the plots, and one writer at a time.
 
-    <output-dir>/run_config.json        the arguments of the run (its identity is checked on --resume)
+    <output-dir>/run_config.json        the flags of the run (--resume reads them: flags.py)
                  metrics.jsonl          one JSON line per step, TRL's metric names where they exist
-                 plots.png              reward, eval accuracy, entropy and completion length against step
+                 completions.jsonl      a few of each step's completions with their rewards (report.py)
+                 plots.png              reward, eval accuracy, loss, grad norm, AQN σ, step time, entropy
+                                        and completion length against step, redrawn at each evaluation
                  checkpoint-<step>/     adapter_model.safetensors + adapter_config.json (a PEFT adapter)
                                         + trainer_state.pt (optimizer, schedule, step, data position)
                                         + manifest.json (the size and sha256 of each of those files)
@@ -27,7 +29,7 @@ does not verify, or points outside the directory is reported and passed over. A 
 checkpoints all fail is refused with each one's reason, and nothing is changed. Resuming never
 deletes a checkpoint newer than the one it resumed from (one that failed verification is moved aside
 under a .unverified-* name when the run writes that step again), and metrics.jsonl keeps every row
-before the resumed step. Loading refuses non-finite values too, naming the tensor.
+before the resumed step (completions.jsonl too). Loading refuses non-finite values too, naming the tensor.
 trainer_state.pt is read with torch.load(weights_only=True): tensors and numbers, never code.
 
 Test: tests/test_run_dir.py (lock, manifest, resume choice, metrics); tests/test_integrity.py (two
@@ -48,6 +50,7 @@ import lora
 
 RUN_CONFIG = "run_config.json"
 METRICS = "metrics.jsonl"
+COMPLETIONS = "completions.jsonl"
 LATEST = "latest"
 LOCK = ".lock"
 MANIFEST = "manifest.json"
@@ -55,8 +58,6 @@ TRAINER_STATE = "trainer_state.pt"
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 # What a fresh run may find in its directory: a run killed before its first run_config.json landed.
 LEFTOVERS = {LOCK, RUN_CONFIG + ".tmp"}
-# Arguments that must match for --resume to continue the same run (max_steps sets the AQN schedule).
-RUN_IDENTITY = ("max_steps", "model", "quant", "dataset", "lora_rank", "lora_alpha", "group_size", "prompts_per_step", "seed")
 
 _held = {}  # realpath of a run directory -> the open .lock this process holds (closing it unlocks)
 
@@ -146,9 +147,9 @@ def read_jsonl_rows(path: str) -> list[tuple[object, str]]:
 def prepare_output_dir(args, write: bool = True) -> str | None:
     """Check (and, if write, lock and create) the output directory; return the checkpoint to resume from.
 
-    A directory that holds another run is never overwritten: without --resume that is an error,
-    and with --resume the run's identity (model, dataset, LoRA shape, ...) must match. Every rank
-    checks; rank 0 (write) holds the lock and says what it chose. A refusal changes nothing."""
+    A directory that holds another run is never overwritten: without --resume that is an error (with
+    it, flags.py has already refused any flag that differs from the run's). Every rank checks; rank 0
+    (write) holds the lock and says what it chose. A refusal changes nothing."""
     out = args.output_dir
     say = print if write else (lambda *a, **k: None)
     if os.path.exists(out) and not os.path.isdir(out):
@@ -183,15 +184,6 @@ def _check_run(args, say) -> str | None:
     if not args.resume:
         raise SystemExit(f"error: {out} already holds a run ({RUN_CONFIG}); pass --resume to continue it "
                          f"or choose another --output-dir")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            old = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: {cfg_path} is unreadable ({e}); it is the run's identity: restore it") from None
-    diff = {k: (old.get(k), getattr(args, k)) for k in RUN_IDENTITY if old.get(k) != getattr(args, k)}
-    if diff:
-        raise SystemExit(f"error: --resume with settings that differ from the run in {out}: "
-                         + ", ".join(f"{k}: saved {a!r}, given {b!r}" for k, (a, b) in diff.items()))
     return resume_checkpoint(out, say)
 
 
@@ -348,11 +340,12 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> 
 # metrics and plots
 
 
-def truncate_metrics(out: str, step: int) -> None:
-    """Keep the metric lines of steps before `step`, byte for byte: a resumed run rewrites what came
-    after. The file is rewritten only if a line goes; a line that is not UTF-8 or not JSON (but the
-    last, cut by a kill) stops the run with path:line rather than be dropped."""
-    path = os.path.join(out, METRICS)
+def truncate_rows(out: str, name: str, step: int) -> None:
+    """Keep the lines of <out>/<name> (metrics.jsonl, completions.jsonl) of steps before `step`, byte for
+    byte: a resumed run rewrites what came after. The file is rewritten only if a line goes; a line that
+    is not UTF-8 or not JSON (but the last, cut by a kill) stops the run with path:line rather than be
+    dropped."""
+    path = os.path.join(out, name)
     if not os.path.exists(path):
         return
     keep = "".join(line + "\n" for row, line in read_jsonl_rows(path)
@@ -363,15 +356,18 @@ def truncate_metrics(out: str, step: int) -> None:
     write_atomic(path, keep)
 
 
+PLOTS = ("reward", "eval/accuracy", "loss", "grad_norm", "aqn/sigma", "step_time", "entropy", "completions/mean_length")
+
+
 def plot_metrics(out: str) -> None:
-    """plots.png: reward, eval accuracy, entropy and completion length against step."""
+    """plots.png: each of PLOTS against step (eval accuracy against the updates it was measured after)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [r for r, _ in read_jsonl_rows(os.path.join(out, METRICS)) if isinstance(r, dict) and "step" in r]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
-    for ax, key in zip(axes, ("reward", "eval/accuracy", "entropy", "completions/mean_length")):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
+    fig, axes = plt.subplots(2, 4, figsize=(16, 6.4))
+    for ax, key in zip(axes.flat, PLOTS):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if key == "eval/accuracy":  # x = optimizer updates applied when it was measured
             pts = [(0, r["eval/accuracy_initial"]) for r in rows if "eval/accuracy_initial" in r]
             pts += [(r["eval/updates"], r[key]) for r in rows if key in r]

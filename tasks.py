@@ -1,20 +1,30 @@
-r"""Tasks: datasets and prompts.
+r"""Tasks: datasets as Examples, and the prompts the model sees.
 
-A task is a list of `Example`s (question, gold answer, which checker scores it). Sources:
+A task is a list of `Example`s (a prompt, a gold answer, which checker scores it, the row's other
+columns). Sources (`load_task(source, split, config=..., columns=...)`):
 
-    load_task("gsm8k", "test")            hub openai/gsm8k (config "main"), gold = the `#### N` line
-    load_task("math500", "test")          hub HuggingFaceH4/MATH-500 (one split: test)
-    load_task("addition", "train")        synthetic two-digit a + b, seeded train/test split (CPU runs)
-    load_task("path/to/file.jsonl")       any JSONL with question/answer or problem/answer fields
-    load_task("path/to/dir", "test")      <dir>/test.jsonl (e.g. ../shared/data/gsm8k)
+    "gsm8k", "math500"          hub openai/gsm8k (config "main"), HuggingFaceH4/MATH-500 (one split: test)
+    "addition"                  synthetic two-digit a + b, seeded train/test split (CPU runs, no download)
+    "org/name" (+ config)       any Hub dataset, through `datasets` (data.py)
+    "file.jsonl|.csv|.parquet"  a local file; "dir/": dir/<split>.<ext> or a datasets.save_to_disk directory
 
-A file that cannot be used (bytes that are not UTF-8, bad JSON, missing fields, no examples at all)
-raises DatasetError naming the file and line; `source_problem` is the check made at parse time.
+Columns. The prompt is the --prompt-column, else the first of PROMPT_COLUMNS a row has; the gold answer
+the --answer-column, else `answer` when the first row has it (then every row needs one). A prompt is TRL's "standard" format, a string (the
+user's turn), or its "conversational" format, a list of {"role", "content"} messages. A gold answer
+with a `####` line (GSM8K) is the text after its last `####`; a prompt column named `problem` marks
+MATH style (math-verify checks it, the `solution` column is the worked solution); any other answer is
+checked as a number when it is one, else by math-verify. A dataset without an answer column trains
+only with reward functions of the user's (rewards.py) and cannot be evaluated for accuracy. Every
+column but the prompt rides along in `Example.columns`: TRL hands them to reward functions.
 
-The model is asked (system prompt) to reason and put its final answer in \boxed{}; the prompt goes
-through the tokenizer's own chat template. rewards.py scores what comes back.
+Bad data (bytes that are not UTF-8, bad JSON, missing columns, no examples at all) raises
+DatasetError naming the file and line or row; `source_problem` is the check made at parse time.
 
-Test: python -m pytest tests/test_tasks.py; self-check: python tasks.py ../shared/data/gsm8k test
+The model sees its prompt through the tokenizer's own chat template, after the system prompt (which
+asks it to reason and put its final answer in \boxed{}) unless the conversation brings its own.
+rewards.py scores what comes back.
+
+Test: python -m pytest tests/test_tasks.py tests/test_data.py; self-check: python tasks.py ../shared/data/gsm8k test
 """
 from __future__ import annotations
 
@@ -23,85 +33,124 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import data
+from data import DatasetError
 from rewards import RewardStats, reward, to_number
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB = {"gsm8k": ("openai/gsm8k", "main"), "math500": ("HuggingFaceH4/MATH-500", None)}
+BUILTIN = (*HUB, "addition")
 KINDS = ("numeric", "math")
+PROMPT_COLUMNS = ("prompt", "problem", "question")   # tried in this order when --prompt-column is not given
 ADDITION_TEST_SIZE = 1000   # of the 90 · 90 = 8100 two-digit pairs
 
 
 # -----------------------------------------------------------------------------
-# examples and loading
+# examples
+
 
 @dataclass(frozen=True)
 class Example:
-    question: str
-    answer: str          # gold final answer: "18" (GSM8K), LaTeX "\frac{1}{2}" (MATH)
-    kind: str            # "numeric" -> gsm8k_reward, "math" -> math_reward
-    solution: str = ""   # the worked gold solution when the source has one
+    question: str              # the user's turn: a string prompt, or a conversation's last user message
+    answer: str | None         # gold final answer: "18" (GSM8K), LaTeX "\frac{1}{2}" (MATH); None: no gold
+    kind: str | None           # "numeric" -> gsm8k_reward, "math" -> math_reward; None without a gold
+    solution: str = ""         # the worked gold solution when the source has one
+    messages: tuple = ()       # a conversational prompt (TRL's format); () for a string prompt
+    # The row's other columns, for reward functions. Payload, not identity: equality ignores it.
+    columns: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Example.kind must be one of {KINDS}, got {self.kind!r}")
+        if (self.answer is None) != (self.kind is None) or (self.kind is not None and self.kind not in KINDS):
+            raise ValueError(f"Example.kind must be one of {KINDS} with a gold answer and None without one, "
+                             f"got kind {self.kind!r} with answer {self.answer!r}")
+
+    @property
+    def prompt(self):
+        """The prompt as the dataset gives it: the message list, or the string."""
+        return list(self.messages) if self.messages else self.question
 
 
-def example_from_record(rec: dict, where: str = "record") -> Example:
-    """One JSON object -> Example. question+answer (GSM8K style: the gold is after the last
-    `####` when present) or problem+answer (MATH style, optional solution)."""
+@dataclass(frozen=True)
+class Columns:
+    """Which columns hold the prompt and the gold answer (None: found by name, see the module docstring)."""
+    prompt: str | None = None
+    answer: str | None = None
+
+
+def _messages(value, where: str, column: str) -> tuple:
+    """A conversational prompt, checked: a non-empty list of {"role": str, "content": str}."""
+    ok = value and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in value)
+    if not ok:
+        raise ValueError(f"{where}: column {column!r} is a list but not a conversation (want a non-empty list of "
+                         f'{{"role": ..., "content": ...}} with string values)')
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+def resolve_columns(rec, columns: Columns = Columns()) -> Columns:
+    """The prompt and answer columns of a record, found by name where not given."""
+    if not isinstance(rec, dict):
+        return columns
+    return Columns(columns.prompt or next((k for k in PROMPT_COLUMNS if k in rec), None),
+                   columns.answer or ("answer" if "answer" in rec else None))
+
+
+def example_from_record(rec: dict, where: str = "record", columns: Columns = Columns()) -> Example:
+    """One record (a JSON object, a dataset row) -> Example, by the column rules of the module docstring."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    qkey = "problem" if "problem" in rec else "question"
-    missing = [k for k in (qkey, "answer") if k not in rec]
+    found = resolve_columns(rec, columns)
+    pkey, akey = found.prompt, found.answer
+    if pkey is None:
+        raise ValueError(f"{where}: missing a prompt column (one of {list(PROMPT_COLUMNS)}, or --prompt-column); "
+                         f"the columns are {sorted(rec)}")
+    missing = [k for k in (pkey, akey) if k is not None and k not in rec]
     if missing:
-        names = " and ".join(repr(k) for k in missing)
-        raise ValueError(f"{where}: missing field(s) {names} (need question+answer or problem+answer)")
-    question, answer = rec[qkey], rec["answer"]
-    if not isinstance(question, str):
-        raise ValueError(f"{where}: field {qkey!r} must be a string, got {type(question).__name__}")
+        raise ValueError(f"{where}: missing {' and '.join(map(repr, missing))}; the columns are {sorted(rec)}")
+    value = rec[pkey]
+    if isinstance(value, str):
+        question, messages = value, ()
+    elif isinstance(value, list):
+        messages = _messages(value, where, pkey)
+        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
+    else:
+        raise ValueError(f"{where}: column {pkey!r} must be a string or a list of messages, got {type(value).__name__}")
+    extra = {k: v for k, v in rec.items() if k != pkey}
+    if akey is None:
+        return Example(question, None, None, messages=messages, columns=extra)
+    answer = rec[akey]
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
-        raise ValueError(f"{where}: field 'answer' must be a string or number, got {type(answer).__name__}")
+        raise ValueError(f"{where}: column {akey!r} (the answer) must be a string or number, got {type(answer).__name__}")
     answer = str(answer)
-    if qkey == "problem":
-        return Example(question, answer.strip(), "math", str(rec.get("solution", "")))
+    if pkey == "problem":
+        return Example(question, answer.strip(), "math", str(rec.get("solution") or ""), messages, extra)
     if "####" in answer:
-        return Example(question, answer.split("####")[-1].strip(), "numeric", answer)
+        return Example(question, answer.split("####")[-1].strip(), "numeric", answer, messages, extra)
     gold = answer.strip()
-    return Example(question, gold, "numeric" if to_number(gold) is not None else "math")
+    return Example(question, gold, "numeric" if to_number(gold) is not None else "math", "", messages, extra)
 
 
-class DatasetError(ValueError):
-    """A dataset that cannot be used as it is (bad bytes, bad JSON, missing fields, no examples):
-    the message names the file and line; train.py and eval.py print it as one line."""
-
-
-def read_jsonl(path: str) -> list[Example]:
-    """Every non-blank line of a JSONL file as an Example; errors name the file and line."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such JSONL file: {path}")
+def examples_from_rows(found: list[tuple[object, str]], source: str, columns: Columns = Columns()) -> list[Example]:
+    """[(record, where)] -> Examples; a record that does not fit raises DatasetError naming where it is.
+    Gold answers are all or none: when the first record has an answer column, every record needs it."""
+    if found and columns.answer is None:
+        columns = Columns(columns.prompt, resolve_columns(found[0][0]).answer)
     out = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DatasetError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
-            try:
-                out.append(example_from_record(rec, where))
-            except ValueError as e:
-                raise DatasetError(str(e)) from None
+    for rec, where in found:
+        try:
+            out.append(example_from_record(rec, where, columns))
+        except ValueError as e:
+            raise DatasetError(str(e)) from None
     if not out:
-        raise DatasetError(f"{path}: the dataset is empty (no JSON lines)")
+        raise DatasetError(f"{source}: the dataset is empty (no rows)")
     return out
+
+
+def read_jsonl(path: str, columns: Columns = Columns()) -> list[Example]:
+    """Every non-blank line of a JSONL file as an Example; errors name the file and line."""
+    return examples_from_rows(data.read_jsonl_records(path), path, columns)
 
 
 def addition_task(split: str, seed: int = 0) -> list[Example]:
@@ -110,60 +159,52 @@ def addition_task(split: str, seed: int = 0) -> list[Example]:
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     random.Random(seed).shuffle(pairs)
     chosen = pairs[:ADDITION_TEST_SIZE] if split == "test" else pairs[ADDITION_TEST_SIZE:]
-    return [Example(f"What is {a} + {b}?", str(a + b), "numeric") for a, b in chosen]
+    return [Example(f"What is {a} + {b}?", str(a + b), "numeric", columns={"answer": str(a + b)}) for a, b in chosen]
 
 
-def _load_hub(name: str, split: str) -> list[Example]:
-    from datasets import load_dataset  # imported here: only hub tasks need it
-    repo, config = HUB[name]
-    rows = load_dataset(repo, config, split=split) if config else load_dataset(repo, split=split)
-    return [example_from_record(dict(r), f"{repo}[{split}][{i}]") for i, r in enumerate(rows)]
+# -----------------------------------------------------------------------------
+# loading
 
 
-def load_task(name_or_path: str, split: str = "train", *, limit: int | None = None, seed: int = 0) -> list[Example]:
-    """Examples of a named task or a local JSONL file/directory (see the module docstring).
+def load_task(source: str, split: str = "train", *, limit: int | None = None, seed: int = 0,
+              config: str | None = None, columns: Columns = Columns()) -> list[Example]:
+    """Examples of a built-in task, a Hub dataset or a local file / directory (the module docstring).
 
-    The names "gsm8k", "math500" and "addition" take precedence over paths; a directory is read
-    as <dir>/<split>.jsonl, a file is read whole (split ignored). limit keeps the first N.
-    """
-    if split not in ("train", "test", "validation"):
-        raise ValueError(f"split must be 'train', 'test' or 'validation', got {split!r}")
-    if name_or_path == "addition":
-        if split == "validation":
-            raise ValueError("the addition task has splits 'train' and 'test'")
+    The built-in names take precedence over paths, and a local path over a Hub id; config is a Hub
+    dataset's configuration; limit keeps the first N. Refusals are source_problem's, as DatasetError."""
+    problem = source_problem(source, split, config, columns)
+    if problem:
+        raise DatasetError(problem)
+    if source == "addition":
         examples = addition_task(split, seed)
-    elif name_or_path in HUB:
-        if name_or_path == "math500" and split != "test":
-            raise ValueError(f"math500 has only the 'test' split, got {split!r}")
-        examples = _load_hub(name_or_path, split)
-    elif os.path.isdir(name_or_path):
-        path = os.path.join(name_or_path, f"{split}.jsonl")
-        if not os.path.isfile(path):
-            have = sorted(f for f in os.listdir(name_or_path) if f.endswith(".jsonl"))
-            raise FileNotFoundError(f"{path} not found (split {split!r}); the directory has {have}")
-        examples = read_jsonl(path)
-    elif os.path.isfile(name_or_path):
-        examples = read_jsonl(name_or_path)
+    elif source in HUB:
+        repo, cfg = HUB[source]
+        examples = examples_from_rows(data.hub_rows(repo, split, cfg), repo)
+    elif os.path.exists(source):
+        examples = examples_from_rows(data.file_rows(source, split), source, columns)
     else:
-        raise FileNotFoundError(f"unknown task {name_or_path!r}: use one of "
-                                f"{sorted([*HUB, 'addition'])} or a path to a .jsonl file or directory")
+        examples = examples_from_rows(data.hub_rows(source, split, config), source, columns)
     return examples[:limit] if limit is not None else examples
 
 
-def source_problem(name_or_path: str, split: str) -> str | None:
-    """What load_task(name_or_path, split) would refuse before reading a line, else None: the
-    check train.py and eval.py make at parse time, before any model loads."""
-    if name_or_path in HUB or name_or_path == "addition":
-        if name_or_path == "math500" and split != "test":
+def source_problem(source: str, split: str, config: str | None = None, columns: Columns = Columns()) -> str | None:
+    """What load_task would refuse before reading a row, else None: the check train.py and eval.py make
+    at parse time, before any model loads (a Hub dataset's existence is known only when it is read)."""
+    if source in BUILTIN:
+        if config or columns != Columns():
+            return f"{source} is built in, with its own configuration and columns: --dataset-config, " \
+                   f"--prompt-column and --answer-column are for Hub and local datasets"
+        if source == "math500" and split != "test":
             return f"math500 has only the 'test' split, not {split!r}"
+        if source == "addition" and split not in ("train", "test"):
+            return f"the addition task has splits 'train' and 'test', not {split!r}"
         return None
-    if os.path.isdir(name_or_path):
-        path = os.path.join(name_or_path, f"{split}.jsonl")
-        return None if os.path.isfile(path) else f"{path} not found (the {split} split of {name_or_path})"
-    if os.path.isfile(name_or_path):
+    if os.path.exists(source):
+        return data.local_problem(source, split)
+    if data.looks_like_hub_id(source):
         return None
-    return (f"unknown task {name_or_path!r}: use one of {sorted([*HUB, 'addition'])} or a path to a .jsonl file "
-            f"or directory")
+    return (f"unknown task {source!r}: not a built-in task ({', '.join(BUILTIN)}), an existing file or directory, "
+            f"or a Hub dataset id (org/name)")
 
 
 def local_path_missing(name_or_path: str) -> bool:
@@ -194,25 +235,35 @@ def parse_chat_template_kwargs(text: str) -> dict:
     return value
 
 
-def build_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT,
-                 chat_template_kwargs: dict | None = None) -> str:
-    """The chat-formatted prompt text, ending where the assistant's answer starts.
+def conversation(prompt, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
+    """The messages of a prompt: a string is the user's turn; a conversation is kept as it is. The system
+    prompt goes first unless the conversation has a system message of its own (or it is empty)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def build_prompt(tokenizer, prompt, system_prompt: str = SYSTEM_PROMPT, chat_template_kwargs: dict | None = None) -> str:
+    """The chat-formatted prompt text, ending where the assistant's answer starts. prompt: a string
+    (the user's turn) or a list of messages (TRL's conversational format), as `conversation` reads them.
 
     Uses the tokenizer's chat template, with chat_template_kwargs as extra template variables
-    (e.g. enable_thinking=False); a tokenizer without one gets a plain
-    "<system>\\n\\nQuestion: ...\\nAnswer:" fallback (tiny test tokenizers), where they do nothing.
+    (e.g. enable_thinking=False); a tokenizer without one gets a plain "<system>\\n\\nQuestion: ...\\nAnswer:"
+    fallback (tiny test tokenizers; a conversation's turns as "role: content" lines), where they do nothing.
     """
+    messages = conversation(prompt, system_prompt)
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                              **(chat_template_kwargs or {}))
-    return f"{system_prompt}\n\nQuestion: {question}\nAnswer:"
+    if isinstance(prompt, str):
+        return f"{system_prompt}\n\nQuestion: {prompt}\nAnswer:"
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
 
 
-def encode_prompt(tokenizer, question: str, system_prompt: str = SYSTEM_PROMPT,
-                  chat_template_kwargs: dict | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt, system_prompt: str = SYSTEM_PROMPT, chat_template_kwargs: dict | None = None) -> list[int]:
     """build_prompt as token ids (the template already holds its special tokens: none added)."""
-    text = build_prompt(tokenizer, question, system_prompt, chat_template_kwargs)
+    text = build_prompt(tokenizer, prompt, system_prompt, chat_template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -222,9 +273,9 @@ if __name__ == "__main__":
     # Self-check: score each gold solution against its own gold answer.
     name = sys.argv[1] if len(sys.argv) > 1 else "addition"
     split = sys.argv[2] if len(sys.argv) > 2 else "test"
-    data = load_task(name, split)
+    examples = load_task(name, split)
     stats = RewardStats()
     t0 = time.time()
-    scores = [reward(e, e.solution or f"\\boxed{{{e.answer}}}", stats) for e in data]
-    print(f"{name} [{split}]: {len(data)} examples, gold-vs-gold {100 * sum(scores) / len(data):.2f}% "
+    scores = [reward(e, e.solution or f"\\boxed{{{e.answer}}}", stats) for e in examples]
+    print(f"{name} [{split}]: {len(examples)} examples, gold-vs-gold {100 * sum(scores) / len(examples):.2f}% "
           f"in {time.time() - t0:.1f} s, {stats.as_dict()}")

@@ -7,8 +7,9 @@ One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
     σ_step  = aqn.sigma_at(step)                     noise level of this step's stage
     z       ~ N(0, σ_step²) per norm channel         drawn once, used by rollout and training
     rollout : P prompts × G samples from the model itself (rollout.py; NVFP4 base + live LoRA + z)
-    reward  : rewards.reward on each completion (+ DAPO overlong shaping); DAPO dynamic sampling
-              drops groups whose G rewards are all equal and samples more prompts
+    reward  : Σ weight · term over the reward terms (reward_funcs.py: the guarded correctness check,
+              functions of the user's) + DAPO overlong shaping; DAPO dynamic sampling drops groups
+              whose G rewards are all equal and samples more prompts
     A       = grpo.advantages(r)                     one advantage per completion
     train   : log π_θ(completion) through the same model in micro-batches (gradient checkpointing,
               lm_head in chunks, never a (tokens × vocab) fp32 tensor for the whole batch), the
@@ -21,7 +22,9 @@ weight sync, and the only sampler/trainer mismatch is the numerics of decode vs 
 
 The loop reads as its stages: `rollout_step` (sample and score the generation batch), `train_step`
 (advantages, the training forward and backward in micro-batches, AdamW), then log, evaluate and
-checkpoint. The flags and their checks are flags.py's; the batch as training tensors and the
+checkpoint. Everything that can be refused (flags, datasets, reward functions) is, before the model
+loads. The flags, a --config file and --resume are flags.py's; datasets tasks.py's and data.py's; the
+progress line, sampled completions and trackers report.py's; the batch as training tensors and the
 chunked log-probs logprobs.py's; how a step uses the GPU's memory (micro-batch sizes, recomputation,
 what stays resident) plan.py's. The run directory (run_config.json, metrics.jsonl, plots.png, crash-safe checkpoints
 that `--resume` continues from) is run_dir.py's; data parallel over torchrun (`torchrun
@@ -54,6 +57,9 @@ import grpo
 import kernels
 import lora
 import plan
+import flags
+import report
+import reward_funcs
 import rewards
 import rollout
 import tasks
@@ -61,8 +67,8 @@ from checkpoint import build_model, load_model, load_tokenizer, random_init_conf
 from flags import parse_args
 from logprobs import collate, completion_logprobs, micro_batches
 from distributed import all_reduce_grads, dist_setup, gather, rank_world
-from run_dir import (METRICS, RUN_CONFIG, load_checkpoint, plot_metrics, prepare_output_dir, save_checkpoint,
-                     truncate_metrics, unlock_run_dir, write_atomic)
+from run_dir import (COMPLETIONS, METRICS, RUN_CONFIG, load_checkpoint, plot_metrics, prepare_output_dir,
+                     save_checkpoint, truncate_rows, unlock_run_dir, write_atomic)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -219,17 +225,17 @@ class PromptStream:
         return [self._order(i // len(self.examples))[i % len(self.examples)] for i in range(start, self.position)]
 
 
-def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, keep_cache_bytes: int = 0):
+def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep_cache_bytes: int = 0):
     """The step's generation batch: P prompts × G samples from the policy under the AQN noise, each
-    completion scored (rewards.rewards, + DAPO overlong shaping). With dynamic sampling, groups whose G
-    rewards are all equal are dropped and more prompts sampled (grpo.fill_batch). Each rank samples
-    its share; every rank returns the whole batch. The KV cache (and the CUDA graphs that point into it)
-    stays for the next step where it takes at most keep_cache_bytes, else it is freed for the training
-    pass. -> (groups [(example, prompt ids, completions,
-    rewards)], scores: their rewards (P·G,), metrics)."""
+    completion scored (reward_funcs.score: the weighted reward terms, + DAPO overlong shaping). With
+    dynamic sampling, groups whose G rewards are all equal are dropped and more prompts sampled
+    (grpo.fill_batch). Each rank samples its share; every rank returns the whole batch. The KV cache (and
+    the CUDA graphs that point into it) stays for the next step where it takes at most keep_cache_bytes,
+    else it is freed for the training pass. -> (groups [(example, prompt ids, completions, rewards)],
+    scores: their rewards (P·G,), metrics, this rank's samples [{prompt, completion, reward, terms}])."""
     rank, world = rank_world()
     per_rank = f"/rank{rank}" if world > 1 else ""   # the ranks' own streams (AQN noise is the same on all)
-    stats, completions = rewards.RewardStats(), []
+    stats, completions, samples, term_sums = rewards.RewardStats(), [], [], {}
 
     def sample_round(r):  # this rank's slice of the prompts; returns every rank's groups
         idx = stream.take(args.prompts_per_step)[rank::world]
@@ -237,20 +243,30 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, keep_cache_
                                     n=args.group_size, seed=step_seed(args.seed, step, f"sample{r}{per_rank}"))
         with aqn.noise_applied(engine.model, noise):
             comps = engine.generate([stream.ids[i] for i in idx], sp)
-        groups, correct = [], []
-        for i, cs in zip(idx, comps):
-            texts = tokenizer.batch_decode([c.token_ids for c in cs], skip_special_tokens=True)
-            rs = torch.tensor(rewards.rewards([stream.examples[i]] * len(cs), texts, stats))      # (G,)
-            shaped = rs
-            if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
-                lens = torch.tensor([len(c.token_ids) for c in cs])
-                shaped = rs + grpo.overlong_penalty(lens, gcfg.max_completion_len, gcfg.overlong_cache_len)
-            groups.append((stream.examples[i], stream.ids[i], cs, shaped))
-            correct.append(rs)
-        parts = gather((torch.cat(correct).float(), groups))
+        flat = [c for cs in comps for c in cs]                                    # prompt-major, G per prompt
+        texts = tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
+        examples = [stream.examples[i] for i, cs in zip(idx, comps) for _ in cs]
+        totals, terms = reward_funcs.score(funcs, examples, texts, stats, completion_ids=[c.token_ids for c in flat],
+                                           timeout_s=args.reward_timeout, format_weight=args.format_weight)
+        rs = torch.tensor(totals, dtype=torch.float32)                            # (n·G,)
+        shaped = rs
+        if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
+            lens = torch.tensor([len(c.token_ids) for c in flat])
+            shaped = rs + grpo.overlong_penalty(lens, gcfg.max_completion_len, gcfg.overlong_cache_len)
+        for name, values in terms.items():
+            found = [v for v in values if v is not None]
+            total, count = term_sums.get(name, (0.0, 0))
+            term_sums[name] = (total + sum(found), count + len(found))
+        samples.extend({"prompt": e.prompt, "answer": e.answer, "completion": t, "reward": float(v),
+                        **{f"rewards/{name}": values[j] for name, values in terms.items()}}
+                       for j, (e, t, v) in enumerate(zip(examples, texts, shaped)))
+        G = args.group_size
+        groups = [(stream.examples[i], stream.ids[i], cs, shaped[k * G:(k + 1) * G]) for k, (i, cs) in
+                  enumerate(zip(idx, comps))]
+        parts = gather((rs, groups))
         groups = [g for _, gs in parts for g in gs]
         completions.extend(c for g in groups for c in g[2])
-        return torch.cat([rs for rs, _ in parts]), groups
+        return torch.cat([r for r, _ in parts]), groups
 
     t0 = time.perf_counter()
     if gcfg.dynamic_sampling:
@@ -265,44 +281,95 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, keep_cache_
     t_rollout = time.perf_counter() - t0
     new_tokens = sum(len(c.token_ids) for c in completions)   # of all ranks
     errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
+    term_means = {}
+    for part in gather(term_sums):
+        for name, (total, count) in part.items():
+            t, c = term_means.get(name, (0.0, 0))
+            term_means[name] = (t + total, c + count)
     return groups, scores, {
         "time/rollout": t_rollout, "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
         "reward_errors": errors, "reward_timeouts": timeouts,
+        **{f"rewards/{name}/mean": total / count for name, (total, count) in term_means.items() if count},
         "completions/mean_length": new_tokens / len(completions),
-        "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}
+        "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}, samples
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def load_data(args, log):
+    """(train examples, eval examples, reward functions), each checked: a dataset or reward that cannot
+    be used stops the run here, in one line naming its flag, before the tokenizer or the model loads."""
+    columns = tasks.Columns(args.prompt_column, args.answer_column)
+    eval_source, eval_config = flags.eval_source(args)
+
+    def load(flag, source, split, config, limit=None):
+        t0 = time.perf_counter()
+        try:
+            found = tasks.load_task(source, split, limit=limit, seed=args.seed, config=config, columns=columns)
+        except (tasks.DatasetError, FileNotFoundError) as e:
+            raise SystemExit(f"error: {flag}: {one_line(e)}") from None
+        log(f"{flag} {source} [{split}]: {len(found)} examples ({time.perf_counter() - t0:.1f} s)")
+        return found
+
+    train_set = load("--dataset", args.dataset, args.dataset_split, args.dataset_config)
+    eval_set = []
+    if args.eval_limit:
+        if (eval_source, eval_config) == (args.dataset, args.dataset_config) and os.path.isfile(args.dataset):
+            log(f"warning: evaluating on {args.dataset}, the training file (a file is one split): "
+                f"pass --eval-dataset for held-out questions")
+        eval_set = load("--eval-dataset", eval_source, args.eval_split, eval_config, args.eval_limit)
+        if any(e.answer is None for e in eval_set):
+            raise SystemExit(f"error: --eval-dataset {eval_source} has no gold answers, so accuracy cannot be measured: "
+                             f"pass --answer-column, or --eval-limit 0")
+    weights = args.reward_weights or [1.0] * len(args.reward)
+    funcs = [reward_funcs.load(spec, w) for spec, w in zip(args.reward, weights)]
+    try:
+        reward_funcs.check(funcs, train_set)
+    except ValueError as e:
+        raise SystemExit(f"error: --reward: {e}") from None
+    return train_set, eval_set, funcs
+
+
+def encode(examples, tokenizer, args, what: str, log, progress: bool):
+    """(the examples whose prompt fits --max-prompt-len, their prompt token ids); the rest are counted."""
+    ids = [tasks.encode_prompt(tokenizer, e.prompt, args.system_prompt, args.chat_template_kwargs)
+           for e in tqdm(examples, desc=f"tokenizing {what} prompts", disable=not progress, leave=False)]
+    keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_len]
+    if len(keep) < len(ids):
+        log(f"{what} prompts: {len(ids) - len(keep)} of {len(ids)} longer than --max-prompt-len "
+            f"{args.max_prompt_len} tokens: dropped")
+    return [examples[i] for i in keep], [ids[i] for i in keep]
 
 
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = dist_setup(args.device)
-    log = print if rank == 0 else lambda *a, **k: None
+    log = tqdm.write if rank == 0 else lambda *a, **k: None   # lines that keep the progress bar below them
     log(json.dumps(vars(args), indent=None))
     from eval import evaluate  # eval.py imports nothing from here
     resume_from = prepare_output_dir(args, write=rank == 0)
     if world > 1:
         torch.distributed.barrier()  # every rank has checked the directory before rank 0 writes to it
 
-    # ---- data, model, adapters, optimizer
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    # ---- data, rewards, tokenizer, model, adapters, optimizer
+    train_set, eval_set, funcs = load_data(args, log)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or args.model)
+    except (OSError, ValueError) as e:  # a Hub id that cannot be fetched (offline), a directory without one
+        raise SystemExit(f"error: --{'tokenizer' if args.tokenizer else 'model'}: {one_line(e)}; pass a local "
+                         f"directory, or set HF_HUB_OFFLINE=1 to use a cached copy") from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-    def encode(examples):
-        ids = [tasks.encode_prompt(tokenizer, e.question, args.system_prompt, args.chat_template_kwargs)
-               for e in examples]
-        keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_len]
-        return [examples[i] for i in keep], [ids[i] for i in keep], len(ids) - len(keep)
-
-    train_set, train_ids, dropped = encode(tasks.load_task(args.dataset, "train", seed=args.seed))
+    train_set, train_ids = encode(train_set, tokenizer, args, "train", log, progress=rank == 0)
     if not train_set:
         raise SystemExit(f"error: no training prompt of {args.dataset} fits --max-prompt-len {args.max_prompt_len}")
-    log(f"train prompts: {len(train_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
-    eval_set, _, dropped = encode(tasks.load_task(args.eval_dataset or args.dataset, "test", limit=args.eval_limit,
-                                                  seed=args.seed) if args.eval_limit else [])
-    if dropped:
-        log(f"eval prompts: {len(eval_set)} ({dropped} longer than {args.max_prompt_len} tokens dropped)")
+    eval_set = encode(eval_set, tokenizer, args, "eval", log, progress=rank == 0)[0]
 
+    t0 = time.perf_counter()
+    log(f"loading {args.model} ({'random init, ' if args.random_init else ''}{args.quant}) on {device} ...")
     model, optimizer, scheduler, gcfg, acfg, engine, step_plan = build_policy(args, device)
-    log(plan.describe(step_plan))
+    log(f"loaded in {time.perf_counter() - t0:.1f} s; {plan.describe(step_plan)}")
     line, slow = kernels.describe(device)                  # which fast paths run here, and any that cannot
     log(line)
     for w in slow:
@@ -318,67 +385,92 @@ def main(argv=None):
         start, stream.position = state["step"], state["data_pos"]
         log(f"resumed from {resume_from} at step {start}")
     if rank == 0:
-        truncate_metrics(args.output_dir, start)
+        for name in (METRICS, COMPLETIONS):
+            truncate_rows(args.output_dir, name, start)
 
     def run_eval():  # each rank answers every world-th question
         params_eval = rollout.SamplingParams(temperature=0.0, max_tokens=eval_new)
         _, recs = evaluate(engine, tokenizer, eval_set[rank::world], params_eval, system_prompt=args.system_prompt,
-                           chat_template_kwargs=args.chat_template_kwargs)
+                           chat_template_kwargs=args.chat_template_kwargs, progress=rank == 0)
         hits = gather((sum(sum(r["scores"]) for r in recs), sum(len(r["scores"]) for r in recs)))
         return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
 
     # ---- the loop: noise, rollout + reward, train, log / eval / checkpoint
-    initial = {}
+    tracker = report.Tracker(args.report_to if rank == 0 else "none", args.output_dir, vars(args))
+    initial, last_eval = {}, None
     if eval_set and args.eval_every and start == 0:  # the starting point of the learning curve
         initial = {"eval/accuracy_initial": run_eval()["eval/accuracy"]}
-        log(f"accuracy before training: {initial['eval/accuracy_initial']:.4f}")
+        log(f"eval accuracy before training: {initial['eval/accuracy_initial']:.4f} ({len(eval_set)} questions)")
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="train", disable=rank > 0)
     per_rank = f"/rank{rank}" if world > 1 else ""
-    for step in bar:
-        t_step = time.perf_counter()
-        torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
-        sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
-        noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
-        groups, scores, rollout_metrics = rollout_step(step, engine, tokenizer, stream, noise, args, gcfg,
-                                                       step_plan.keep_cache_bytes)
-        m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, **rollout_metrics}
-        if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
-            m.update(skipped=True)
-        else:
-            m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args, device,
-                                step_plan))
-            rg = scores.view(-1, args.group_size)
-            m.update({"reward": scores.mean().item(), "reward_std": rg.std(1).mean().item(),
-                      "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
-        if eval_set and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
-            m.update(run_eval(), **{"eval/updates": step + 1})
-        m["step_time"] = time.perf_counter() - t_step
-        if device.type == "cuda":
-            m["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-            torch.cuda.reset_peak_memory_stats(device)
-        if rank == 0:
-            with open(os.path.join(args.output_dir, METRICS), "a") as f:
-                f.write(json.dumps(m) + "\n")
-        bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}",
-                        zero_std=f"{m.get('frac_reward_zero_std', float('nan')):.2f}")   # groups without signal
-        stop = step + 1 == args.max_steps or step + 1 == args.stop_at
-        if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
-            save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, stream.position, args.model,
-                            args.keep_checkpoints)
-        if world > 1:
-            torch.distributed.barrier()  # rank 0 has finished the checkpoint before any rank goes on
-        if stop:
-            break
+    try:
+        for step in bar:
+            t_step = time.perf_counter()
+            torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
+            sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
+            noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
+            try:
+                groups, scores, rollout_metrics, samples = rollout_step(step, engine, tokenizer, stream, noise, args, gcfg,
+                                                                        funcs, step_plan.keep_cache_bytes)
+            except reward_funcs.RewardError as e:  # the user's reward function: its own line, no traceback
+                raise SystemExit(f"error: at step {step}: {e}") from None
+            m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, **rollout_metrics}
+            if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
+                m.update(skipped=True)
+            else:
+                m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args,
+                                    device, step_plan))
+                rg = scores.view(-1, args.group_size)
+                m.update({"reward": scores.mean().item(), "reward_std": rg.std(1).mean().item(),
+                          "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
+            if eval_set and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
+                m.update(run_eval(), **{"eval/updates": step + 1})
+                last_eval = (step + 1, m["eval/accuracy"])
+            m["step_time"] = time.perf_counter() - t_step
+            if device.type == "cuda":
+                m["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+                torch.cuda.reset_peak_memory_stats(device)
+            stop = step + 1 == args.max_steps or step + 1 == args.stop_at
+            if rank == 0:
+                record(args, m, samples, tracker, stop)
+            bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}",
+                            zero_std=f"{m.get('frac_reward_zero_std', float('nan')):.2f}")   # groups without signal
+            if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
+                save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, stream.position, args.model,
+                                args.keep_checkpoints)
+            if world > 1:
+                torch.distributed.barrier()  # rank 0 has finished the checkpoint before any rank goes on
+            if stop:
+                break
+    finally:
+        bar.close()
+        tracker.close()
     if rank == 0:
         plot_metrics(args.output_dir)
         unlock_run_dir(args.output_dir)  # the OS would at exit; a second run in this process may follow
+    if last_eval:
+        log(f"eval accuracy after {last_eval[0]} updates: {last_eval[1]:.4f} ({len(eval_set)} questions of "
+            f"{flags.eval_source(args)[0]} [{args.eval_split}])")
     log(f"done: {args.output_dir}")
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
+def record(args, m: dict, samples: list, tracker, stop: bool) -> None:
+    """Rank 0's records of a step: its metrics line, sampled completions, the progress line, the tracker,
+    and the plots, redrawn at each evaluation."""
+    with open(os.path.join(args.output_dir, METRICS), "a") as f:
+        f.write(json.dumps(m) + "\n")
+    if args.log_completions:
+        with open(os.path.join(args.output_dir, COMPLETIONS), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n"
+                         for row in report.completion_rows(m["step"], samples, args.log_completions, args.seed))
+    if args.log_every and ((m["step"] + 1) % args.log_every == 0 or stop or "eval/accuracy" in m):
+        tqdm.write(report.progress_line(m, args.max_steps))
+    tracker.log(m, m["step"])
+    if "eval/accuracy" in m:
+        plot_metrics(args.output_dir)
+
+
 if __name__ == "__main__":
-    try:
-        main()
-    except tasks.DatasetError as e:  # bad data is the user's to fix: one line, no traceback
-        raise SystemExit(f"error: {e}") from None
+    main()

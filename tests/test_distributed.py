@@ -80,25 +80,26 @@ def test_two_ranks_give_the_single_process_update(tiny_model, tmp_path, device):
 
 
 def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
-    """`torchrun --nproc-per-node 2 train.py` on CPU: rank 0 logs and checkpoints, both resume. The
-    resumed step fills its batch by dynamic sampling over both ranks (a random model's rewards are
-    all 0, so it draws every round and skips the step): every rank must agree on the rounds."""
+    """`torchrun --nproc-per-node 2 train.py` on CPU: rank 0 logs and checkpoints, both resume. Each step
+    fills its batch by dynamic sampling over both ranks (the reward, a completion's length parity, leaves
+    some groups without a spread): every rank must agree on the rounds."""
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "train.py"), "--model", tiny_model, "--output-dir", out, "--device", "cpu",
-           "--max-steps", "2", "--save-every", "1", *FAST, "--eval-limit", "3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+           "--max-steps", "2", "--save-every", "1", *FAST, "--eval-limit", "3", "--dynamic-sampling",
+           "--max-sampling-rounds", "2", "--reward", "test_train:length_parity"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests")}
     res = subprocess.run([*cmd, "--stop-at", "1"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    res = subprocess.run([*cmd, "--resume", "--dynamic-sampling", "--max-sampling-rounds", "2"],
-                         cwd=ROOT, capture_output=True, text=True, env=env)
+    res = subprocess.run([*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("resumed from") == 1, "only rank 0 prints"
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[1], rows
-    assert "loss" in rows[0] and rows[1]["sampling/rounds"] in (1, 2), rows
+    assert "loss" in rows[0] and all(r["sampling/rounds"] in (1, 2) for r in rows), rows
     state = torch.load(os.path.join(out, "checkpoint-000002", run_dir.TRAINER_STATE), weights_only=True)
-    assert state["data_pos"] == 2 * (1 + rows[1]["sampling/rounds"]), "--prompts-per-step is the global count"
+    assert state["data_pos"] == 2 * (rows[0]["sampling/rounds"] + rows[1]["sampling/rounds"]), \
+        "--prompts-per-step is the global count"
     with open(os.path.join(out, run_dir.RUN_CONFIG)) as f:
         assert '"world_size": 2' in f.read()
 

@@ -23,7 +23,6 @@ from safetensors.torch import load_file
 import eval as qeval
 import lora
 import run_dir
-import tasks
 import train
 from test_run_dir import garble, tree
 from test_train import FAST, make_tiny_model
@@ -266,13 +265,13 @@ def test_bad_input_to_train_py_is_one_line_without_traceback(tiny_model, tmp_pat
     res = subprocess.run([sys.executable, "train.py", "--model", tiny_model, "--dataset", str(data), "--eval-limit", "0",
                           "--output-dir", str(out), "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 1, res.stderr[-2000:]
-    assert f"error: {data}:2: not UTF-8 (byte 0xe9 at column 18)" in res.stderr and "Traceback" not in res.stderr
+    assert f"error: --dataset: {data}:2: not UTF-8 (byte 0xe9 at column 18)" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_an_empty_dataset_and_a_garbled_metrics_line_are_named(tiny_model, tmp_path, parity):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(tasks.DatasetError, match="the dataset is empty"):
+    with pytest.raises(SystemExit, match="error: --dataset: .*empty.jsonl: the dataset is empty"):
         train.main(["--model", tiny_model, "--dataset", str(empty), "--eval-limit", "0", "--output-dir",
                     str(tmp_path / "e")])
     out = str(tmp_path / "run")

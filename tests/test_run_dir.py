@@ -238,17 +238,18 @@ def test_nonfinite_values_are_not_loaded(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# metrics.jsonl
+# metrics.jsonl, completions.jsonl
 
 
-def test_truncate_metrics_keeps_earlier_rows_byte_for_byte(tmp_path):
-    path = tmp_path / run_dir.METRICS
+@pytest.mark.parametrize("name", [run_dir.METRICS, run_dir.COMPLETIONS])
+def test_truncate_rows_keeps_earlier_rows_byte_for_byte(tmp_path, name):
+    path = tmp_path / name
     rows = [json.dumps({"step": s, "reward": 0.1 * s, "note": "é"}, ensure_ascii=False) + "\n" for s in range(5)]
     path.write_text("".join(rows) + '{"step": 5, "rew', encoding="utf-8")   # the last line cut by a kill
-    run_dir.truncate_metrics(str(tmp_path), 3)
+    run_dir.truncate_rows(str(tmp_path), name, 3)
     assert path.read_text(encoding="utf-8") == "".join(rows[:3])
     ino = os.stat(path).st_ino
-    run_dir.truncate_metrics(str(tmp_path), 3)                             # nothing to drop: not rewritten
+    run_dir.truncate_rows(str(tmp_path), name, 3)                          # nothing to drop: not rewritten
     assert os.stat(path).st_ino == ino
 
 
@@ -259,5 +260,5 @@ def test_a_bad_metrics_line_stops_with_file_and_line(tmp_path, bad, message):
     data = b'{"step": 0}\n' + bad + b'\n{"step": 2}\n'
     path.write_bytes(data)
     with pytest.raises(SystemExit, match=message):
-        run_dir.truncate_metrics(str(tmp_path), 1)
+        run_dir.truncate_rows(str(tmp_path), run_dir.METRICS, 1)
     assert path.read_bytes() == data

@@ -178,19 +178,76 @@ def test_sigkill_mid_run_then_resume(tiny_model, tmp_path):
     assert not [d for d in os.listdir(out) if d.startswith(".tmp-")]
 
 
+CALLS = []
+
+
+def length_parity(completions, **kwargs):
+    """A reward that varies with the completion (a random model never solves addition): 1 for an odd length."""
+    return [float(len(c) % 2) for c in completions]
+
+
+def length_mod_3(prompts, completions, completion_ids, difficulty, **kwargs):
+    """A user's reward function (TRL's convention): records its arguments and what it returned."""
+    out = [len(c[0]["content"]) % 3 / 2 for c in completions]
+    CALLS.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                  "difficulty": difficulty, "kwargs": kwargs, "returned": out})
+    return out
+
+
+def test_custom_reward_on_a_conversational_jsonl_dataset(tiny_model, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": f"Say {i} twice."}], "answer": str(i), "difficulty": i % 3}
+            for i in range(6)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "run")
+    CALLS.clear()
+    train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "1", *FAST, "--dataset", str(data),
+                "--eval-limit", "0", "--reward", "test_train:length_mod_3", "--log-completions", "3"])
+    (call,) = CALLS
+    n = 2 * 4                                                   # --prompts-per-step 2 × --group-size 4
+    assert len(call["completions"]) == len(call["prompts"]) == len(call["completion_ids"]) == n
+    assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in call["completions"])
+    by_prompt = {r["prompt"][0]["content"]: r for r in rows}
+    for p, d, ans in zip(call["prompts"], call["difficulty"], call["kwargs"]["answer"]):
+        assert by_prompt[p[0]["content"]]["difficulty"] == d and by_prompt[p[0]["content"]]["answer"] == ans
+    (m,) = read_metrics(out)
+    want = sum(call["returned"]) / n
+    assert m["reward"] == pytest.approx(want) and m["rewards/length_mod_3/mean"] == pytest.approx(want)
+    logged = [json.loads(x) for x in open(os.path.join(out, run_dir.COMPLETIONS))]
+    assert len(logged) == 3 and all(r["step"] == 0 for r in logged)
+    returned = {c[0]["content"]: v for c, v in zip(call["completions"], call["returned"])}
+    for r in logged:
+        assert r["reward"] == pytest.approx(returned[r["completion"]]) == r["rewards/length_mod_3"]
+        assert r["prompt"][0]["content"] in by_prompt
+
+
+def test_resume_with_no_other_flag_continues_the_run(tiny_model, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "3", "--save-every", "1", *FAST,
+                "--eval-limit", "0", "--stop-at", "1"])
+    config = open(os.path.join(out, run_dir.RUN_CONFIG)).read()
+    capsys.readouterr()
+    train.main(["--resume", out])
+    assert "at step 1" in capsys.readouterr().out
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
+    assert open(os.path.join(out, run_dir.LATEST)).read() == "checkpoint-000003"
+    assert open(os.path.join(out, run_dir.RUN_CONFIG)).read() == config
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 
 
-def test_output_dir_with_another_run_is_refused(tiny_model, tmp_path):
+def test_output_dir_with_another_run_is_refused(tiny_model, tmp_path, capsys):
     out = str(tmp_path / "run")
     train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "1", *FAST])
     before = sorted(os.listdir(out))
     with pytest.raises(SystemExit, match="already holds a run"):
         train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "1", *FAST])
-    with pytest.raises(SystemExit, match="lora_rank: saved 4, given 8"):
+    with pytest.raises(SystemExit):
         train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "1", "--resume",
                     *FAST[:-2], "--lora-rank", "8"])
+    assert "--lora-rank 8 differs from the run's 4" in capsys.readouterr().err
     assert sorted(os.listdir(out)) == before, "a refused run must not touch the directory"
     other = tmp_path / "other"
     other.mkdir()

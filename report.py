@@ -1,0 +1,85 @@
+"""What a run tells its user as it goes: the progress line, the sampled completions, and the metrics
+sent to an experiment tracker.
+
+    step 12/50 | reward 0.312 | loss 0.0041 | grad_norm 0.21 | σ 6.9e-03 | 14.2 s/step | eval 0.285
+
+`progress_line` is what train.py prints every --log-every steps (under the progress bar). A step's
+completions go to <run>/completions.jsonl (--log-completions per step: its prompt, the completion, its
+reward and advantage, and each reward term), drawn at random but seeded by (seed, step), so a resumed
+run writes the rows the uninterrupted one would have. metrics.jsonl (run_dir.py) stays the record;
+a tracker is a copy of it for viewing.
+
+Trackers (--report-to): TensorBoard (event files in <run>/tensorboard), Weights & Biases and Trackio
+(project "qerl", or WANDB_PROJECT / TRACKIO_PROJECT; the run is named after its directory). None of
+them is a dependency: each is imported only when chosen, and flags.py refuses one that is not
+installed before anything loads, naming the package to install.
+
+Test: tests/test_report.py (the progress line, the completion rows, a tracker's calls).
+"""
+import json
+import os
+import random
+
+# metric -> (its label on the progress line, its format), in the order printed
+PROGRESS = {"reward": ("reward", "{:.3f}"), "loss": ("loss", "{:.4f}"), "grad_norm": ("grad_norm", "{:.3g}"),
+            "aqn/sigma": ("σ", "{:.1e}"), "step_time": ("s/step", "{:.1f}"), "eval/accuracy": ("eval", "{:.3f}")}
+PROJECT = "qerl"
+
+
+def progress_line(m: dict, total: int) -> str:
+    """One line for a step's metrics (those it has), e.g. the module docstring's."""
+    parts = [f"step {m['step'] + 1}/{total}"]
+    for key, (label, fmt) in PROGRESS.items():
+        if isinstance(m.get(key), (int, float)):
+            value = fmt.format(m[key])
+            parts.append(f"{value} {label}" if key == "step_time" else f"{label} {value}")
+    if m.get("skipped"):
+        parts.append("skipped: no group with a reward spread")
+    return " | ".join(parts)
+
+
+def completion_rows(step: int, samples: list[dict], n: int, seed: int) -> list[dict]:
+    """n of a step's samples (dicts with prompt, completion, reward, ...) chosen by (seed, step)."""
+    rng = random.Random(f"{seed}/{step}/completions")
+    picked = sorted(rng.sample(range(len(samples)), min(n, len(samples))))
+    return [{"step": step, **samples[i]} for i in picked]
+
+
+class Tracker:
+    """One experiment tracker of --report-to: log(metrics, step) and close(); 'none' does nothing."""
+
+    def __init__(self, kind: str, out: str, config: dict):
+        self.kind, self.run = kind, None
+        name = os.path.basename(os.path.normpath(out))
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.run = SummaryWriter(log_dir=os.path.join(out, "tensorboard"))
+            self.run.add_text("run_config", "```\n" + json.dumps(config, indent=1) + "\n```")
+        elif kind == "wandb":
+            import wandb
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=name, config=config, dir=out)
+        elif kind == "trackio":
+            import trackio
+            trackio.init(project=os.environ.get("TRACKIO_PROJECT", PROJECT), name=name, config=config)
+            self.run = trackio
+
+    def log(self, metrics: dict, step: int) -> None:
+        """The step's numeric metrics (booleans and text left out)."""
+        if self.run is None:
+            return
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and k != "step"}
+        if self.kind == "tensorboard":
+            for k, v in numbers.items():
+                self.run.add_scalar(k, v, step)
+        else:
+            self.run.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self.run is None:
+            return
+        if self.kind == "tensorboard":
+            self.run.close()
+        else:
+            self.run.finish()
+        self.run = None

@@ -1,0 +1,164 @@
+"""flags.py (and eval.py's parser): help and defaults for every flag, --config files merged under the
+command line, --resume taking the run's recorded flags and refusing, by name, any that differ.
+
+The run_config.json files here are written by the test (the values a run would record), so what
+--resume must take back is known without train.py.
+"""
+import json
+import os
+import time
+
+import pytest
+
+import eval as qeval
+import flags
+import reward_funcs
+import tasks
+from flags import parse_args
+
+
+def walk(parser):
+    """(action, its help as --help prints it, whitespace collapsed) for every flag but -h."""
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:   # argparse keeps its actions in a private list; nothing public walks them
+        if action.dest != "help":
+            yield action, text
+
+
+@pytest.mark.parametrize("build", [flags.build_parser, qeval.build_parser], ids=["train.py", "eval.py"])
+def test_every_flag_has_help_and_shows_its_default(build):
+    parser = build()
+    for action, text in walk(parser):
+        name = action.option_strings[-1]
+        assert action.help and len(action.help) > 8, f"{name} has no help text"
+        if action.default is not None:
+            shown = "(default: " + " ".join(str(action.default).split()) + ")"
+            assert shown in text, f"{name}: --help does not show {shown}"
+        else:  # None stands for a rule, which the help states
+            assert "default" in action.help or "(required)" in action.help, \
+                f"{name}: default None but the help does not say what happens"
+
+
+def test_defaults_are_the_documented_ones():
+    args = parse_args(["--model", "m"])
+    assert (args.dataset, args.dataset_split, args.eval_split, args.reward, args.report_to) == \
+        ("gsm8k", "train", "test", ["correctness"], "none")
+    assert parse_args(["--model", "m", "--reward", "correctness", "--reward", "test_reward_funcs:picky"]).reward == \
+        ["correctness", "test_reward_funcs:picky"], "a repeated --reward lists every term, the default replaced"
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_json_merges_under_the_command_line(tmp_path):
+    cfg = write(tmp_path / "c.json", json.dumps({
+        "model": "m", "lr": 3e-4, "max-new-tokens": 64, "aqn": False, "mask_truncated": True,
+        "reward": ["correctness", "test_reward_funcs:picky"], "reward_weights": [1, 0.5],
+        "chat-template-kwargs": {"enable_thinking": False}, "dataset": "addition"}))
+    args = parse_args(["--config", cfg, "--lr", "1e-4"])
+    assert args.lr == 1e-4, "the command line wins"
+    assert (args.model, args.max_new_tokens, args.aqn, args.mask_truncated) == ("m", 64, False, True)
+    assert args.reward == ["correctness", "test_reward_funcs:picky"] and args.reward_weights == [1.0, 0.5]
+    assert args.chat_template_kwargs == {"enable_thinking": False} and args.dataset == "addition"
+    assert parse_args(["--config", cfg, "--reward", "correctness", "--reward-weights", "2"]).reward == ["correctness"]
+
+
+def test_config_yaml_merges_too(tmp_path):
+    pytest.importorskip("yaml")
+    cfg = write(tmp_path / "c.yaml", "model: m\ngroup_size: 4\ndynamic-sampling: true\nsystem_prompt: ''\n")
+    args = parse_args(["--config", cfg, "--group-size", "6"])
+    assert (args.model, args.group_size, args.dynamic_sampling, args.system_prompt) == ("m", 6, True, "")
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"model": "m", "learning_rate": 1e-5}', "unknown key 'learning_rate' (not a train.py flag)"),
+    ('{"model": "m", "lora_rnak": 8}', "unknown key 'lora_rnak' (not a train.py flag); did you mean 'lora_rank'?"),
+    ('{"model": "m", "lr": "fast"}', "argument --lr: invalid float value: 'fast'"),
+    ('{"model": "m", "quant": "int3"}', "argument --quant: invalid choice: 'int3'"),
+    ('{"model": "m", "config": "other.json"}', "unknown key 'config'"),
+    ('["model", "m"]', "want a mapping of flag names to values, got list"),
+    ('{"model": ', "not valid JSON"),
+])
+def test_config_errors_name_the_file_and_key(tmp_path, capsys, text, message):
+    cfg = write(tmp_path / "bad.json", text)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", cfg])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--config {cfg}: " in err and message in err, err
+
+
+def recorded_run(tmp_path, **changes):
+    """A run directory whose run_config.json records the flags of `--model m --dataset addition --lr 1e-05
+    --lora-rank 4 --max-steps 7` (every other flag its default), as train.py writes it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    rec = {**vars(flags.build_parser().parse_args([])), "model": "m", "dataset": "addition", "lr": 1e-5,
+           "lora_rank": 4, "max_steps": 7, "stop_at": 3, "output_dir": str(out), "world_size": 1, **changes}
+    (out / "run_config.json").write_text(json.dumps(rec))
+    return str(out)
+
+
+def test_resume_takes_every_flag_from_the_run(tmp_path):
+    out = recorded_run(tmp_path)
+    args = parse_args(["--resume", out])
+    assert (args.model, args.dataset, args.lr, args.lora_rank, args.max_steps) == ("m", "addition", 1e-5, 4, 7)
+    assert args.resume is True and args.output_dir == out
+    assert args.stop_at is None, "--stop-at belongs to one invocation, not to the run"
+    same = parse_args(["--resume", "--output-dir", out, "--lr", "1e-5", "--device", "cpu", "--micro-batch", "2"])
+    assert (same.lr, same.device, same.micro_batch) == (1e-5, "cpu", 2), "resumable flags may change"
+
+
+def test_a_changed_flag_on_resume_is_refused_by_name_at_once(tmp_path, capsys):
+    out = recorded_run(tmp_path)
+    before = sorted(os.listdir(out))
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--resume", out, "--lr", "2e-5", "--lora-rank", "8", "--eval-every", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and time.monotonic() - t0 < 2
+    assert "--lora-rank 8 differs from the run's 4; --lr 2e-05 differs from the run's 1e-05" in err, err
+    assert "eval-every" not in err, "--eval-every may change on resume"
+    cfg = write(tmp_path / "c.json", '{"dataset": "gsm8k"}')
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", out, "--config", cfg])
+    assert "--dataset gsm8k differs from the run's addition" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", out, "--output-dir", str(tmp_path / "elsewhere")])
+    assert "name different directories" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--model is required"),
+    (["--model", "m", "--reward", "nope"], "--reward: 'nope': want 'correctness' or 'module:function'"),
+    (["--model", "m", "--reward-weights", "1,2"], "--reward-weights has 2 weight(s) for 1 reward(s)"),
+    (["--model", "m", "--reward", "test_reward_funcs:picky", "--reward", "test_reward_funcs:picky"],
+     "two terms are named 'picky'"),
+    (["--model", "m", "--report-to", "trackio"], None),
+    (["--model", "m", "--dataset", "addition", "--prompt-column", "q"], "--dataset: addition is built in"),
+    (["--model", "m", "--log-completions", "-1"], "--log-completions must be >= 0"),
+])
+def test_refusals_at_parse_time(argv, message, capsys):
+    import importlib.util
+    if message is None:  # a tracker: refused only where its package is missing
+        if importlib.util.find_spec("trackio") is not None:
+            pytest.skip("trackio is installed")
+        message = "--report-to trackio needs the trackio package: pip install trackio"
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err, err
+    assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1
+
+
+def test_eval_takes_the_runs_prompt(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint-000002").mkdir(parents=True)
+    (run / "run_config.json").write_text(json.dumps({"system_prompt": "Answer in one line.",
+                                                      "chat_template_kwargs": {"enable_thinking": False}}))
+    assert qeval.run_prompt(str(run / "checkpoint-000002")) == {"system_prompt": "Answer in one line.",
+                                                                "chat_template_kwargs": {"enable_thinking": False}}
+    assert qeval.run_prompt(str(tmp_path)) == {} and qeval.run_prompt(None) == {}
+    assert tasks.SYSTEM_PROMPT and reward_funcs.BUILTIN == "correctness"
