@@ -257,7 +257,7 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
             found = [v for v in values if v is not None]
             total, count = term_sums.get(name, (0.0, 0))
             term_sums[name] = (total + sum(found), count + len(found))
-        samples.extend({"prompt": e.prompt, "answer": e.answer, "completion": t, "reward": float(v),
+        samples.extend({"prompt": e.prompt, "answer": e.answer, "completion": t, "reward": round(float(v), 6),
                         **{f"rewards/{name}": values[j] for name, values in terms.items()}}
                        for j, (e, t, v) in enumerate(zip(examples, texts, shaped)))
         G = args.group_size
