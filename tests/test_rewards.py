@@ -5,6 +5,7 @@ worker process (exponents like 1e999999999, power towers, 1 MB strings, 10k nest
 \\boxed{), from the main thread and from a worker thread, and time them. References: the quadratic
 scan for the last \\boxed{ that rewards.py used before (kept here), and MATH500's gold answers, which
 every limit must let through."""
+import gc
 import json
 import os
 import random
@@ -224,7 +225,10 @@ def pathological():
     }
 
 
-BUDGET_S = 0.25  # per completion (refused by the limits: microseconds to ~60 ms here)
+# Per completion: half of rewards.DEFAULT_TIMEOUT_S, so a case that reached a checker and ran to its deadline
+# fails, while a case the limits refuse passes even on a loaded 2-core CI machine (microseconds to ~60 ms
+# idle; 0.46 s was seen with another test run beside it).
+BUDGET_S = rw.DEFAULT_TIMEOUT_S / 2
 
 
 @pytest.mark.parametrize("kind", ["numeric", "math"])
@@ -232,6 +236,7 @@ def test_pathological_completions_score_zero_quickly(kind):
     rw.reward(Example("q", "2", kind), r"\boxed{2}")   # math: the worker is started, not timed
     for name, text in pathological().items():
         stats = RewardStats()
+        gc.collect()   # a full collection owed to earlier tests' objects is not the reward's time
         t0 = time.monotonic()
         r = reward(Example("q", "7", kind), text, stats)
         dt = time.monotonic() - t0
