@@ -144,9 +144,19 @@ def file_rows(path: str, split: str) -> list[tuple[dict, str]]:
 # the Hub
 
 
+def offline() -> bool:
+    """HF_HUB_OFFLINE is set: the Hub libraries read their local cache only."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (what train.py and eval.py print)."""
+    return " ".join(str(e).split())
+
+
 def hub_problem() -> str | None:
     """Why a Hub dataset cannot be fetched now (else None), found in at most HUB_PROBE_TIMEOUT_S."""
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+    if offline():
         return None  # the cache alone is read; a dataset not in it is reported by hub_rows
     if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None
@@ -171,15 +181,19 @@ def hub_rows(name: str, split: str, config: str | None = None) -> list[tuple[dic
                            f"pip install datasets") from None
     try:
         ds = datasets.load_dataset(name, config, split=split)
-    except ConnectionError:  # offline (HF_HUB_OFFLINE=1) and not in the cache
-        raise DatasetError(f"{name} is not in the local cache and HF_HUB_OFFLINE=1 keeps the Hub off; "
-                           f"{LOCAL_FIX}, or fetch it once online") from None
+    except ConnectionError as e:  # offline and not in the cache, or the connection failed mid-way
+        if offline():
+            raise DatasetError(f"{name} is not in the local cache and HF_HUB_OFFLINE=1 keeps the Hub off; "
+                               f"{LOCAL_FIX}, or fetch it once online") from None
+        raise DatasetError(f"{name} could not be fetched ({one_line(e)[:300]}); {OFFLINE_FIX}") from None
     except datasets.exceptions.DatasetNotFoundError:
         raise DatasetError(f"{name}: no such dataset on the Hub (or it is gated: log in with `hf auth login`); "
                            f"or pass a local file or directory") from None
     except ValueError as e:  # a config or split that is not there: its first line lists the choices
         text = " ".join(str(e).split("\n")[:2]).strip()
         raise DatasetError(f"{name}: {text}" + (" (--dataset-config)" if "onfig" in text else "")) from None
+    except OSError as e:  # the Hub's other refusals (gated, rate-limited, ...)
+        raise DatasetError(f"{name}: {one_line(e)[:300]}") from None
     where = f"{name}" + (f":{config}" if config else "") + f"[{split}]"
     return [(r, f"{where}[{i}]") for i, r in enumerate(ds.to_list())]
 

@@ -30,6 +30,7 @@ import rewards
 import rollout
 import tasks
 from checkpoint import load_model, load_tokenizer
+from data import one_line
 from flags import HelpFormatter
 from run_dir import RUN_CONFIG
 
@@ -179,7 +180,7 @@ def main(argv=None):
         examples = tasks.load_task(args.dataset, args.split, limit=args.limit, seed=args.seed,
                                    config=args.dataset_config, columns=columns)
     except (ValueError, FileNotFoundError) as e:  # bad data, an empty file, a split that is not there, offline
-        raise SystemExit(f"error: --dataset: {' '.join(str(e).split())}") from None
+        raise SystemExit(f"error: --dataset: {one_line(e)}") from None
     if any(e.answer is None for e in examples):
         raise SystemExit(f"error: --dataset {args.dataset} has no gold answers (no 'answer' column): pass --answer-column")
     print(f"{args.dataset} [{args.split}]: {len(examples)} questions; loading {args.model} ({args.quant}) ...")
@@ -187,7 +188,7 @@ def main(argv=None):
         tokenizer = load_tokenizer(args.model)
         model = load_model(args.model, quant=args.quant, device=device, dtype=getattr(torch, args.dtype))
     except OSError as e:  # a Hub id that cannot be fetched (offline)
-        raise SystemExit(f"error: --model: {' '.join(str(e).split())}; pass a local directory, or set "
+        raise SystemExit(f"error: --model: {one_line(e)}; pass a local directory, or set "
                          f"HF_HUB_OFFLINE=1 to use a cached copy") from None
     if args.adapter:
         try:

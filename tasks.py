@@ -200,6 +200,8 @@ def source_problem(source: str, split: str, config: str | None = None, columns: 
             return f"the addition task has splits 'train' and 'test', not {split!r}"
         return None
     if os.path.exists(source):
+        if config:
+            return f"{source} is a local file or directory: --dataset-config is for Hub datasets"
         return data.local_problem(source, split)
     if data.looks_like_hub_id(source):
         return None

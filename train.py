@@ -64,6 +64,7 @@ import rewards
 import rollout
 import tasks
 from checkpoint import build_model, load_model, load_tokenizer, random_init_config
+from data import one_line
 from flags import parse_args
 from logprobs import collate, completion_logprobs, micro_batches
 from distributed import all_reduce_grads, dist_setup, gather, rank_world
@@ -292,10 +293,6 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
         **{f"rewards/{name}/mean": total / count for name, (total, count) in term_means.items() if count},
         "completions/mean_length": new_tokens / len(completions),
         "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}, samples
-
-
-def one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
 
 
 def load_data(args, log):

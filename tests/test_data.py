@@ -99,6 +99,7 @@ def test_sources_refused_before_reading(tmp_path):
     assert "unknown task" in tasks.source_problem("no/such/file.jsonl", "train")
     assert tasks.source_problem("openai/gsm8k", "train") is None          # a Hub id: known only when read
     assert "built in" in tasks.source_problem("addition", "train", columns=Columns(prompt="q"))
+    assert "--dataset-config is for Hub datasets" in tasks.source_problem(str(tmp_path / "x.txt"), "train", "main")
 
 
 def test_unreachable_hub_fails_fast_with_the_fix(monkeypatch):
