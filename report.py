@@ -3,7 +3,7 @@ sent to an experiment tracker.
 
     step 12/50 | reward 0.312 | loss 0.0041 | grad_norm 0.21 | σ 6.9e-03 | 14.2 s/step | eval 0.285
 
-`progress_line` is what train.py prints every --log-every steps (under the progress bar). A step's
+`record` writes rank 0's records of a step. `progress_line` is what it prints every --log-every steps (under the progress bar). A step's
 completions go to <run>/completions.jsonl (--log-completions per step: its prompt, the completion, its
 reward and advantage, and each reward term), drawn at random but seeded by (seed, step), so a resumed
 run writes the rows the uninterrupted one would have. metrics.jsonl (run_dir.py) stays the record;
@@ -19,6 +19,10 @@ Test: tests/test_report.py (the progress line, the completion rows, a tracker's 
 import json
 import os
 import random
+
+from tqdm import tqdm
+
+from run_dir import COMPLETIONS, METRICS, plot_metrics
 
 # metric -> (its label on the progress line, its format), in the order printed
 PROGRESS = {"reward": ("reward", "{:.3f}"), "loss": ("loss", "{:.4f}"), "grad_norm": ("grad_norm", "{:.3g}"),
@@ -43,6 +47,22 @@ def completion_rows(step: int, samples: list[dict], n: int, seed: int) -> list[d
     rng = random.Random(f"{seed}/{step}/completions")
     picked = sorted(rng.sample(range(len(samples)), min(n, len(samples))))
     return [{"step": step, **samples[i]} for i in picked]
+
+
+def record(args, m: dict, samples: list, tracker, stop: bool) -> None:
+    """Rank 0's records of a step: its metrics line, sampled completions, the progress line, the tracker,
+    and the plots, redrawn at each evaluation."""
+    with open(os.path.join(args.output_dir, METRICS), "a") as f:
+        f.write(json.dumps(m) + "\n")
+    if args.log_completions:
+        with open(os.path.join(args.output_dir, COMPLETIONS), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n"
+                         for row in completion_rows(m["step"], samples, args.log_completions, args.seed))
+    if args.log_every and ((m["step"] + 1) % args.log_every == 0 or stop or "eval/accuracy" in m):
+        tqdm.write(progress_line(m, args.max_steps))
+    tracker.log(m, m["step"])
+    if "eval/accuracy" in m:
+        plot_metrics(args.output_dir)
 
 
 class Tracker:

@@ -23,13 +23,13 @@ weight sync, and the only sampler/trainer mismatch is the numerics of decode vs 
 The loop reads as its stages: `rollout_step` (sample and score the generation batch), `train_step`
 (advantages, the training forward and backward in micro-batches, AdamW), then log, evaluate and
 checkpoint. Everything that can be refused (flags, datasets, reward functions) is, before the model
-loads. The flags, a --config file and --resume are flags.py's; datasets tasks.py's and data.py's; the
-progress line, sampled completions and trackers report.py's; the batch as training tensors and the
-chunked log-probs logprobs.py's; how a step uses the GPU's memory (micro-batch sizes, recomputation,
-what stays resident) plan.py's. The run directory (run_config.json, metrics.jsonl, plots.png, crash-safe checkpoints
-that `--resume` continues from) is run_dir.py's; data parallel over torchrun (`torchrun
---nproc-per-node N train.py ...`, ranks as replicas of one policy) is distributed.py's. Every random
-draw (data order, AQN noise, sampling) is seeded from (seed, step), so a resumed run samples what the
+loads. Around the loop: flags.py (the flags, --config, --resume), run_data.py (the checked datasets,
+prompts and reward functions), report.py (the progress line, sampled completions, trackers),
+logprobs.py (the batch as training tensors, the chunked log-probs), plan.py (how a step uses the GPU's
+memory: micro-batch sizes, recomputation, what stays resident), run_dir.py (run_config.json,
+metrics.jsonl, plots.png, crash-safe checkpoints that --resume continues from) and distributed.py
+(`torchrun --nproc-per-node N train.py ...`: ranks as replicas of one policy). Every random draw (data
+order, AQN noise, sampling) is seeded from (seed, step), so a resumed run samples what the
 uninterrupted run would have.
 
 Left out here: multi-node (the output directory must be shared), a learning-rate decay schedule.
@@ -62,8 +62,8 @@ import report
 import reward_funcs
 import rewards
 import rollout
-import tasks
 from checkpoint import build_model, load_model, load_tokenizer, random_init_config
+from run_data import encode, load_data
 from data import one_line
 from flags import parse_args
 from logprobs import collate, completion_logprobs, micro_batches
@@ -295,51 +295,6 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
         "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}, samples
 
 
-def load_data(args, log):
-    """(train examples, eval examples, reward functions), each checked: a dataset or reward that cannot
-    be used stops the run here, in one line naming its flag, before the tokenizer or the model loads."""
-    columns = tasks.Columns(args.prompt_column, args.answer_column)
-    eval_source, eval_config = flags.eval_source(args)
-
-    def load(flag, source, split, config, limit=None):
-        t0 = time.perf_counter()
-        try:
-            found = tasks.load_task(source, split, limit=limit, seed=args.seed, config=config, columns=columns)
-        except (tasks.DatasetError, FileNotFoundError) as e:
-            raise SystemExit(f"error: {flag}: {one_line(e)}") from None
-        log(f"{flag} {source} [{split}]: {len(found)} examples ({time.perf_counter() - t0:.1f} s)")
-        return found
-
-    train_set = load("--dataset", args.dataset, args.dataset_split, args.dataset_config)
-    eval_set = []
-    if args.eval_limit:
-        if (eval_source, eval_config) == (args.dataset, args.dataset_config) and os.path.isfile(args.dataset):
-            log(f"warning: evaluating on {args.dataset}, the training file (a file is one split): "
-                f"pass --eval-dataset for held-out questions")
-        eval_set = load("--eval-dataset", eval_source, args.eval_split, eval_config, args.eval_limit)
-        if any(e.answer is None for e in eval_set):
-            raise SystemExit(f"error: --eval-dataset {eval_source} has no gold answers, so accuracy cannot be measured: "
-                             f"pass --answer-column, or --eval-limit 0")
-    weights = args.reward_weights or [1.0] * len(args.reward)
-    funcs = [reward_funcs.load(spec, w) for spec, w in zip(args.reward, weights)]
-    try:
-        reward_funcs.check(funcs, train_set)
-    except ValueError as e:
-        raise SystemExit(f"error: --reward: {e}") from None
-    return train_set, eval_set, funcs
-
-
-def encode(examples, tokenizer, args, what: str, log, progress: bool):
-    """(the examples whose prompt fits --max-prompt-len, their prompt token ids); the rest are counted."""
-    ids = [tasks.encode_prompt(tokenizer, e.prompt, args.system_prompt, args.chat_template_kwargs)
-           for e in tqdm(examples, desc=f"tokenizing {what} prompts", disable=not progress, leave=False)]
-    keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_len]
-    if len(keep) < len(ids):
-        log(f"{what} prompts: {len(ids) - len(keep)} of {len(ids)} longer than --max-prompt-len "
-            f"{args.max_prompt_len} tokens: dropped")
-    return [examples[i] for i in keep], [ids[i] for i in keep]
-
-
 def main(argv=None):
     args = parse_args(argv)
     rank, world, device = dist_setup(args.device)
@@ -429,7 +384,7 @@ def main(argv=None):
                 torch.cuda.reset_peak_memory_stats(device)
             stop = step + 1 == args.max_steps or step + 1 == args.stop_at
             if rank == 0:
-                record(args, m, samples, tracker, stop)
+                report.record(args, m, samples, tracker, stop)
             bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}",
                             zero_std=f"{m.get('frac_reward_zero_std', float('nan')):.2f}")   # groups without signal
             if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
@@ -451,22 +406,6 @@ def main(argv=None):
     log(f"done: {args.output_dir}")
     if world > 1:
         torch.distributed.destroy_process_group()
-
-
-def record(args, m: dict, samples: list, tracker, stop: bool) -> None:
-    """Rank 0's records of a step: its metrics line, sampled completions, the progress line, the tracker,
-    and the plots, redrawn at each evaluation."""
-    with open(os.path.join(args.output_dir, METRICS), "a") as f:
-        f.write(json.dumps(m) + "\n")
-    if args.log_completions:
-        with open(os.path.join(args.output_dir, COMPLETIONS), "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n"
-                         for row in report.completion_rows(m["step"], samples, args.log_completions, args.seed))
-    if args.log_every and ((m["step"] + 1) % args.log_every == 0 or stop or "eval/accuracy" in m):
-        tqdm.write(report.progress_line(m, args.max_steps))
-    tracker.log(m, m["step"])
-    if "eval/accuracy" in m:
-        plot_metrics(args.output_dir)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 NaN-poisoned allocations for the kernel tests.
 
 Every reference here is independent of the code under test: tiny checkpoints are written by
-transformers itself, SmolLM2 by ../shared/tools/get_smollm2.py.
+transformers itself, SmolLM2 by tools/get_smollm2.py.
 """
 import os
 
@@ -73,12 +73,12 @@ def tiny_hf_dir(tmp_path):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    """The real SmolLM2-135M-Instruct checkpoint built by ../shared/tools/get_smollm2.py.
+    """The real SmolLM2-135M-Instruct checkpoint built by tools/get_smollm2.py.
 
     Skips when it is absent, unless QERL_REQUIRE_SMOLLM2=1 (CI sets it), where absence fails."""
     path = os.environ.get("QERL_SMOLLM2", SMOLLM2_DEFAULT)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
-        msg = f"SmolLM2 not found at {path}: run python ../shared/tools/get_smollm2.py"
+        msg = f"SmolLM2 not found at {path}: run python tools/get_smollm2.py"
         if os.environ.get("QERL_REQUIRE_SMOLLM2") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
