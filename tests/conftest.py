@@ -5,6 +5,7 @@ Every reference here is independent of the code under test: tiny checkpoints are
 transformers itself, SmolLM2 by tools/get_smollm2.py.
 """
 import os
+import random
 
 import pytest
 import torch
@@ -58,6 +59,49 @@ def make_tiny_hf(arch: str, tie: bool = False, seed: int = 0):
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers shared by the model, sampler and Qwen3 tests
+
+
+def rel_err(ours, ref):
+    """Worst absolute error relative to the reference's largest magnitude."""
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def batch(B=3, T=24, vocab=256, seed=1):
+    """Random ids at increasing positions with random start and random gaps of 1..3, so that absolute
+    positions matter (a common shift of all positions would cancel in attention)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    pos = torch.randint(0, 300, (B, 1), generator=g) + torch.randint(1, 4, (B, T), generator=g).cumsum(1)
+    return ids, pos  # (B, T), (B, T)
+
+
+def hf_logits(hf, ids, pos):
+    """transformers' logits at explicit positions. The all-ones mask stops it from reading position
+    gaps as boundaries of packed sequences: plain causal attention, like ours."""
+    return hf(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
+
+
+def load32(path, quant="bf16"):
+    """Our model from a checkpoint directory, on the CPU in fp32."""
+    from checkpoint import load_model
+    return load_model(path, quant=quant, device="cpu", dtype=torch.float32)
+
+
+def random_prompts(lengths, vocab=256, seed=0):
+    """Token-id prompts of the given lengths."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(hf, prompt, max_new):
+    """transformers' greedy continuation of one prompt: the reference of the sampler tests."""
+    out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=max_new, do_sample=False,
+                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device))
+    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture

@@ -14,20 +14,9 @@ import torch.nn as nn
 
 import kernels
 from checkpoint import GROUPS, build_model, load_model
+from conftest import batch, rel_err
 from kernels import lora as kl
 from kernels.stacked import StackedLinear
-
-
-def rel_err(ours, ref):
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def batch(B=3, T=24, vocab=256, seed=1):
-    """Random ids at increasing positions with random gaps, so that absolute positions matter."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (B, T), generator=g)
-    pos = torch.randint(0, 300, (B, 1), generator=g) + torch.randint(1, 4, (B, T), generator=g).cumsum(1)
-    return ids, pos  # (B, T), (B, T)
 
 
 @pytest.mark.interpreter

@@ -15,33 +15,10 @@ import torch.nn.functional as F
 import checkpoint as C
 import model as M
 import nvfp4
-from conftest import TINY
+from conftest import TINY, batch, hf_logits, load32, rel_err
 from ops import apply_rope
 
 ARCHS = [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)]
-
-
-def rel_err(ours, ref):
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def batch(B=3, T=24, vocab=256, seed=1):
-    """Random ids at increasing positions with random start and random gaps of 1..3, so that absolute
-    positions matter (a common shift of all positions would cancel in attention)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (B, T), generator=g)
-    pos = torch.randint(0, 300, (B, 1), generator=g) + torch.randint(1, 4, (B, T), generator=g).cumsum(1)
-    return ids, pos  # (B, T), (B, T)
-
-
-def hf_logits(hf, ids, pos):
-    """transformers' logits at explicit positions. The all-ones mask stops it from reading position
-    gaps as boundaries of packed sequences: plain causal attention, like ours."""
-    return hf(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
-
-
-def load32(path, quant="bf16"):
-    return C.load_model(path, quant=quant, device="cpu", dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------

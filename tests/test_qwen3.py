@@ -7,7 +7,8 @@ RoPE (q_norm, k_norm), no q/k/v bias, head_dim given in the config (the tiny mod
 switch (enable_thinking). References: transformers' own Qwen3ForCausalLM (fp32 logits, its generate,
 its meta-device parameter count), PEFT on it for the adapters, a hand-written Jinja template (the
 shape of Qwen3's) for the chat-template kwargs. The tiny checkpoints come from conftest.make_tiny_hf,
-with random norm weights (q_norm / k_norm included).
+with random norm weights (q_norm / k_norm included); the CPU sampler's greedy test is
+tests/test_rollout.py's, run on qwen3 too.
 """
 import json
 import math
@@ -25,31 +26,10 @@ import model as M
 import nvfp4
 import tasks
 import train
-from conftest import make_tiny_hf
+from conftest import batch, hf_greedy, hf_logits, load32, make_tiny_hf, random_prompts, rel_err
 from rollout import LLMEngine, SamplingParams
 
 QWEN3_TINY_HEAD_DIM = 32     # conftest's Qwen3: 4 heads of 32 on a hidden size of 64
-
-
-def rel_err(ours, ref):
-    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def batch(B=3, T=24, vocab=256, seed=1):
-    """Random ids at increasing positions, random start and gaps of 1..3 (test_model.py's batch)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (B, T), generator=g)
-    pos = torch.randint(0, 300, (B, 1), generator=g) + torch.randint(1, 4, (B, T), generator=g).cumsum(1)
-    return ids, pos
-
-
-def hf_logits(hf, ids, pos):
-    """transformers' logits at explicit positions (an all-ones mask: plain causal attention)."""
-    return hf(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
-
-
-def load32(path, quant="bf16"):
-    return C.load_model(path, quant=quant, device="cpu", dtype=torch.float32)
 
 
 def dequantize_into(hf, ours):
@@ -333,35 +313,8 @@ def test_qwen3_lora_adapter_round_trips_with_peft(tiny_hf_dir, tmp_path, quant):
 
 
 # ----------------------------------------------------------------------------------------------
-# rollout.py: the paged sampler on Qwen3
-
-
-def _prompts(lengths, vocab=256, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _hf_greedy(hf, prompt, max_new):
-    out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=max_new, do_sample=False,
-                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device))
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.mark.parametrize("tie, num_blocks", [(False, None), (True, None), (False, 12)])
-def test_qwen3_greedy_matches_hf_generate(tiny_hf_dir, tie, num_blocks):
-    """Prompts of different lengths, 2 samples each sharing the prompt's blocks; num_blocks=12
-    (4-token blocks) forces preemption."""
-    path, hf = tiny_hf_dir("qwen3", tie)
-    model = load32(path)
-    prompts = _prompts([3, 11, 20, 6])
-    engine = LLMEngine(model, block_size=4, num_blocks=num_blocks)
-    out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, n=2, stop_token_ids=()))
-    if num_blocks is not None:
-        assert engine.stats["preemptions"] > 0, engine.stats
-    for p, comps in zip(prompts, out):
-        ref = _hf_greedy(hf, p, 24)
-        for c in comps:
-            assert c.token_ids == ref, f"prompt len {len(p)}: ours {c.token_ids} vs HF {ref}"
+# rollout.py: the paged sampler on Qwen3 (its CPU greedy test against transformers' generate is
+# tests/test_rollout.py's, parametrized over qwen3 with and without preemption)
 
 
 def _count_head_norms(monkeypatch, head_dim):
@@ -375,7 +328,7 @@ def _count_head_norms(monkeypatch, head_dim):
 @pytest.mark.interpreter
 def test_qwen3_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
     model = load32(tiny_hf_dir("qwen3")[0])
-    prompts = _prompts([14, 30], seed=5)
+    prompts = random_prompts([14, 30], seed=5)
     params = SamplingParams(temperature=0, max_tokens=6, n=2, stop_token_ids=())
     ref = LLMEngine(model, block_size=16, attn_backend="torch").generate(prompts, params)
     out = LLMEngine(model, block_size=16, attn_backend="triton", partition_size=16).generate(prompts, params)
@@ -392,7 +345,7 @@ def test_qwen3_fused_decode_gets_normed_q_k_and_matches_the_torch_backend(tiny_h
     to the one kernel that rotates, stores k, v and attends; tokens and logprobs equal the torch
     backend's with torch ops (fp32)."""
     model = load32(tiny_hf_dir("qwen3")[0])
-    prompts = _prompts([14, 30], seed=5)
+    prompts = random_prompts([14, 30], seed=5)
     params = SamplingParams(temperature=0, max_tokens=6, n=2, stop_token_ids=())
     ref = LLMEngine(model, block_size=16, attn_backend="torch").generate(prompts, params)
     rope_calls, real = [], kernels.paged_attention
@@ -518,12 +471,12 @@ def test_gpu_qwen3_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
     hf = hf.cuda()
     model = C.load_model(path, quant="bf16", device="cuda", dtype=torch.float32)
     norm_calls = _count_head_norms(monkeypatch, QWEN3_TINY_HEAD_DIM)
-    for prompts, n in ((_prompts([3, 11, 20, 6]), 2), (_prompts([9]), 1)):
+    for prompts, n in ((random_prompts([3, 11, 20, 6]), 2), (random_prompts([9]), 1)):
         for graphs in (False, True):
             out = LLMEngine(model, cuda_graphs=graphs).generate(
                 prompts, SamplingParams(temperature=0, max_tokens=24, n=n, stop_token_ids=()))
             for p, comps in zip(prompts, out):
-                ref = _hf_greedy(hf, p, 24)
+                ref = hf_greedy(hf, p, 24)
                 assert all(c.token_ids == ref for c in comps), f"graphs={graphs}: {comps[0].token_ids} vs {ref}"
     assert norm_calls.count(True) > 0
 
@@ -561,7 +514,7 @@ def test_gpu_qwen3_nvfp4_lora_sampler_logprobs_match_dense_forward(tiny_hf_dir, 
     with torch.no_grad():
         for m in lora.lora_modules(model).values():
             m.lora_B.normal_(0, 0.05)
-    prompts = _prompts([5, 40, 17], seed=7)
+    prompts = random_prompts([5, 40, 17], seed=7)
     engine = LLMEngine(model, cuda_graphs=graphs)
     out = engine.generate(prompts, SamplingParams(max_tokens=40, n=4, seed=3, stop_token_ids=()))
     assert bool(engine.runner.graphs) == graphs

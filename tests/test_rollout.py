@@ -3,12 +3,12 @@ the Triton backend (interpreter on CPU) against the torch backend, and GPU-marke
 CUDA paths (PDL, CUDA graphs). The layers have their own files: tests/test_scheduler.py,
 tests/test_attention.py, tests/test_sampling.py."""
 import math
-import random
 
 import pytest
 import torch
 
 import kernels
+from conftest import hf_greedy, random_prompts
 from rollout import LLMEngine, SamplingParams, generate
 
 # ----------------------------------------------------------------------------------------------
@@ -32,17 +32,6 @@ def _load(path, device="cpu", dtype=torch.float32):
     return load_model(path, quant="bf16", device=device, dtype=dtype)
 
 
-def _prompts(lengths, vocab=256, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def _hf_greedy(hf, prompt, max_new):
-    out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=max_new, do_sample=False,
-                      attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device))
-    return out[0, len(prompt):].tolist()
-
-
 def _dense_logits(model, prompt, completion):
     ids = torch.tensor([prompt + completion], device=next(model.parameters()).device)
     with torch.no_grad():
@@ -50,19 +39,20 @@ def _dense_logits(model, prompt, completion):
 
 
 @pytest.mark.parametrize("arch, tie, num_blocks", [("qwen2", False, None), ("llama", True, None),
-                                                    ("qwen2", False, 12)])
+                                                    ("qwen2", False, 12), ("qwen3", False, None),
+                                                    ("qwen3", True, None), ("qwen3", False, 12)])
 def test_greedy_matches_hf_generate_tiny(tiny_hf_dir, arch, tie, num_blocks):
     """Prompts of different lengths in one batch, 2 samples each sharing the prompt's blocks;
     num_blocks=12 (4-token blocks) cannot hold the batch at once and forces preemption."""
     path, hf = tiny_hf_dir(arch, tie)
     model = _load(path)
-    prompts = _prompts([3, 11, 20, 6])
+    prompts = random_prompts([3, 11, 20, 6])
     engine = LLMEngine(model, block_size=4, num_blocks=num_blocks)
     out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, n=2, stop_token_ids=()))
     if num_blocks is not None:
         assert engine.stats["preemptions"] > 0, engine.stats
     for p, comps in zip(prompts, out):
-        ref = _hf_greedy(hf, p, 24)
+        ref = hf_greedy(hf, p, 24)
         for c in comps:
             assert c.token_ids == ref, f"prompt len {len(p)}: ours {c.token_ids} vs HF {ref}"
             assert c.finish_reason == "length" and len(c.logprobs) == 24
@@ -74,7 +64,7 @@ def test_sampled_tokens_do_not_depend_on_the_cache_size(tiny_hf_dir, top_p):
     enough to preempt (the batch runs in other groupings, preempted sequences are prefilled again)
     sample the same tokens; and a prompt sampled alone gets the tokens it gets in the batch."""
     model = _load(tiny_hf_dir("qwen2")[0])
-    prompts = _prompts([3, 11, 20, 6], seed=3)
+    prompts = random_prompts([3, 11, 20, 6], seed=3)
     params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=20, n=2, seed=5, stop_token_ids=())
     full = LLMEngine(model, block_size=4).generate(prompts, params)
     small = LLMEngine(model, block_size=4, num_blocks=14)
@@ -94,7 +84,7 @@ def test_sampled_logprobs_match_dense_forward(tiny_hf_dir, temperature, top_k, t
     finished sequence, after the same temperature / top-k / top-p filter (float64 reference)."""
     path, _ = tiny_hf_dir("qwen2")
     model = _load(path)
-    prompts = _prompts([5, 13, 2], seed=1)
+    prompts = random_prompts([5, 13, 2], seed=1)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=20, n=3,
                             seed=0, stop_token_ids=())
     out = LLMEngine(model, block_size=4).generate(prompts, params)
@@ -119,7 +109,7 @@ def test_sampled_logprobs_match_dense_forward(tiny_hf_dir, temperature, top_k, t
 
 def test_seed_makes_sampling_reproducible(tiny_hf_dir):
     model = _load(tiny_hf_dir("llama")[0])
-    prompts = _prompts([4, 9], seed=2)
+    prompts = random_prompts([4, 9], seed=2)
     params = SamplingParams(max_tokens=12, n=2, seed=123, stop_token_ids=())
     engine = LLMEngine(model, block_size=4)
     a, b = engine.generate(prompts, params), engine.generate(prompts, params)
@@ -129,8 +119,8 @@ def test_seed_makes_sampling_reproducible(tiny_hf_dir):
 def test_stop_token_ends_completion_with_reason_stop(tiny_hf_dir):
     path, hf = tiny_hf_dir("qwen2")
     model = _load(path)
-    prompt = _prompts([7], seed=3)[0]
-    ref = _hf_greedy(hf, prompt, 12)
+    prompt = random_prompts([7], seed=3)[0]
+    ref = hf_greedy(hf, prompt, 12)
     stop = ref[4]
     first = ref.index(stop)
     (c,), = LLMEngine(model, block_size=4).generate(
@@ -145,8 +135,8 @@ def test_stops_at_different_steps_with_preemption_match_hf(tiny_hf_dir):
     stop token, with a real logprob per token; generate() itself asserts that no KV block leaks."""
     path, hf = tiny_hf_dir("qwen2")
     model = _load(path)
-    prompts = _prompts([3, 11, 20, 6], seed=4)
-    refs = [_hf_greedy(hf, p, 24) for p in prompts]
+    prompts = random_prompts([3, 11, 20, 6], seed=4)
+    refs = [hf_greedy(hf, p, 24) for p in prompts]
     stops = {refs[0][2], refs[1][9], refs[3][15]}
     engine = LLMEngine(model, block_size=4, num_blocks=12)
     out = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, n=2, stop_token_ids=stops))
@@ -187,7 +177,7 @@ def test_bad_input_gives_clear_errors(tiny_hf_dir):
 def test_batch_larger_than_cache_runs_in_waves(tiny_hf_dir):
     """40 sequences, a cache that holds ~3 at once: a defined result, equal to an ample cache."""
     model = _load(tiny_hf_dir("llama")[0])
-    prompts = _prompts([5, 8, 3, 10, 6] * 4, seed=4)
+    prompts = random_prompts([5, 8, 3, 10, 6] * 4, seed=4)
     params = SamplingParams(temperature=0, max_tokens=10, n=2, stop_token_ids=())
     small = LLMEngine(model, block_size=4, num_blocks=15)
     big = LLMEngine(model, block_size=4)
@@ -211,7 +201,7 @@ def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
     """The Triton store + paged-decode kernels (interpreter) inside the engine: 16-token blocks,
     16-token partitions, so contexts span several partitions."""
     model = _load(tiny_hf_dir("qwen2")[0])
-    prompts = _prompts([14, 30], seed=5)
+    prompts = random_prompts([14, 30], seed=5)
     params = SamplingParams(temperature=0, max_tokens=6, n=2, stop_token_ids=())
     ref = LLMEngine(model, block_size=16, attn_backend="torch").generate(prompts, params)
     for partition in (16, None):                         # None: the batch-size-dependent default
@@ -229,7 +219,7 @@ def test_decode_with_rope_in_the_kv_store_matches_the_torch_backend(tiny_hf_dir,
     layer hands RoPE to the attention kernel (one launch rotates, stores k, v and attends); tokens
     and logprobs equal the torch backend's with torch ops (fp32)."""
     model = _load(tiny_hf_dir("llama")[0])
-    prompts = _prompts([14, 30], seed=5)
+    prompts = random_prompts([14, 30], seed=5)
     params = SamplingParams(temperature=0, max_tokens=6, n=2, stop_token_ids=())
     ref = LLMEngine(model, block_size=16, attn_backend="torch").generate(prompts, params)
     calls, real = [], kernels.paged_attention
@@ -257,7 +247,7 @@ def test_greedy_matches_hf_generate_smollm2(smollm2_path):
     out = LLMEngine(model, block_size=16, max_model_len=256).generate(
         prompts, SamplingParams(temperature=0, max_tokens=16))
     for p, (c,) in zip(prompts, out):
-        ref = _hf_greedy(hf, p, 16)
+        ref = hf_greedy(hf, p, 16)
         assert c.token_ids == ref, f"ours {tok.decode(c.token_ids)!r} vs HF {tok.decode(ref)!r}"
 
 
@@ -272,7 +262,7 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit(tiny_hf_dir, monkeypat
     from dataclasses import replace
     from kernels import tuning
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
-    prompts, params = _prompts([5, 40, 17], seed=7), SamplingParams(max_tokens=40, n=2, seed=3, stop_token_ids=())
+    prompts, params = random_prompts([5, 40, 17], seed=7), SamplingParams(max_tokens=40, n=2, seed=3, stop_token_ids=())
     runs = []
     for on in (True, False):
         with tuning.using(replace(tuning.current(), pdl=on)):
@@ -289,12 +279,12 @@ def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
     model = _load(path, device="cuda")
     gemv_rows, real = [], kernels.lm_head
     monkeypatch.setattr(kernels, "lm_head", lambda x, head: gemv_rows.append(x.shape[0]) or real(x, head))
-    for prompts, n in ((_prompts([3, 11, 20, 6]), 2), (_prompts([9]), 1)):
+    for prompts, n in ((random_prompts([3, 11, 20, 6]), 2), (random_prompts([9]), 1)):
         for graphs in (False, True):
             out = LLMEngine(model, cuda_graphs=graphs).generate(
                 prompts, SamplingParams(temperature=0, max_tokens=24, n=n, stop_token_ids=()))
             for p, comps in zip(prompts, out):
-                ref = _hf_greedy(hf, p, 24)
+                ref = hf_greedy(hf, p, 24)
                 assert all(c.token_ids == ref for c in comps), f"graphs={graphs}: {comps[0].token_ids} vs {ref}"
     assert gemv_rows and set(gemv_rows) == {1}
 
@@ -315,7 +305,7 @@ def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora
         with torch.no_grad():
             for m in adapters:
                 m.lora_B.normal_(0, 0.05)
-    prompts = _prompts([5, 40, 17], seed=7)
+    prompts = random_prompts([5, 40, 17], seed=7)
     engine = LLMEngine(model, cuda_graphs=graphs)
     for round in range(2 if lora else 1):
         if round:
@@ -345,7 +335,7 @@ def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
     With top-p the graph stops at the hidden states and sampling runs outside it (key temperature
     None), reproducible too."""
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
-    prompts = _prompts([5, 40, 17, 9], seed=7)
+    prompts = random_prompts([5, 40, 17, 9], seed=7)
 
     def run(engine, seed, top_p=1.0):
         out = engine.generate(prompts, SamplingParams(max_tokens=80, n=4, seed=seed, top_p=top_p,
