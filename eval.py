@@ -31,7 +31,7 @@ import rollout
 import tasks
 from checkpoint import load_model, load_tokenizer
 from data import one_line
-from flags import HelpFormatter
+from flags import HelpFormatter, add_column_flags, add_precision_flags
 from run_dir import RUN_CONFIG
 
 # ----------------------------------------------------------------------------------------------
@@ -109,17 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True, help="Hugging Face hub id or local checkpoint directory (required)")
     g.add_argument("--adapter", default=None, help="PEFT-format LoRA adapter directory, e.g. a train.py checkpoint (default: none)")
-    g.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4", help="base weights: 4-bit NVFP4 or bf16")
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="activations and adapters")
+    add_precision_flags(g)
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="gsm8k",
                    help="gsm8k | math500 | addition | a Hub dataset id | a .jsonl/.csv/.parquet file | a directory")
     g.add_argument("--dataset-config", default=None, help="the Hub dataset's configuration, e.g. main (default: its only or default one)")
     g.add_argument("--split", default="test", help="the split evaluated")
-    g.add_argument("--prompt-column", default=None,
-                   help=f"column holding the prompt (default: the first of {', '.join(tasks.PROMPT_COLUMNS)})")
-    g.add_argument("--answer-column", default=None, help="column holding the gold answer (default: answer)")
+    add_column_flags(g)
     g.add_argument("--limit", type=int, default=None, help="the first N questions (default: all)")
     g.add_argument("--system-prompt", default=None,
                    help="default: the run's (run_config.json beside --adapter), else tasks.SYSTEM_PROMPT")

@@ -90,6 +90,20 @@ class Append(argparse.Action):
                                        else []) + [values])
 
 
+def add_precision_flags(g) -> None:
+    """--quant and --dtype: how the base weights are stored and what the activations are (train.py, eval.py)."""
+    g.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4", help="base weights: 4-bit NVFP4 or bf16")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="activations and adapters")
+
+
+def add_column_flags(g) -> None:
+    """--prompt-column and --answer-column: which dataset columns hold the prompt and the gold answer."""
+    g.add_argument("--prompt-column", default=None,
+                   help=f"column holding the prompt, a string or a list of messages (default: the first of "
+                        f"{', '.join(tasks.PROMPT_COLUMNS)})")
+    g.add_argument("--answer-column", default=None, help="column holding the gold answer (default: answer, if present)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="GRPO/DAPO post-training with NVFP4 weights, LoRA and AQN (QeRL)",
                                 usage="%(prog)s --model MODEL [--dataset DATASET] [flags] (--help lists them)",
@@ -107,8 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random weights of --model's shape (checkpoint.SHAPES: qwen2.5-7b|14b|32b, qwen3-8b|32b; "
                         "or a dir with config.json): benchmarks")
     g.add_argument("--tokenizer", default=None, help="tokenizer hub id or directory (default: --model)")
-    g.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4", help="base weights: 4-bit NVFP4 or bf16")
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="activations and adapters")
+    add_precision_flags(g)
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu (torchrun: cuda:LOCAL_RANK)")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="gsm8k",
@@ -120,10 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-dataset-config", default=None,
                    help="its Hub configuration (default: --dataset-config when --eval-dataset is not given)")
     g.add_argument("--eval-split", default="test", help="the evaluation split")
-    g.add_argument("--prompt-column", default=None,
-                   help=f"column holding the prompt, a string or a list of messages (default: the first of "
-                        f"{', '.join(tasks.PROMPT_COLUMNS)})")
-    g.add_argument("--answer-column", default=None, help="column holding the gold answer (default: answer, if present)")
+    add_column_flags(g)
     g.add_argument("--eval-limit", type=int, default=500, help="evaluation questions (0 = no evaluation)")
     g.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are dropped (counted)")
     g.add_argument("--system-prompt", default=tasks.SYSTEM_PROMPT,
