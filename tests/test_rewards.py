@@ -226,8 +226,8 @@ def pathological():
 
 
 # Per completion: half of rewards.DEFAULT_TIMEOUT_S, so a case that reached a checker and ran to its deadline
-# fails, while a case the limits refuse passes even on a loaded 2-core CI machine (microseconds to ~60 ms
-# idle; 0.46 s was seen with another test run beside it).
+# fails, while a case the limits refuse passes even on a loaded 2-core CI machine (a refusal takes
+# microseconds to tens of milliseconds on an idle one, several times that beside another test run).
 BUDGET_S = rw.DEFAULT_TIMEOUT_S / 2
 
 
