@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="gsm8k",
-                   help="gsm8k | math500 | addition | a Hub dataset id | a .jsonl/.csv/.parquet file | a directory")
+                   help="gsm8k | math500 | addition | multiplication | a Hub dataset id | a .jsonl/.csv/.parquet file | a directory")
     g.add_argument("--dataset-config", default=None, help="the Hub dataset's configuration, e.g. main (default: its only or default one)")
     g.add_argument("--split", default="test", help="the split evaluated")
     add_column_flags(g)
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", type=int, default=1, help="samples per question")
     g.add_argument("--max-new-tokens", type=int, default=1024, help="completion length limit")
     g.add_argument("--max-model-len", type=int, default=4096, help="prompt + completion tokens the KV cache holds")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (and the addition task's split)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (and the arithmetic tasks' split)")
     g = p.add_argument_group("output")
     g.add_argument("--output", default=None, help="write one JSON line per question to this file (default: none)")
     return p

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu (torchrun: cuda:LOCAL_RANK)")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="gsm8k",
-                   help="gsm8k | math500 | addition | a Hub dataset id | a .jsonl/.csv/.parquet file | a directory "
+                   help="gsm8k | math500 | addition | multiplication | a Hub dataset id | a .jsonl/.csv/.parquet file | a directory "
                         "(<split>.<ext> files or a datasets.save_to_disk directory)")
     g.add_argument("--dataset-config", default=None, help="the Hub dataset's configuration, e.g. main for openai/gsm8k (default: its only or default one)")
     g.add_argument("--dataset-split", default="train", help="the training split")

@@ -4,7 +4,9 @@ A task is a list of `Example`s (a prompt, a gold answer, which checker scores it
 columns). Sources (`load_task(source, split, config=..., columns=...)`):
 
     "gsm8k", "math500"          hub openai/gsm8k (config "main"), HuggingFaceH4/MATH-500 (one split: test)
-    "addition"                  synthetic two-digit a + b, seeded train/test split (CPU runs, no download)
+    "addition"                  synthetic a + b, two-digit a and b, seeded train/test split (no download)
+    "multiplication"            synthetic a * b, two-digit a, one-digit b > 1: harder (SmolLM2-135M's base
+                                model answers ~3% greedily, addition ~0.5% under the same system prompt)
     "org/name" (+ config)       any Hub dataset, through `datasets` (data.py)
     "file.jsonl|.csv|.parquet"  a local file; "dir/": dir/<split>.<ext> or a datasets.save_to_disk directory
 
@@ -41,10 +43,12 @@ from rewards import RewardStats, reward, to_number
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB = {"gsm8k": ("openai/gsm8k", "main"), "math500": ("HuggingFaceH4/MATH-500", None)}
-BUILTIN = (*HUB, "addition")
+# name: (operator, first operands, second operands, test-split size)
+ARITHMETIC = {"addition": ("+", range(10, 100), range(10, 100), 1000),
+              "multiplication": ("*", range(10, 100), range(2, 10), 200)}
+BUILTIN = (*HUB, *ARITHMETIC)
 KINDS = ("numeric", "math")
 PROMPT_COLUMNS = ("prompt", "problem", "question")   # tried in this order when --prompt-column is not given
-ADDITION_TEST_SIZE = 1000   # of the 90 · 90 = 8100 two-digit pairs
 
 
 # -----------------------------------------------------------------------------
@@ -153,13 +157,17 @@ def read_jsonl(path: str, columns: Columns = Columns()) -> list[Example]:
     return examples_from_rows(data.read_jsonl_records(path), path, columns)
 
 
-def addition_task(split: str, seed: int = 0) -> list[Example]:
-    """Synthetic a + b for two-digit a, b: a fixed seeded shuffle of all 8100 pairs, the first
-    1000 are the test split, the rest train (disjoint for any seed)."""
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+def arithmetic_task(name: str, split: str, seed: int = 0) -> list[Example]:
+    """A synthetic ARITHMETIC task: a fixed seeded shuffle of every operand pair; the first
+    test-size pairs are the test split, the rest train (disjoint for any seed). Addition has
+    90 · 90 = 8100 pairs (1000 test), multiplication 90 · 8 = 720 (200 test)."""
+    op, firsts, seconds, test_size = ARITHMETIC[name]
+    pairs = [(a, b) for a in firsts for b in seconds]
     random.Random(seed).shuffle(pairs)
-    chosen = pairs[:ADDITION_TEST_SIZE] if split == "test" else pairs[ADDITION_TEST_SIZE:]
-    return [Example(f"What is {a} + {b}?", str(a + b), "numeric", columns={"answer": str(a + b)}) for a, b in chosen]
+    chosen = pairs[:test_size] if split == "test" else pairs[test_size:]
+    value = (lambda a, b: a + b) if op == "+" else (lambda a, b: a * b)
+    return [Example(f"What is {a} {op} {b}?", str(value(a, b)), "numeric", columns={"answer": str(value(a, b))})
+            for a, b in chosen]
 
 
 # -----------------------------------------------------------------------------
@@ -175,8 +183,8 @@ def load_task(source: str, split: str = "train", *, limit: int | None = None, se
     problem = source_problem(source, split, config, columns)
     if problem:
         raise DatasetError(problem)
-    if source == "addition":
-        examples = addition_task(split, seed)
+    if source in ARITHMETIC:
+        examples = arithmetic_task(source, split, seed)
     elif source in HUB:
         repo, cfg = HUB[source]
         examples = examples_from_rows(data.hub_rows(repo, split, cfg), repo)
@@ -196,8 +204,8 @@ def source_problem(source: str, split: str, config: str | None = None, columns: 
                    f"--prompt-column and --answer-column are for Hub and local datasets"
         if source == "math500" and split != "test":
             return f"math500 has only the 'test' split, not {split!r}"
-        if source == "addition" and split not in ("train", "test"):
-            return f"the addition task has splits 'train' and 'test', not {split!r}"
+        if source in ARITHMETIC and split not in ("train", "test"):
+            return f"the {source} task has splits 'train' and 'test', not {split!r}"
         return None
     if os.path.exists(source):
         if config:

@@ -4,7 +4,7 @@ What a user choosing between the two would compare: time per step and what the m
 runs use the same model, task, batch, adapter, optimizer and loss:
 
     model      --model (a local directory: the real SmolLM2-135M-Instruct on the GPU machine)
-    task       two-digit addition (tasks.addition_task: the same seeded train / held-out split),
+    task       two-digit addition (tasks.arithmetic_task: the same seeded train / held-out split),
                the same chat-formatted prompt (tasks.SYSTEM_PROMPT), reward = rewards.reward
     batch      8 prompts × 8 samples a step, 24 new tokens, temperature 1
     LoRA       r 16, alpha 32, on q/k/v/o/gate/up/down, dropout 0
@@ -61,7 +61,7 @@ def run_trl(model: str, steps: int, out: str) -> dict:
     import rewards
     import tasks
     gpu = torch.cuda.is_available()                            # the CPU only for a smoke test
-    train = tasks.addition_task("train", seed=0)
+    train = tasks.arithmetic_task("addition", "train", seed=0)
     data = Dataset.from_list([{"prompt": [{"role": "system", "content": tasks.SYSTEM_PROMPT},
                                           {"role": "user", "content": e.question}], "answer": e.answer} for e in train])
 

@@ -84,14 +84,18 @@ def test_load_task_hub_names(monkeypatch):
         load_task("math500", "train")
 
 
-def test_addition_task_is_seeded_and_split():
-    train, test = load_task("addition", "train"), load_task("addition", "test")
-    assert len(train) == 8100 - 1000 and len(test) == 1000
+@pytest.mark.parametrize("name, op, sizes, first, second", [
+    ("addition", "+", (8100 - 1000, 1000), range(10, 100), range(10, 100)),
+    ("multiplication", "*", (720 - 200, 200), range(10, 100), range(2, 10))])
+def test_arithmetic_task_is_seeded_and_split(name, op, sizes, first, second):
+    train, test = load_task(name, "train"), load_task(name, "test")
+    assert (len(train), len(test)) == sizes
     assert not {e.question for e in train} & {e.question for e in test}
-    assert load_task("addition", "test") == test and load_task("addition", "test", seed=1) != test
+    assert load_task(name, "test") == test and load_task(name, "test", seed=1) != test
     for e in test[:50]:
-        a, b = map(int, e.question.removeprefix("What is ").removesuffix("?").split(" + "))
-        assert 10 <= a <= 99 and 10 <= b <= 99 and e.answer == str(a + b) and e.kind == "numeric"
+        a, b = map(int, e.question.removeprefix("What is ").removesuffix("?").split(f" {op} "))
+        assert a in first and b in second and e.kind == "numeric"
+        assert e.answer == str(a + b if op == "+" else a * b) == e.columns["answer"]
 
 
 # -----------------------------------------------------------------------------
