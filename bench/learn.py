@@ -19,6 +19,7 @@ sweep continues where it stopped.
 
     python bench/learn.py --model <SmolLM2 dir> --dataset addition --seeds 0,1,2 --steps 100 --out runs/learn
     python bench/learn.py ... --arms nvfp4+aqn,bf16                     # two arms only
+    python bench/learn.py ... --jobs 4 --train-args "... --gpu-memory-utilization 0.1"   # 4 runs at once
 It runs on a CPU too (slowly: SmolLM2-135M takes ~1 min a step there). Writes OUT/learn.json (the
 per-step means and ranges) and OUT/learn.png. Test: tests/test_learn_bench.py (a tiny model, CPU).
 """
@@ -28,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 ARMS = {"nvfp4+aqn": ["--quant", "nvfp4", "--aqn"], "nvfp4": ["--quant", "nvfp4", "--no-aqn"],
@@ -36,7 +38,8 @@ CURVES = {"eval/accuracy": "held-out greedy accuracy", "reward": "train reward",
 
 
 def run(arm: str, seed: int, args) -> list[dict]:
-    """One train.py run (reused if its metrics already reach --steps) -> its metric rows."""
+    """One train.py run (reused if its metrics already reach --steps) -> its metric rows. With --jobs > 1
+    its output goes to OUT/<arm>-seed<seed>.log instead of the terminal."""
     out = os.path.join(args.out, f"{arm}-seed{seed}")
     metrics = os.path.join(out, "metrics.jsonl")
     if not (os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= args.steps):
@@ -45,7 +48,11 @@ def run(arm: str, seed: int, args) -> list[dict]:
                str(args.eval_limit), "--seed", str(seed), "--save-every", str(args.steps), "--output-dir", out,
                *(["--resume"] if os.path.exists(os.path.join(out, "run_config.json")) else []),
                *ARMS[arm], *args.train_args.split()]
-        subprocess.run(cmd, check=True)
+        if args.jobs == 1:
+            subprocess.run(cmd, check=True)
+        else:
+            with open(f"{out}.log", "w") as log:
+                subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
     with open(metrics) as f:
         return [json.loads(ln) for ln in f if ln.strip()]
 
@@ -106,6 +113,8 @@ def main(argv=None):
     ap.add_argument("--train-args", default="--prompts-per-step 8 --group-size 8 --max-new-tokens 24 --lora-rank 16 "
                     "--lr 2e-4", help="train.py flags every run shares")
     ap.add_argument("--out", default="runs/learn")
+    ap.add_argument("--jobs", type=int, default=1, help="train.py runs at once: a small model leaves most of a GPU "
+                    "idle (give each run a share of memory: --train-args '... --gpu-memory-utilization 0.1')")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
     bad = [a for a in arms if a not in ARMS]
@@ -113,7 +122,11 @@ def main(argv=None):
         ap.error(f"unknown arm(s) {bad}: choose from {', '.join(ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    runs = {arm: [run(arm, seed, args) for seed in seeds] for arm in arms}
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    with ThreadPoolExecutor(args.jobs) as pool:
+        jobs = {arm: [pool.submit(run, arm, seed, args) for seed in seeds] for arm in arms}
+        runs = {arm: [j.result() for j in js] for arm, js in jobs.items()}
     summary = summarise(runs)
     with open(os.path.join(args.out, "learn.json"), "w") as f:
         json.dump({"args": vars(args), "summary": {a: {k: {str(x): v for x, v in c.items()} for k, c in s.items()}

@@ -19,10 +19,11 @@ def test_two_arms_two_seeds_summary_and_figure(smollm2_tokenizer, tmp_path, caps
     model = make_tiny_model(smollm2_tokenizer, str(tmp_path / "model"))
     out = str(tmp_path / "learn")
     argv = ["--model", model, "--arms", "nvfp4+aqn,bf16", "--seeds", "0,1", "--steps", "2", "--eval-every", "1",
-            "--eval-limit", "3", "--out", out, "--train-args",
+            "--eval-limit", "3", "--out", out, "--jobs", "2", "--train-args",
             "--group-size 2 --prompts-per-step 2 --max-new-tokens 4 --dtype float32 --lora-rank 4"]
     learn.main(argv)
     assert os.path.exists(os.path.join(out, "learn.png"))
+    assert "step" in open(os.path.join(out, "bf16-seed0.log")).read()     # --jobs 2: each run logs to its file
     summary = json.load(open(os.path.join(out, "learn.json")))["summary"]
     for arm, quant in (("nvfp4+aqn", "nvfp4"), ("bf16", "bf16")):
         runs = []
