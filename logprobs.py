@@ -21,6 +21,8 @@ micro-batched gradients against the whole batch's).
 """
 import torch
 
+import ops
+
 # ----------------------------------------------------------------------------------------------
 # log-probabilities of completions through the training forward
 
@@ -33,7 +35,7 @@ class ChunkLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, target, temperature):
-        logits = (h @ weight.t()).float().div_(temperature)                       # (n, V) fp32
+        logits = ops.head_matmul(h, weight).div_(temperature)                      # (n, V) fp32
         logz = logits.logsumexp(-1)                                                # (n,)
         logp = logits.gather(1, target[:, None])[:, 0] - logz                      # (n,)
         p = (logits - logz[:, None]).exp_()                                        # softmax (n, V)
@@ -46,7 +48,7 @@ class ChunkLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):
         h, weight, target, logz = ctx.saved_tensors
         T = ctx.temperature
-        g = (h @ weight.t()).float().div_(T).sub_(logz[:, None]).exp_()           # softmax (n, V)
+        g = ops.head_matmul(h, weight).div_(T).sub_(logz[:, None]).exp_()          # softmax (n, V)
         g.mul_(-grad_logp[:, None]).scatter_add_(1, target[:, None], grad_logp[:, None])
         return (g.div_(T).to(h.dtype) @ weight), None, None, None                 # (n, H)
 

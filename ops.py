@@ -139,11 +139,22 @@ def lora_linear(x, base, A, B, scale):
 
 
 def logits(hidden, head):
-    """head(hidden): (rows, H) -> (rows, V). Fast path: a GEMV for the one or two rows of a small
-    decode batch, which streams the bf16 vocabulary matrix faster than cuBLAS does at M <= 2."""
+    """head(hidden): (rows, H) -> (rows, V) fp32 logits. Fast path: a GEMV for the one or two rows of a
+    small decode batch, which streams the bf16 vocabulary matrix faster than cuBLAS does at M <= 2."""
     if kernels.runs(hidden) and kernels.lm_head_fits(hidden, head):
         return kernels.lm_head(hidden, head)
-    return head(hidden)
+    y = head_matmul(hidden, head.weight)
+    return y if head.bias is None else y + head.bias
+
+
+def head_matmul(h, w):
+    """h (n, H) · w (V, H)ᵀ -> (n, V) fp32: the GEMM's fp32 sums kept, not rounded to bf16 first. A
+    bf16 logit near 20 is a multiple of 1/8; rounding there would put up to 1/16 of noise on every
+    log-prob the sampler records and the trainer computes (the sampler's GEMV, the trainer's
+    ChunkLogprobs both keep fp32). cuBLAS writes fp32 from bf16 inputs directly (torch.mm's out_dtype)."""
+    if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype:
+        return torch.mm(h, w.t(), out_dtype=torch.float32)
+    return (h @ w.t()).float()
 
 
 def dense_weight(layer, dtype=torch.bfloat16):

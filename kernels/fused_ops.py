@@ -16,7 +16,7 @@ The ops, with the torch reference each one matches (model.py):
     silu_mul(g, u)               silu(g)·u, silu rounded to the dtype first       F.silu(g) * u
     embed_rope(ids, p, E, θ)     E[ids]; cos, sin of p·θ (fp32, libdevice = CUDA's cosf): the first
                                  lines of the model's forward (5 kernels: gather, cast, mul, cos, sin)
-    gemv(x, w)                   x·Wᵀ for 1-2 rows of x, fp32 sums (the sampler's lm_head) F.linear(x, w)
+    gemv(x, w)                   x·Wᵀ for 1-2 rows of x, fp32 sums and output (the sampler's lm_head) F.linear(x, w)
 
 Residual adds (vLLM's fused add + RMSNorm). A decoder layer hands the next norm the pair (MLP(m), h')
 instead of their sum (model.py's docstring); the norm kernel adds them, writes the sum rounded to the
@@ -246,7 +246,7 @@ def embed_rope(ids, positions, weight, inv_freq):
 
 def gemv(x, w):
     """F.linear(x, w) for a few rows: x (M, K) with M <= tuning's lm_head_max_rows, w (N, K), both bf16
-    (or both fp32), fp32 sums; y (M, N) in x's dtype. The sampler's lm_head at batch 1-2 is such a
+    (or both fp32), fp32 sums; y (M, N) fp32 (logits are not rounded to bf16: ops.head_matmul). The sampler's lm_head at batch 1-2 is such a
     product: a 152k x 3.5k bf16 weight read once against one or two rows, which this streams faster
     than cuBLAS."""
     t = tuning.current()
@@ -256,7 +256,7 @@ def gemv(x, w):
                          f"contiguous; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
     x = x.contiguous()
     N = w.shape[0]
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    y = torch.empty(M, N, device=x.device, dtype=torch.float32)
     if M == 0:
         return y
     bn, bk = t.lm_head_tiles[M - 1]
