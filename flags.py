@@ -174,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epsilon-high", type=float, default=None, help="clip ε high side (default: 0.28 for dapo, else --epsilon)")
     g.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the adapter-disabled model")
     g.add_argument("--scale-rewards", choices=list(grpo.SCALE_REWARDS), default="group", help="advantage scaling")
-    g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=False,
-                   help="drop groups whose rewards are all equal and sample more (DAPO)")
+    g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=True,
+                   help="drop groups whose rewards are all equal (they carry no gradient) and sample more prompts, "
+                        "up to --max-sampling-rounds rounds a step (DAPO); it pays where the base model rarely "
+                        "solves the task (docs/usage.md)")
     g.add_argument("--max-sampling-rounds", type=int, default=3, help="dynamic sampling's rounds per step")
     g.add_argument("--overlong-cache", type=int, default=0, help="DAPO overlong shaping window (0 = off)")
     g.add_argument("--mask-truncated", action="store_true", help="overlong filtering: no loss on truncated completions")

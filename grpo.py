@@ -83,7 +83,7 @@ class GRPOConfig:
     is_mode: str | None = None           # importance-sampling correction (IS_MODES); None = none
     is_max: float | None = 3.0           # C_max of the correction (None: no upper bound)
     is_min: float | None = None          # C_min of the correction (None: no lower bound)
-    dynamic_sampling: bool = False       # DAPO: drop zero-variance groups and sample more
+    dynamic_sampling: bool = True        # DAPO: drop zero-variance groups and sample more
     max_sampling_rounds: int = 3         # sampling rounds per batch before giving up filling it
     dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal"
 

@@ -40,7 +40,8 @@ def run_ours(model: str, steps: int, out: str) -> dict:
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--dataset", "addition",
            "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--max-new-tokens", str(NEW),
            "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", str(LR), "--loss-type", "dapo",
-           "--max-steps", str(steps), "--save-every", str(steps), "--eval-limit", "0", "--output-dir", out]
+           "--max-steps", str(steps), "--save-every", str(steps), "--eval-limit", "0", "--output-dir", out,
+           "--no-dynamic-sampling"]                     # one sampling round a step, as TRL's
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - t0

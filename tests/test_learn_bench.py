@@ -20,7 +20,7 @@ def test_two_arms_two_seeds_summary_and_figure(smollm2_tokenizer, tmp_path, caps
     out = str(tmp_path / "learn")
     argv = ["--model", model, "--arms", "nvfp4+aqn,bf16", "--seeds", "0,1", "--steps", "2", "--eval-every", "1",
             "--eval-limit", "3", "--out", out, "--jobs", "2", "--train-args",
-            "--group-size 2 --prompts-per-step 2 --max-new-tokens 4 --dtype float32 --lora-rank 4"]
+            "--group-size 2 --prompts-per-step 2 --max-new-tokens 4 --dtype float32 --lora-rank 4 --no-dynamic-sampling"]
     learn.main(argv)
     assert os.path.exists(os.path.join(out, "learn.png"))
     assert "step" in open(os.path.join(out, "bf16-seed0.log")).read()     # --jobs 2: each run logs to its file
