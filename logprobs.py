@@ -29,17 +29,17 @@ import ops
 class ChunkLogprobs(torch.autograd.Function):
     """log π(target) and the entropy of π for a chunk of rows h (n, H) through the lm_head W (V, H) at
     a temperature, without keeping the (n, V) logits for the backward: it keeps h and log Z (n,), and
-    the backward multiplies once more, then forms d log π(t) / d logits = onehot(t) - softmax in place.
-    That is half the passes over (n, V) of autograd through logsumexp and gather under a checkpoint
-    (which also recomputes the entropy). W is frozen (no gradient for it)."""
+    the backward multiplies once more, then forms d log π(t) / d logits = onehot(t) - softmax. Both
+    halves' passes over (n, V) are ops.logprob_stats / logprob_grad, one fused kernel each on the GPU;
+    autograd through logsumexp and gather under a checkpoint would make several times as many (and
+    recompute the entropy). W is frozen (no gradient for it)."""
 
     @staticmethod
     def forward(ctx, h, weight, target, temperature):
-        logits = ops.head_matmul(h, weight).div_(temperature)                      # (n, V) fp32
-        logz = logits.logsumexp(-1)                                                # (n,)
-        logp = logits.gather(1, target[:, None])[:, 0] - logz                      # (n,)
-        p = (logits - logz[:, None]).exp_()                                        # softmax (n, V)
-        ent = logz - (p * logits).sum(-1)                                          # -Σ p log p
+        logits = ops.head_matmul(h, weight)                                        # (n, V) fp32
+        if temperature != 1.0:
+            logits.div_(temperature)
+        logp, ent, logz = ops.logprob_stats(logits, target)                        # (n,) each
         ctx.save_for_backward(h, weight, target, logz)
         ctx.temperature = temperature
         return logp, ent
@@ -48,9 +48,11 @@ class ChunkLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):
         h, weight, target, logz = ctx.saved_tensors
         T = ctx.temperature
-        g = ops.head_matmul(h, weight).div_(T).sub_(logz[:, None]).exp_()          # softmax (n, V)
-        g.mul_(-grad_logp[:, None]).scatter_add_(1, target[:, None], grad_logp[:, None])
-        return (g.div_(T).to(h.dtype) @ weight), None, None, None                 # (n, H)
+        logits = ops.head_matmul(h, weight)                                        # (n, V) fp32
+        if T != 1.0:
+            logits.div_(T)
+        g = ops.logprob_grad(logits, logz, target, grad_logp / T, h.dtype)        # d/dlogits (n, V)
+        return g @ weight, None, None, None                                        # (n, H)
 
 
 def completion_logprobs(model, input_ids, prompt_lens, comp_lens, temperature: float, chunk: int = 1024):

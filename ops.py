@@ -25,7 +25,8 @@ The ops:
     project(parent, names, x)         [parent.<name>(x) for name in names]: q/k/v share x
     gated_mlp_input(parent, x)        silu(gate_proj(x)) ⊙ up_proj(x)
     lora_linear(x, base, A, B, s)     base(x) + s · (x Aᵀ) Bᵀ
-    logits(hidden, head)              head(hidden)
+    logits(hidden, head)              head(hidden), fp32
+    logprob_stats / logprob_grad      log π(target), entropy and log Z of logit rows; their gradient
     dense_weight(layer, dtype)        an NVFP4 layer's dequantized weight (training passes: plan.py)
 
 The references keep the rounding the kernels reproduce: the norm and RoPE compute in fp32 and cast
@@ -155,6 +156,32 @@ def head_matmul(h, w):
     if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype:
         return torch.mm(h, w.t(), out_dtype=torch.float32)
     return (h @ w.t()).float()
+
+
+def logprob_stats(logits, target):
+    """logits (n, V) fp32 at the sampling temperature, target (n,) -> log π(target), the entropy of π
+    and log Z, each (n,) fp32. On the CUDA training path one fused kernel (kernels.compiled): eager
+    torch reads and writes the (n, V) rows about eight times (logsumexp, the softmax, its product
+    with the logits, the sum), a 152k vocabulary making each row 0.6 MB."""
+    return kernels.compiled(_logprob_stats, logits, training=True)(logits, target)
+
+
+def _logprob_stats(logits, target):
+    logz = logits.logsumexp(-1)                                               # (n,)
+    logp = logits.gather(1, target[:, None])[:, 0] - logz
+    ent = logz - ((logits - logz[:, None]).exp() * logits).sum(-1)            # -Σ p log p
+    return logp, ent, logz
+
+
+def logprob_grad(logits, logz, target, g, dtype):
+    """The gradient of Σ g · log π(target) with respect to the logits: g · (onehot(target) - π),
+    (n, V) in dtype, from logits (n, V) fp32, logz, target, g (n,). Fused like logprob_stats."""
+    return kernels.compiled(_logprob_grad, logits, training=True)(logits, logz, target, g, dtype)
+
+
+def _logprob_grad(logits, logz, target, g, dtype):
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None] == target[:, None]   # (n, V)
+    return ((onehot.float() - (logits - logz[:, None]).exp()) * g[:, None]).to(dtype)
 
 
 def dense_weight(layer, dtype=torch.bfloat16):

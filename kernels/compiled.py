@@ -12,7 +12,8 @@ writes each activation about once. What is compiled is the trunk's own reference
 in by ops.py: the formula a reader checks there is the one that runs, not a second copy of it.
 
     compiled(fn, x)   fn compiled, where it pays: x on CUDA with autograd on (the training forward and
-                      its recomputation) and at least tuning's compile_min_numel elements in x; fn
+                      its recomputation; or training=True: the log-prob head's own forward and
+                      backward) and at least tuning's compile_min_numel elements in x; fn
                       itself elsewhere (the CPU, no-grad passes, small micro-batches of small models,
                       where a compiled call's fixed host cost exceeds what it saves)
 
@@ -37,9 +38,12 @@ _COMPILED = {}
 _INDUCTOR_GPU = importlib.util.find_spec("triton") is not None     # Inductor writes Triton kernels
 
 
-def compiled(fn, x: torch.Tensor):
-    """fn, or fn compiled by Inductor when x is a CUDA tensor on the training path (module docstring)."""
-    if not (_INDUCTOR_GPU and x.is_cuda and torch.is_grad_enabled() and x.numel() >= current().compile_min_numel):
+def compiled(fn, x: torch.Tensor, training: bool | None = None):
+    """fn, or fn compiled by Inductor when x is a CUDA tensor on the training path (module docstring).
+    training: whether the call is on that path; default: autograd is on (a custom autograd Function,
+    whose forward and backward run with it off, says so itself)."""
+    training = torch.is_grad_enabled() if training is None else training
+    if not (_INDUCTOR_GPU and x.is_cuda and training and x.numel() >= current().compile_min_numel):
         return fn
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})

@@ -91,3 +91,21 @@ def test_update_without_autograd_is_in_place_on_fresh_outputs(mode):
     out = add_update(y, h, B, 0.5)
     assert out is not y and out.grad_fn is not None
     check_close(out.detach(), want, 1e-5, "autograd")
+
+
+def test_logprob_stats_and_grad_match_float64():
+    """log π(t), entropy and log Z of logit rows against float64 log_softmax; the gradient of
+    Σ g·log π(t) against float64 autograd (an independent route to onehot - softmax)."""
+    g = torch.Generator().manual_seed(5)
+    logits, target = torch.randn(6, 50, generator=g) * 4, torch.randint(0, 50, (6,), generator=g)
+    w = torch.randn(6, generator=g)
+    logp, ent, logz = ops.logprob_stats(logits, target)
+    z = logits.double().requires_grad_()
+    ls = z.log_softmax(-1)
+    check_close(logp, ls.gather(1, target[:, None])[:, 0].detach(), 2e-5, "log π(t)")   # fp32 sums of ~16
+    check_close(ent, -(ls.exp() * ls).sum(-1).detach(), 2e-5, "entropy")
+    check_close(logz, z.logsumexp(-1).detach(), 2e-5, "log Z")
+    (ls.gather(1, target[:, None])[:, 0] * w.double()).sum().backward()
+    grad = ops.logprob_grad(logits, logz, target, w, torch.float32)
+    assert grad.dtype == torch.float32 and grad.shape == logits.shape
+    check_close(grad, z.grad, 1e-6, "d/dlogits")
