@@ -7,7 +7,7 @@ import checkpoint
 import plan
 from plan import StepPlan, decide, micro_batches
 
-MIB = 2 ** 20
+MIB, G = 2 ** 20, 2 ** 30
 
 
 def test_micro_batches_pack_consecutive_sequences_under_the_token_budget():
@@ -25,7 +25,6 @@ def test_micro_batches_pack_consecutive_sequences_under_the_token_budget():
 def test_decisions_from_measurements():
     """free 40 GiB -> budget 0.85 · 40 = 34 GiB. Without recomputation a token keeps 6 MiB and 2 GiB are
     fixed: (34 GiB - 2 GiB) / 6 MiB = 5461 tokens; with it 0.5 MiB / token."""
-    G = 2 ** 30
     p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 1280, None, None, True)
     assert not p.grad_checkpointing and p.micro_tokens == 5461 and p.dense_weights
     assert p.keep_cache_bytes == int(0.1 * 32 * G)
@@ -61,3 +60,13 @@ def test_dense_weights_give_the_nvfp4_layers_output_and_are_dropped_after(dtype)
             got = model(ids)
     assert all(m.dense is None for m in layers)
     assert torch.equal(got, want), "the dense copy is the dequantized weight the CPU path multiplies by"
+
+
+def test_recompute_floor_keeps_the_layer_inputs_and_one_layer_again():
+    """32B (64 layers, 5120 wide, bf16) with b_full = 19.2 MiB: 64·5120·2 B of layer inputs + 19.2/64 MiB
+    for the layer being recomputed; with it the plan cuts 48 GiB into micro-batches of ~44k tokens,
+    where a probe that measured ~0 would allow any number."""
+    floor = plan.recompute_floor(19.2 * MIB, 64, 5120, 2)
+    assert floor == 64 * 5120 * 2 + 19.2 * MIB / 64
+    p = decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, None, None, False)
+    assert p.grad_checkpointing and 40_000 < p.micro_tokens < 46_000
