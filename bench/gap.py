@@ -13,9 +13,10 @@ completion token at the first step of a run (LoRA B = 0, so the adapters add not
                            (inputs and output rounded to bf16): linear, attention, norm (with the
                            residual stream), lm_head. Which op puts a bf16 forward where it is.
 
-and the same with the logits left in bf16 (`--logits bf16`: the lm_head's fp32 sums rounded to bf16
-before the log-softmax on both sides), to show what that rounding adds. Tokens are sampled at
-temperature 1 from --prompts prompts of --dataset, --group completions each, as train.py's first step.
+and the first three again with both sides' logits rounded to bf16 before the log-softmax (what a
+bf16-output lm_head GEMM writes; the engines keep fp32 logits), to show what that rounding adds.
+Tokens are sampled at temperature 1 from --prompts prompts of --dataset, --group completions each,
+as train.py's first step (without AQN).
 
     python bench/gap.py --model /root/smol --dataset addition --quants bf16,nvfp4 --out gap.json
 
@@ -108,11 +109,14 @@ def one_op_in_bf16(ref, op: str):
 
 
 def gaps(a, b, mask) -> dict:
+    """|a - b| over the completion tokens (mask): its mean and 99th percentile."""
     d = (a - b).abs()[mask]
     return {"mean": round(d.mean().item(), 5), "p99": round(d.quantile(0.99).item(), 5)}
 
 
 def measure(args, quant: str, device) -> dict:
+    """The table's rows for one base format: the policy as train.py builds it (build_policy), its fp32
+    twin, one rollout per logits arm, and every row of the module docstring."""
     targs = parse_args(["--model", args.model, "--quant", quant, "--dtype", args.dtype, "--no-aqn",
                         "--max-new-tokens", str(args.max_new_tokens),
                         "--group-size", str(args.group), "--prompts-per-step", str(args.prompts)])
