@@ -52,6 +52,7 @@ FLAG_RANGES = {
     "gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
     "epsilon": ("in (0, 1)", lambda v: 0 < v < 1),
     "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "dynamic_sampling_threshold": ("in [0, 1]", lambda v: 0 <= v <= 1),
     "seed": ("in [0, 2**63)", lambda v: 0 <= v < 2 ** 63),
 }
 
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop groups whose rewards are all equal (they carry no gradient) and sample more prompts, "
                         "up to --max-sampling-rounds rounds a step (DAPO); it pays where the base model rarely "
                         "solves the task (docs/usage.md)")
+    g.add_argument("--dynamic-sampling-threshold", type=float, default=0.5,
+                   help="refill a step only when at least this share of its first round's groups has no reward "
+                        "spread (0: every step, DAPO's rule)")
     g.add_argument("--max-sampling-rounds", type=int, default=3, help="dynamic sampling's rounds per step")
     g.add_argument("--overlong-cache", type=int, default=0, help="DAPO overlong shaping window (0 = off)")
     g.add_argument("--mask-truncated", action="store_true", help="overlong filtering: no loss on truncated completions")

@@ -11,7 +11,8 @@ Advantages (group-relative, no critic). For the G rewards r of one prompt:
     A_i = (r_i - mean(r)) / (std(R) + 1e-4)   scale "batch"  (std of all rewards R in the batch)
 
 A group whose rewards are all equal gets A = 0 and contributes no gradient: DAPO's dynamic
-sampling drops such groups and samples more prompts instead (`fill_batch`).
+sampling drops such groups and samples more prompts instead (`fill_batch`; by default only in steps
+where at least half of the first round's groups are such, where refilling pays for its rollouts).
 
 Per token t of completion i, with ratio ρ = exp(logp - old_logp) against the policy that sampled:
 
@@ -84,6 +85,7 @@ class GRPOConfig:
     is_max: float | None = 3.0           # C_max of the correction (None: no upper bound)
     is_min: float | None = None          # C_min of the correction (None: no lower bound)
     dynamic_sampling: bool = True        # DAPO: drop zero-variance groups and sample more
+    dynamic_sampling_threshold: float = 0.5  # ... only when this share of a step's first round has zero variance
     max_sampling_rounds: int = 3         # sampling rounds per batch before giving up filling it
     dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal"
 
@@ -116,6 +118,9 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.is_min ({self.is_min}) must be <= is_max ({self.is_max})")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"GRPOConfig.max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        if not 0.0 <= self.dynamic_sampling_threshold <= 1.0:
+            raise ValueError(f"GRPOConfig.dynamic_sampling_threshold must be in [0, 1], got "
+                             f"{self.dynamic_sampling_threshold}")
         if self.dynamic_sampling_tol < 0.0:
             raise ValueError(f"GRPOConfig.dynamic_sampling_tol must be >= 0, got {self.dynamic_sampling_tol}")
 
@@ -343,6 +348,7 @@ def fill_batch(
     group_size: int,
     max_rounds: int,
     tol: float = 1e-6,
+    threshold: float = 0.0,
 ) -> FilledBatch:
     """Call sample_round until target_groups informative groups are kept or max_rounds is hit.
 
@@ -351,6 +357,13 @@ def fill_batch(
     Groups whose rewards are all equal within tol are dropped; the surplus of the last round is
     discarded, as DAPO does. When max_rounds runs out, the partial batch comes back with
     full=False (possibly empty): the caller decides whether to train on it or skip the step.
+
+    threshold: refill only where it pays. When fewer than this share of the first round's groups
+    are uninformative, that round comes back whole (its zero-variance groups included, as without
+    dynamic sampling) and nothing more is sampled. Refilling buys an update more groups with signal
+    at one more rollout each round; that matters where most groups have none (a base model that
+    rarely solves the task, or a policy whose entropy has collapsed), and costs a rollout for little
+    where most already have a spread. 0 refills every step (DAPO's rule).
     """
     if target_groups < 1:
         raise ValueError(f"target_groups must be >= 1, got {target_groups}")
@@ -365,6 +378,8 @@ def fill_batch(
             raise ValueError(f"sample_round returned {keep.numel()} groups of rewards but {len(payloads)} payloads")
         sampled += len(payloads)
         r = rewards.float().view(-1, group_size)                     # (n, G)
+        if rounds == 1 and (~keep).float().mean().item() < threshold:  # enough signal: no refill
+            return FilledBatch(list(payloads), r.flatten(), 1, sampled, True)
         for i in torch.nonzero(keep).flatten().tolist():
             if len(kept) == target_groups:
                 break

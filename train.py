@@ -192,6 +192,7 @@ def build_policy(args, device):
                            overlong_cache_len=args.overlong_cache, mask_truncated=args.mask_truncated,
                            is_mode=args.importance_sampling, is_max=args.importance_sampling_max,
                            is_min=args.importance_sampling_min, dynamic_sampling=args.dynamic_sampling,
+                           dynamic_sampling_threshold=args.dynamic_sampling_threshold,
                            max_sampling_rounds=args.max_sampling_rounds)
     acfg = aqn.AQNConfig(sigma_start=args.sigma_start, sigma_end=args.sigma_end, stages=args.aqn_stages,
                          rollout_only=args.aqn_rollout_only)
@@ -271,8 +272,8 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
 
     t0 = time.perf_counter()
     if gcfg.dynamic_sampling:
-        filled = grpo.fill_batch(sample_round, args.prompts_per_step, args.group_size,
-                                 gcfg.max_sampling_rounds, gcfg.dynamic_sampling_tol)
+        filled = grpo.fill_batch(sample_round, args.prompts_per_step, args.group_size, gcfg.max_sampling_rounds,
+                                 gcfg.dynamic_sampling_tol, gcfg.dynamic_sampling_threshold)
         groups, rounds = filled.groups, filled.rounds
     else:
         groups, rounds = sample_round(0)[1], 1

@@ -87,7 +87,7 @@ def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "train.py"), "--model", tiny_model, "--output-dir", out, "--device", "cpu",
            "--max-steps", "2", "--save-every", "1", *FAST, "--eval-limit", "3", "--dynamic-sampling",
-           "--max-sampling-rounds", "2", "--reward", "test_train:length_parity"]
+           "--max-sampling-rounds", "2", "--dynamic-sampling-threshold", "0", "--reward", "test_train:length_parity"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests")}
     res = subprocess.run([*cmd, "--stop-at", "1"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -34,6 +34,7 @@ def test_config_defaults_and_epsilon_high_resolution():
     (dict(max_completion_len=8, overlong_cache_len=8), "overlong_cache_len"), (dict(is_mode="token"), "is_mode"), (dict(is_max=0.0), "is_max"),
     (dict(is_min=2.0, is_max=1.0), "is_min"),
     (dict(max_sampling_rounds=0), "max_sampling_rounds"), (dict(dynamic_sampling_tol=-1.0), "dynamic_sampling_tol"),
+    (dict(dynamic_sampling_threshold=1.5), "dynamic_sampling_threshold"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -329,6 +330,19 @@ def test_fill_batch_stops_at_max_rounds():
     assert not out.full and out.rounds == 2 and out.groups == ["0:1"] and out.sampled_groups == 4
     empty = fill_batch(_sampler([[[1, 1]]]), target_groups=1, group_size=2, max_rounds=1)
     assert not empty.full and empty.groups == [] and empty.rewards.numel() == 0
+
+
+def test_fill_batch_refills_only_past_the_threshold():
+    """threshold 0.5: a first round with 1 of 4 groups uninformative comes back whole (zero-variance
+    group included, one round); with 3 of 4 uninformative it is refilled as DAPO does."""
+    mostly_signal = [[[1, 0], [0, 1], [1, 1], [1, 0]], [[0, 1], [1, 0], [0, 1], [1, 0]]]
+    out = fill_batch(_sampler(mostly_signal), target_groups=4, group_size=2, max_rounds=3, threshold=0.5)
+    assert out.full and out.rounds == 1 and out.groups == ["0:0", "0:1", "0:2", "0:3"]
+    assert out.rewards.tolist() == [1, 0, 0, 1, 1, 1, 1, 0]
+    mostly_none = [[[1, 1], [0, 0], [0, 0], [1, 0]], [[0, 1], [1, 0], [0, 1], [1, 0]]]
+    out = fill_batch(_sampler(mostly_none), target_groups=4, group_size=2, max_rounds=3, threshold=0.5)
+    assert out.full and out.rounds == 2 and out.groups == ["0:3", "1:0", "1:1", "1:2"]
+    assert fill_batch(_sampler(mostly_signal), 4, 2, 3, threshold=0.0).groups == ["0:0", "0:1", "0:3", "1:0"]
 
 
 def test_fill_batch_checks_payload_count():
