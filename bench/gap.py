@@ -10,8 +10,10 @@ completion token at the first step of a run (LoRA B = 0, so the adapters add not
     sampler - fp32         each side against an fp32 forward of the same tokens and the same weights
     trainer - fp32         (for NVFP4 the same dequantized values, in fp32)
     bf16 <op> - fp32       the fp32 forward with one kind of op computed as a bf16 engine computes it
-                           (inputs and output rounded to bf16): linear, attention, norm (with the
-                           residual stream), lm_head. Which op puts a bf16 forward where it is.
+                           (inputs and output rounded to bf16; the lm_head's inputs only, its logits
+                           stay fp32 as in both engines): linear, attention, norm (with the residual
+                           stream), lm_head. Which op puts a bf16 forward where it is. The fp32
+                           forwards take ops.py's torch references (tuning's fused off).
 
 and the first three again with both sides' logits rounded to bf16 before the log-softmax (what a
 bf16-output lm_head GEMM writes; the engines keep fp32 logits), to show what that rounding adds.
@@ -24,6 +26,7 @@ Writes the table as JSON (mean |Δ log p| per token, and its 99th percentile) an
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -37,6 +40,7 @@ import ops  # noqa: E402
 import plan  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
+from kernels import tuning  # noqa: E402
 from checkpoint import load_model, load_tokenizer  # noqa: E402
 from flags import parse_args  # noqa: E402
 from model import RMSNorm  # noqa: E402
@@ -74,11 +78,26 @@ def reference(path: str, policy, device):
     return ref.eval()
 
 
+def torch_ops():
+    """The reference's forwards take ops.py's torch references, never the sampler's fused kernels (which
+    would bypass the per-module patches below: q/k/v and gate/up run as one stacked kernel there)."""
+    return tuning.using(dataclasses.replace(tuning.current(), fused=False))
+
+
 @contextlib.contextmanager
 def one_op_in_bf16(ref, op: str):
     """ref with one kind of op computed as the bf16 engines compute it: from bf16-rounded inputs to a
-    bf16-rounded output (the lm_head: to fp32 logits)."""
+    bf16-rounded output (the lm_head: bf16 inputs, fp32 logits, as both engines compute them)."""
     undo = []
+    try:
+        yield from _patched(ref, op, undo)
+    finally:
+        for u in undo:
+            u()
+
+
+def _patched(ref, op: str, undo: list):
+    """Apply op's patch to ref (or to the module it calls through), each with its undo in undo."""
     if op == "linear":
         for name, m in ref.named_modules():
             if isinstance(m, torch.nn.Linear) and name != "lm_head":
@@ -101,11 +120,7 @@ def one_op_in_bf16(ref, op: str):
         saved = ops.head_matmul
         ops.head_matmul = lambda h, w: saved(h.to(BF16), w.to(BF16))
         undo.append(lambda: setattr(ops, "head_matmul", saved))
-    try:
-        yield
-    finally:
-        for u in undo:
-            u()
+    yield
 
 
 def gaps(a, b, mask) -> dict:
@@ -137,7 +152,7 @@ def measure(args, quant: str, device) -> dict:
             model.eval()
         L = batch["sampler_logp"].shape[1]
         mask = torch.arange(L, device=device)[None] < cl[:, None]                        # (B, L)
-        with torch.no_grad():                             # the reference keeps its fp32 logits
+        with torch.no_grad(), torch_ops():                # the reference keeps its fp32 logits
             fp32 = logprobs.completion_logprobs(ref, ids, pl, cl, 1.0)[0]
             row = {"sampler-trainer": gaps(batch["sampler_logp"], trainer, mask),
                    "sampler-fp32": gaps(batch["sampler_logp"], fp32, mask),
