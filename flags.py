@@ -303,6 +303,11 @@ def resume_conflicts(chosen: dict, recorded: dict) -> list[str]:
             for k, v in sorted(chosen.items()) if k not in RESUMABLE and k in recorded and v != recorded[k]]
 
 
+# Flags added after runs were recorded without them, with the value those runs used: a resumed run
+# computes what it computed before, not what a new default would.
+RECORDED_BEFORE = {"dynamic_sampling_threshold": 0.0}
+
+
 # ----------------------------------------------------------------------------------------------
 # parse and check
 
@@ -320,6 +325,7 @@ def parse_args(argv=None):
             p.error(f"--resume {out} and --output-dir {chosen['output_dir']} name different directories")
         chosen.update(output_dir=out, resume=True)
         recorded = {k: v for k, v in recorded_run(p, out).items() if k in defaults and k not in PER_INVOCATION}
+        recorded = {**RECORDED_BEFORE, **recorded} if recorded else recorded
         conflicts = resume_conflicts(chosen, recorded)
         if conflicts:
             p.error("; ".join(conflicts) + f". A resumed run keeps its settings: drop "

@@ -110,6 +110,17 @@ def test_resume_takes_every_flag_from_the_run(tmp_path):
     assert (same.lr, same.device, same.micro_batch) == (1e-5, "cpu", 2), "resumable flags may change"
 
 
+def test_a_run_recorded_before_a_flag_existed_resumes_with_the_value_it_used(tmp_path):
+    """dynamic_sampling_threshold came after runs that refilled every step (0); such a run resumes at 0,
+    not at the new default 0.5, and a run that records the flag keeps its own value."""
+    rec = vars(flags.build_parser().parse_args([]))
+    old = {k: v for k, v in rec.items() if k != "dynamic_sampling_threshold"}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "run_config.json").write_text(json.dumps({**old, "model": "m", "output_dir": str(tmp_path / "old")}))
+    assert parse_args(["--resume", str(tmp_path / "old")]).dynamic_sampling_threshold == 0.0
+    assert parse_args(["--resume", recorded_run(tmp_path)]).dynamic_sampling_threshold == 0.5
+
+
 def test_a_changed_flag_on_resume_is_refused_by_name_at_once(tmp_path, capsys):
     out = recorded_run(tmp_path)
     before = sorted(os.listdir(out))

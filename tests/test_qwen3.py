@@ -448,9 +448,12 @@ def test_train_and_eval_on_a_tiny_qwen3_pass_the_kwargs_to_every_prompt(tmp_path
     out = str(tmp_path / "run")
     train.main(["--model", model_dir, "--output-dir", out, "--max-steps", "1", "--dataset", "addition",
                 "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "4", "--eval-limit", "2",
-                "--dtype", "float32", "--micro-batch", "4", "--lora-rank", "4", "--save-every", "1", *flag])
+                "--dtype", "float32", "--micro-batch", "4", "--lora-rank", "4", "--save-every", "1",
+                "--no-dynamic-sampling", *flag])     # a random model's rewards are all 0: keep the one round
     with open(os.path.join(out, "run_config.json")) as f:
         assert json.load(f)["chat_template_kwargs"] == {"enable_thinking": False}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert "loss" in json.loads(f.readline()), "the step trained"
     n_train = len(texts)
     assert n_train > 2 and all(t.endswith(NO_THINK) for t in texts)
     metrics = qeval.main(["--model", model_dir, "--dataset", "addition", "--limit", "3", "--max-new-tokens", "4",
