@@ -149,10 +149,11 @@ def logits(hidden, head):
 
 
 def head_matmul(h, w):
-    """h (n, H) · w (V, H)ᵀ -> (n, V) fp32: the GEMM's fp32 sums kept, not rounded to bf16 first. A
-    bf16 logit near 20 is a multiple of 1/8; rounding there would put up to 1/16 of noise on every
-    log-prob the sampler records and the trainer computes (the sampler's GEMV, the trainer's
-    ChunkLogprobs both keep fp32). cuBLAS writes fp32 from bf16 inputs directly (torch.mm's out_dtype)."""
+    """h (n, H) · w (V, H)ᵀ -> (n, V) fp32. On CUDA the GEMM's fp32 sums are kept, not rounded to bf16
+    first: cuBLAS writes fp32 from bf16 inputs directly (torch.mm's out_dtype). A bf16 logit near 20
+    is a multiple of 1/8; rounding there would put up to 1/16 of noise on every log-prob the sampler
+    records and the trainer computes (the sampler's GEMV and the trainer's ChunkLogprobs both keep
+    fp32). Elsewhere the product is taken in the inputs' dtype (fp32 on the CPU runs)."""
     if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype:
         return torch.mm(h, w.t(), out_dtype=torch.float32)
     return (h @ w.t()).float()

@@ -243,7 +243,7 @@ class Runner:
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _logits(self, hidden):
-        """(rows, H) -> (rows, V) in the model's dtype: sample() reads it as is."""
+        """(rows, H) -> (rows, V) fp32 logits (ops.logits): sample() reads them as they are."""
         return ops.logits(hidden, self.model.lm_head)
 
     def sample(self, logits, params, keys, record=None):

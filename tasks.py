@@ -5,8 +5,8 @@ columns). Sources (`load_task(source, split, config=..., columns=...)`):
 
     "gsm8k", "math500"          hub openai/gsm8k (config "main"), HuggingFaceH4/MATH-500 (one split: test)
     "addition"                  synthetic a + b, two-digit a and b, seeded train/test split (no download)
-    "multiplication"            synthetic a * b, two-digit a, one-digit b > 1: harder (SmolLM2-135M's base
-                                model answers ~3% greedily, addition ~0.5% under the same system prompt)
+    "multiplication"            synthetic a * b, two-digit a, one-digit b > 1: harder for a small model,
+                                which learns it more slowly than addition (README's learning figures)
     "org/name" (+ config)       any Hub dataset, through `datasets` (data.py)
     "file.jsonl|.csv|.parquet"  a local file; "dir/": dir/<split>.<ext> or a datasets.save_to_disk directory
 

@@ -246,9 +246,9 @@ def embed_rope(ids, positions, weight, inv_freq):
 
 def gemv(x, w):
     """F.linear(x, w) for a few rows: x (M, K) with M <= tuning's lm_head_max_rows, w (N, K), both bf16
-    (or both fp32), fp32 sums; y (M, N) fp32 (logits are not rounded to bf16: ops.head_matmul). The sampler's lm_head at batch 1-2 is such a
-    product: a 152k x 3.5k bf16 weight read once against one or two rows, which this streams faster
-    than cuBLAS."""
+    (or both fp32), fp32 sums; y (M, N) fp32 (logits are not rounded to bf16: ops.head_matmul). The
+    sampler's lm_head at batch 1-2 is such a product: a 152k x 3.5k bf16 weight read once against one
+    or two rows, which this streams faster than cuBLAS."""
     t = tuning.current()
     M, K = x.shape
     if M > t.lm_head_max_rows or w.shape[1] != K or w.dtype != x.dtype or w.stride(1) != 1:
@@ -272,5 +272,5 @@ def lm_head_fits(hidden, head) -> bool:
 
 
 def lm_head(hidden, head):
-    """head(hidden) by the GEMV (lm_head_fits)."""
+    """head(hidden) by the GEMV (lm_head_fits), as fp32 logits."""
     return gemv(hidden, head.weight)
