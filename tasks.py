@@ -31,6 +31,7 @@ Test: python -m pytest tests/test_tasks.py tests/test_data.py; self-check: pytho
 from __future__ import annotations
 
 import json
+import operator
 import os
 import random
 import sys
@@ -43,9 +44,9 @@ from rewards import RewardStats, reward, to_number
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB = {"gsm8k": ("openai/gsm8k", "main"), "math500": ("HuggingFaceH4/MATH-500", None)}
-# name: (operator, first operands, second operands, test-split size)
-ARITHMETIC = {"addition": ("+", range(10, 100), range(10, 100), 1000),
-              "multiplication": ("*", range(10, 100), range(2, 10), 200)}
+# name: (sign, its function, first operands, second operands, test-split size)
+ARITHMETIC = {"addition": ("+", operator.add, range(10, 100), range(10, 100), 1000),
+              "multiplication": ("*", operator.mul, range(10, 100), range(2, 10), 200)}
 BUILTIN = (*HUB, *ARITHMETIC)
 KINDS = ("numeric", "math")
 PROMPT_COLUMNS = ("prompt", "problem", "question")   # tried in this order when --prompt-column is not given
@@ -161,13 +162,15 @@ def arithmetic_task(name: str, split: str, seed: int = 0) -> list[Example]:
     """A synthetic ARITHMETIC task: a fixed seeded shuffle of every operand pair; the first
     test-size pairs are the test split, the rest train (disjoint for any seed). Addition has
     90 · 90 = 8100 pairs (1000 test), multiplication 90 · 8 = 720 (200 test)."""
-    op, firsts, seconds, test_size = ARITHMETIC[name]
+    sign, fn, firsts, seconds, test_size = ARITHMETIC[name]
     pairs = [(a, b) for a in firsts for b in seconds]
     random.Random(seed).shuffle(pairs)
     chosen = pairs[:test_size] if split == "test" else pairs[test_size:]
-    value = (lambda a, b: a + b) if op == "+" else (lambda a, b: a * b)
-    return [Example(f"What is {a} {op} {b}?", str(value(a, b)), "numeric", columns={"answer": str(value(a, b))})
-            for a, b in chosen]
+    examples = []
+    for a, b in chosen:
+        answer = str(fn(a, b))
+        examples.append(Example(f"What is {a} {sign} {b}?", answer, "numeric", columns={"answer": answer}))
+    return examples
 
 
 # -----------------------------------------------------------------------------
