@@ -35,10 +35,14 @@ class ChunkLogprobs(torch.autograd.Function):
     recompute the entropy). W is frozen (no gradient for it)."""
 
     @staticmethod
+    def logits(h, weight, temperature):
+        """(n, V) fp32 logits at the temperature; the forward and the backward each form them."""
+        z = ops.head_matmul(h, weight)
+        return z if temperature == 1.0 else z.div_(temperature)
+
+    @staticmethod
     def forward(ctx, h, weight, target, temperature):
-        logits = ops.head_matmul(h, weight)                                        # (n, V) fp32
-        if temperature != 1.0:
-            logits.div_(temperature)
+        logits = ChunkLogprobs.logits(h, weight, temperature)                      # (n, V) fp32
         logp, ent, logz = ops.logprob_stats(logits, target)                        # (n,) each
         ctx.save_for_backward(h, weight, target, logz)
         ctx.temperature = temperature
@@ -48,9 +52,7 @@ class ChunkLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):
         h, weight, target, logz = ctx.saved_tensors
         T = ctx.temperature
-        logits = ops.head_matmul(h, weight)                                        # (n, V) fp32
-        if T != 1.0:
-            logits.div_(T)
+        logits = ChunkLogprobs.logits(h, weight, T)                                # (n, V) fp32
         g = ops.logprob_grad(logits, logz, target, grad_logp / T, h.dtype)        # d/dlogits (n, V)
         return g @ weight, None, None, None                                        # (n, H)
 
