@@ -110,15 +110,16 @@ def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device) -> tuple[float, float
     return max(peaks[0] - b * PROBE_TOKENS, 0.0), b
 
 
-def recompute_floor(b_full: float, layers: int, hidden: int, itemsize: int) -> float:
-    """What a token keeps with recomputation (bytes), estimated where the probe cannot tell: every
-    layer's input, plus one layer's share of b_full while that layer runs again in the backward (an
-    overestimate: a 7B model measures 0.27 MiB against this 0.41). The probe's 1- and 2-sequence
-    peaks can miss it: at a 32B model's few hundred probe tokens the peak is a token-independent
-    transient (a layer's dequantized weight, ~0.3-0.6 GB) in both, so their difference says a token
-    costs less than the layer inputs recomputation must keep, and the plan would put the whole batch
-    in one micro-batch. make_plan takes the estimate only for such a failed measurement."""
-    return layers * hidden * itemsize + b_full / layers
+def recompute_bytes(b_ckpt: float, b_full: float, layers: int, hidden: int, itemsize: int) -> float:
+    """What a token keeps with recomputation (bytes): the probe's b_ckpt, unless that is below every
+    layer's input, which recomputation must keep. The probe's 1- and 2-sequence peaks can miss it:
+    at a 32B model's few hundred probe tokens the peak is a token-independent transient (a layer's
+    dequantized weight, ~0.3-0.6 GB) in both, so their difference says a token costs almost
+    nothing, and the plan would put the whole batch in one micro-batch. For such a failed
+    measurement the estimate is the layer inputs plus one layer's share of b_full while that layer
+    runs again in the backward (an overestimate: a 7B model measures 0.27 MiB against its 0.41)."""
+    inputs = layers * hidden * itemsize
+    return b_ckpt if b_ckpt >= inputs else inputs + b_full / layers
 
 
 def decide(free: float, a_full: float, b_full: float, a_ckpt: float, b_ckpt: float, max_seq_len: int,
@@ -151,10 +152,7 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
         free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
         a_full, b_full = _probe(fwd_bwd, model, model.config.vocab_size, False, device)
         a_ckpt, b_ckpt = _probe(fwd_bwd, model, model.config.vocab_size, True, device)
-    cfg = model.config
-    inputs = cfg.num_layers * cfg.hidden_size * model.dtype.itemsize      # what recomputation keeps, at least
-    if b_ckpt < inputs:                                                    # a failed measurement: estimate
-        b_ckpt = recompute_floor(b_full, cfg.num_layers, cfg.hidden_size, model.dtype.itemsize)
+    b_ckpt = recompute_bytes(b_ckpt, b_full, model.config.num_layers, model.config.hidden_size, model.dtype.itemsize)
     why = (f"{free / GIB:.1f} GiB free for the training pass; a token keeps {b_full / 2**20:.2f} MiB "
            f"({b_ckpt / 2**20:.2f} with recomputation)")
     p = decide(free, a_full, b_full, a_ckpt, b_ckpt, max_seq_len, micro_batch, grad_checkpointing, dense, why)

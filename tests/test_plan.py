@@ -63,10 +63,12 @@ def test_dense_weights_give_the_nvfp4_layers_output_and_are_dropped_after(dtype)
 
 
 def test_recompute_floor_keeps_the_layer_inputs_and_one_layer_again():
-    """32B (64 layers, 5120 wide, bf16) with b_full = 19.2 MiB: 64·5120·2 B of layer inputs + 19.2/64 MiB
-    for the layer being recomputed; with it the plan cuts 48 GiB into micro-batches of ~44k tokens,
-    where a probe that measured ~0 would allow any number."""
-    floor = plan.recompute_floor(19.2 * MIB, 64, 5120, 2)
+    """32B (64 layers, 5120 wide, bf16) with b_full = 19.2 MiB and a probe that measured ~0: 64·5120·2 B
+    of layer inputs + 19.2/64 MiB for the layer being recomputed; with it the plan cuts 48 GiB into
+    micro-batches of ~44k tokens, where the ~0 would allow any number. 7B's measured 0.27 MiB, above
+    its 28·3584·2 B of inputs, stands."""
+    floor = plan.recompute_bytes(1 / 256, 19.2 * MIB, 64, 5120, 2)
     assert floor == 64 * 5120 * 2 + 19.2 * MIB / 64
+    assert plan.recompute_bytes(0.27 * MIB, 6.06 * MIB, 28, 3584, 2) == 0.27 * MIB
     p = decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, None, None, False)
     assert p.grad_checkpointing and 40_000 < p.micro_tokens < 46_000
