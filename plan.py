@@ -117,7 +117,7 @@ def recompute_bytes(b_ckpt: float, b_full: float, layers: int, hidden: int, item
     dequantized weight, ~0.3-0.6 GB) in both, so their difference says a token costs almost
     nothing, and the plan would put the whole batch in one micro-batch. For such a failed
     measurement the estimate is the layer inputs plus one layer's share of b_full while that layer
-    runs again in the backward (an overestimate: a 7B model measures 0.27 MiB against its 0.41)."""
+    runs again in the backward (an overestimate: not all of a layer's activations are live at once)."""
     inputs = layers * hidden * itemsize
     return b_ckpt if b_ckpt >= inputs else inputs + b_full / layers
 
