@@ -71,7 +71,7 @@ import torch
 
 import kernels
 import ops
-from attention import causal_attention, paged_attention_ref, store_kv_ref
+from attention import packed_causal_attention, paged_attention_ref, store_kv_ref
 from sampling import sample, uses_kernels
 from scheduler import BlockManager, Scheduler, Sequence
 
@@ -121,15 +121,13 @@ class PrefillContext:
 
     def __init__(self, runner, slots, cu_seqlens):
         self.runner, self.slots, self.cu_seqlens = runner, slots, cu_seqlens  # slots (N,); list
+        self.cu = runner._tensor(cu_seqlens, torch.int32) if runner.device.type == "cuda" else None
 
     def attend(self, layer, q, k, v, cos, sin):
         r = self.runner
         q, k = ops.rope(q, k, cos, sin)
         r.store_kv(r.k_cache[layer], r.v_cache[layer], k[0], v[0], self.slots)
-        out = torch.empty_like(q[0])
-        for s, e in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]):
-            out[s:e] = causal_attention(q[0, s:e], k[0, s:e], v[0, s:e])
-        return out[None]
+        return packed_causal_attention(q[0], k[0], v[0], self.cu_seqlens, self.cu)[None]
 
 
 class DecodeContext:
@@ -183,6 +181,7 @@ class Runner:
         self.k_cache = self.v_cache = None
         self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
         self.graphs, self.graph_pool, self._static = {}, None, None
+        self.warmed = set()                 # graph keys captured before (see _capture); free_cache keeps it
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the call's key (row_keys)
 
     def reseed(self, generator=None):
@@ -200,7 +199,7 @@ class Runner:
         """kernels.paged_attention with the counters its partitions merge by. The partitioning it
         picks is fixed per batch size (not per step), so captured CUDA graphs stay valid."""
         if self.attn_counts is None or self.attn_counts.shape[0] < q.shape[0]:
-            # never during a capture (the bucket's warm-up call comes first); graphs read the counts
+            # never during a capture (a key's first capture warms up eagerly); graphs read the counts
             # by address, so a larger eager batch (> the biggest bucket) drops them before the old
             # buffer is freed
             self.graphs, self.graph_pool = {}, None
@@ -342,9 +341,13 @@ class Runner:
             self._static[2] = new_record(prev_rows, d)
         return self._static
 
-    def _capture(self, bucket, params):
+    def _capture(self, key, bucket, params):
         """A graph of the decode step for `bucket` rows: up to the final hidden states (params None),
-        or through the lm_head and the Triton sampler at params.temperature into the static record."""
+        or through the lm_head and the Triton sampler at params.temperature into the static record.
+        Only a key's first capture in this process runs the step eagerly first (the warm-up that
+        torch.cuda.graph asks for): its later captures, one per step after every free_cache, find
+        every kernel compiled and every lazy buffer made, and so pay one pass of the layers' Python
+        instead of two."""
         static_meta, static_tables, record = self._static_buffers()
         meta, tables = static_meta[:META_ROWS * bucket].view(META_ROWS, bucket), static_tables[:bucket]
         prev = split_record(record)[0]
@@ -355,17 +358,19 @@ class Runner:
                 return hidden
             return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]), record)
 
-        saved = record.clone()                       # the warm-up samples: put back what it overwrites
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):      # warm-up: autotuning and lazy inits happen outside capture
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
+        if key not in self.warmed:          # Triton compiles and lazy buffers appear outside any capture
+            saved = record.clone()                   # the warm-up samples: put back what it overwrites
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            record.copy_(saved)
+            self.warmed.add(key)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             out = step()
         self.graph_pool = graph.pool()
-        record.copy_(saved)
         return graph, out
 
     def _decode_graph(self, seqs, src_rows, prev_tokens, params):
@@ -382,7 +387,7 @@ class Runner:
         in_graph = uses_kernels(params, (bucket, self.model.lm_head.out_features), self.device)
         key = (bucket, params.temperature) if in_graph else (bucket, None)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, params if in_graph else None)
+            self.graphs[key] = self._capture(key, bucket, params if in_graph else None)
         graph, out = self.graphs[key]
         graph.replay()
         if in_graph:
@@ -530,6 +535,13 @@ class LLMEngine:
     def generate(self, prompts, params: SamplingParams):
         """prompts: list of token-id lists -> completions[prompt_index][sample_index]."""
         t0 = time.perf_counter()
+        # time to first token, on the GPU: from an event at the call to one after the first step's
+        # sampling (work queued before the call is not counted). The host reads those tokens one
+        # step later (first_read_s), after queuing the next step and capturing its graph.
+        cuda = self.runner.device.type == "cuda"
+        start, first = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+        if cuda:
+            start.record()
         self._check_prompts(prompts, params)
         bs = self.block_size
         max_new = [min(params.max_tokens, self.max_model_len - len(p)) for p in prompts]
@@ -555,13 +567,13 @@ class LLMEngine:
         r.reseed(gen)
         was_training = self.model.training
         self.model.eval()                                  # LoRA dropout off while sampling
-        done, steps, ttft = [], {"prefill": 0, "decode": 0}, None
+        done, steps, first_read = [], {"prefill": 0, "decode": 0}, None
         pending = None                     # the step in flight: its tokens are not on the host yet
 
         def take(step):                    # its tokens into the sequences (waits for the GPU)
-            nonlocal ttft
+            nonlocal first_read
             self._apply(step, sched, stop, done)
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            first_read = first_read if first_read is not None else time.perf_counter() - t0
 
         try:
             while not sched.done():
@@ -573,8 +585,10 @@ class LLMEngine:
                     take(pending)
                     pending = None
                     continue
-                steps[kind] += 1
                 step = self._launch(kind, batch, copies, pending, params)
+                if first is not None and not any(steps.values()):
+                    first.record()
+                steps[kind] += 1
                 if pending:                            # the GPU runs `step` while the host reads this
                     take(pending)
                 pending = step
@@ -588,7 +602,8 @@ class LLMEngine:
             out[s.prompt_index][s.sample_index] = Completion(
                 s.prompt_index, s.sample_index, s.completion_ids, s.logprobs, s.finish_reason)
         self.stats = dict(num_blocks=r.k_cache.shape[1], preemptions=sched.num_preemptions,
-                          prefill_steps=steps["prefill"], decode_steps=steps["decode"], ttft_s=ttft,
+                          prefill_steps=steps["prefill"], decode_steps=steps["decode"], first_read_s=first_read,
+                          ttft_s=start.elapsed_time(first) / 1e3 if cuda else first_read,
                           total_s=time.perf_counter() - t0,
                           new_tokens=sum(len(s) - s.num_prompt_tokens for s in done))
         return out

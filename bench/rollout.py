@@ -19,7 +19,9 @@ Workloads (every sequence runs to its full length: no stop tokens; sampling at t
 Each workload is timed after a warm-up on the same prompts with 2 new tokens (Triton compiles its
 kernels for those shapes once per process); the KV cache and CUDA graphs are then freed, so graph
 capture happens inside the timed run, as in every training step (train.py frees them before each
-backward). TTFT therefore includes prefill and the first decode graph's capture.
+backward). TTFT is the engine's: from the call to the first tokens sampled on the GPU (an event);
+the JSON also has first_read_s, when the host reads them, one step later (after queuing the first
+decode step and capturing its graph).
 
     python bench/rollout.py                                   # 7B: ours-nvfp4, ours-bf16, hf-bf16
     python bench/rollout.py --models 32b --engines ours-nvfp4,ours-bf16
@@ -75,7 +77,8 @@ def run_ours(engine, prompts, n, new):
     total = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for cs in out for c in cs)
     assert tokens == len(prompts) * n * new, "a sequence stopped early"
-    return dict(total_s=total, ttft_s=engine.stats["ttft_s"], new_tokens=tokens,
+    return dict(total_s=total, ttft_s=engine.stats["ttft_s"], first_read_s=engine.stats["first_read_s"],
+                new_tokens=tokens,
                 preemptions=engine.stats["preemptions"], kv_blocks=engine.stats["num_blocks"])
 
 

@@ -3,7 +3,10 @@ out here (scores, causal mask, softmax, GQA by repeating kv heads). The Triton v
 against these references in test_kernels_paged_attention.py, the engine in test_rollout.py."""
 import torch
 
-from attention import causal_attention, paged_attention_ref, store_kv_ref
+import pytest
+
+import attention
+from attention import causal_attention, packed_causal_attention, paged_attention_ref, store_kv_ref
 
 
 def dense64(q, k, v, causal):
@@ -23,6 +26,40 @@ def test_causal_attention_matches_float64_with_gqa():
     out = causal_attention(q, k, v)
     err = (out.double() - dense64(q, k, v, causal=True)).abs().max()
     assert out.shape == (9, 6, 16) and err < 1e-5, f"max err {err:.2e}"
+
+
+def _packed_prompts(device, dtype):
+    """Three prompts of 5, 1 and 7 tokens packed in one row, GQA 6:2 -> q, k, v, cu_seqlens."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(13, 6, 64, generator=g)
+    k, v = torch.randn(13, 2, 64, generator=g), torch.randn(13, 2, 64, generator=g)
+    return *(x.to(device, dtype) for x in (q, k, v)), [0, 5, 6, 13]
+
+
+def _check_packed(out, q, k, v, cu, tol):
+    for s, e in zip(cu[:-1], cu[1:]):
+        ref = dense64(q[s:e].cpu(), k[s:e].cpu(), v[s:e].cpu(), causal=True)
+        err = (out[s:e].double().cpu() - ref).abs().max()
+        assert err < tol, f"prompt at rows {s}:{e}: max err {err:.2e}"
+
+
+def test_packed_causal_attention_keeps_each_prompt_to_itself():
+    """The per-prompt path: each prompt's rows equal dense causal attention over that prompt alone."""
+    q, k, v, cu = _packed_prompts("cpu", torch.float32)
+    out = packed_causal_attention(q, k, v, cu)
+    assert out.shape == q.shape
+    _check_packed(out, q, k, v, cu, 1e-5)
+
+
+@pytest.mark.gpu
+def test_packed_causal_attention_one_varlen_launch_on_cuda():
+    """bf16 on CUDA with the offsets on the device: the varlen flash-attention route (torch >= 2.11)
+    keeps each prompt to itself, within bf16 rounding of float64."""
+    assert attention.VARLEN, "this torch has no causal varlen_attn: prefill takes SDPA per prompt"
+    q, k, v, cu = _packed_prompts("cuda", torch.bfloat16)
+    out = packed_causal_attention(q, k, v, cu, torch.tensor(cu, dtype=torch.int32, device="cuda"))
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    _check_packed(out, q.float(), k.float(), v.float(), cu, 2e-2)
 
 
 def test_store_kv_writes_each_token_to_its_slot_and_skips_minus_one():
