@@ -21,11 +21,17 @@ rest that does not grow). vLLM sizes its KV cache the same way, by measurement, 
 
     budget   = BUDGET_SHARE · free memory after weights, adapters, optimizer state and dense copies
     recompute only where one sequence of the longest possible length does not fit without it
-    tokens   = (budget - a) / b  per micro-batch; a micro-batch takes consecutive sequences while
-               count · longest <= tokens
+    tokens   = min((budget - a) / b, MICRO_FORWARD_FLOP / (2 · parameters))  per micro-batch; a
+               micro-batch takes consecutive sequences while count · longest <= tokens
     dense    = a bf16 copy of each NVFP4 weight during the training pass where those copies take at
                most DENSE_SHARE of the free memory (7B: yes; 32B on 80 GB: no)
     KV cache = kept across steps where it takes at most KEEP_CACHE_SHARE of the token budget
+
+The FLOP cap: past ~10^15 FLOP of forward work (a 32B model's 15k tokens, a 7B model's 66k) a micro-
+batch runs its GEMMs at their rate and pays its fixed costs (a layer's ~100 launches, the lm_head
+chunks' set-up) a few percent of its time, so more memory buys no more speed. The memory stays free
+instead: a 32B model's training pass then peaks below its rollout, where filling the budget took
+more than the rollout did. Small models never reach the cap: their micro-batch is all the memory allows.
 
 The user may still pin --micro-batch (completions) and --[no-]grad-checkpointing. Without a GPU
 there is no memory to measure: the whole batch is one micro-batch, without recomputation. The
@@ -45,6 +51,7 @@ PROBE_TOKENS = 256      # tokens of one synthetic probe sequence (two are measur
 BUDGET_SHARE = 0.85     # of the free memory the training pass may take (the allocator fragments)
 DENSE_SHARE = 0.25      # dense bf16 weight copies are made where they take at most this share of free
 KEEP_CACHE_SHARE = 0.1  # the KV cache stays between steps where it is at most this share of the budget
+MICRO_FORWARD_FLOP = 1e15  # a micro-batch's forward work past which bigger buys no speed (see above)
 GIB = 2 ** 30
 
 
@@ -123,14 +130,16 @@ def recompute_bytes(b_ckpt: float, b_full: float, layers: int, hidden: int, item
 
 
 def decide(free: float, a_full: float, b_full: float, a_ckpt: float, b_ckpt: float, max_seq_len: int,
-           micro_batch: int | None, grad_checkpointing: bool | None, dense: bool, why: str = "") -> StepPlan:
+           params: float, micro_batch: int | None, grad_checkpointing: bool | None, dense: bool,
+           why: str = "") -> StepPlan:
     """The plan from measurements (bytes): free memory for the training pass, and peak = a + b·tokens
-    without (full) and with (ckpt) recomputation. The rules of the module docstring."""
+    without (full) and with (ckpt) recomputation; params: the model's parameters (the FLOP cap). The
+    rules of the module docstring."""
     budget = BUDGET_SHARE * free
     fits_full = int((budget - a_full) // b_full)
     ckpt = fits_full < max_seq_len if grad_checkpointing is None else grad_checkpointing
     a, b = (a_ckpt, b_ckpt) if ckpt else (a_full, b_full)
-    tokens = max(int((budget - a) // b), max_seq_len)
+    tokens = max(min(int((budget - a) // b), int(MICRO_FORWARD_FLOP // (2 * params))), max_seq_len)
     return StepPlan(micro_batch, None if micro_batch else tokens, ckpt, dense,
                     max(0, int(KEEP_CACHE_SHARE * (budget - a))), why)
 
@@ -155,7 +164,9 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
     b_ckpt = recompute_bytes(b_ckpt, b_full, model.config.num_layers, model.config.hidden_size, model.dtype.itemsize)
     why = (f"{free / GIB:.1f} GiB free for the training pass; a token keeps {b_full / 2**20:.2f} MiB "
            f"({b_ckpt / 2**20:.2f} with recomputation)")
-    p = decide(free, a_full, b_full, a_ckpt, b_ckpt, max_seq_len, micro_batch, grad_checkpointing, dense, why)
+    params = sum(m.out_features * m.in_features if hasattr(m, "weight_packed") else 0 for m in model.modules()) + sum(
+        p.numel() for p in model.parameters())                  # each NVFP4 weight as out x in parameters
+    p = decide(free, a_full, b_full, a_ckpt, b_ckpt, max_seq_len, params, micro_batch, grad_checkpointing, dense, why)
     model.gradient_checkpointing = p.grad_checkpointing
     return p
 

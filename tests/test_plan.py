@@ -8,6 +8,7 @@ import plan
 from plan import StepPlan, decide, micro_batches
 
 MIB, G = 2 ** 20, 2 ** 30
+P7, P32 = 7.6e9, 32.8e9      # parameters of Qwen2.5-7B and -32B (ANCHORS.md)
 
 
 def test_micro_batches_pack_consecutive_sequences_under_the_token_budget():
@@ -25,16 +26,17 @@ def test_micro_batches_pack_consecutive_sequences_under_the_token_budget():
 def test_decisions_from_measurements():
     """free 40 GiB -> budget 0.85 · 40 = 34 GiB. Without recomputation a token keeps 6 MiB and 2 GiB are
     fixed: (34 GiB - 2 GiB) / 6 MiB = 5461 tokens; with it 0.5 MiB / token."""
-    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 1280, None, None, True)
+    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 1280, P7, None, None, True)
     assert not p.grad_checkpointing and p.micro_tokens == 5461 and p.dense_weights
     assert p.keep_cache_bytes == int(0.1 * 32 * G)
     # a sequence of 8000 tokens does not fit without recomputation: recompute, budget 65536 tokens
-    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 8000, None, None, False)
+    # (under the FLOP cap, 10^15 / (2 · 7.6e9) = 65789)
+    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 8000, P7, None, None, False)
     assert p.grad_checkpointing and p.micro_tokens == 65536
     # pinned choices win; a budget below one sequence still takes one sequence
-    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 1280, 8, True, False)
+    p = decide(40 * G, 2 * G, 6 * MIB, 2 * G, 0.5 * MIB, 1280, P7, 8, True, False)
     assert p.grad_checkpointing and p.micro_batch == 8 and p.micro_tokens is None
-    assert decide(3 * G, 2.5 * G, 6 * MIB, 2.5 * G, 6 * MIB, 1280, None, False, False).micro_tokens == 1280
+    assert decide(3 * G, 2.5 * G, 6 * MIB, 2.5 * G, 6 * MIB, 1280, P7, None, False, False).micro_tokens == 1280
 
 
 def test_cpu_plan_is_one_micro_batch():
@@ -70,5 +72,13 @@ def test_recompute_floor_keeps_the_layer_inputs_and_one_layer_again():
     floor = plan.recompute_bytes(1 / 256, 19.2 * MIB, 64, 5120, 2)
     assert floor == 64 * 5120 * 2 + 19.2 * MIB / 64
     assert plan.recompute_bytes(0.27 * MIB, 6.06 * MIB, 28, 3584, 2) == 0.27 * MIB
-    p = decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, None, None, False)
+    p = decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, 1e6, None, None, False)   # a model too small to cap
     assert p.grad_checkpointing and 40_000 < p.micro_tokens < 46_000
+
+
+def test_flop_cap_bounds_a_large_models_micro_batch():
+    """The same 32B measurements with its 32.8e9 parameters: 10^15 / (2 · 32.8e9) = 15243 tokens, where
+    memory alone allows ~44k; a cap below one sequence still takes one sequence."""
+    floor = plan.recompute_bytes(1 / 256, 19.2 * MIB, 64, 5120, 2)
+    assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, P32, None, None, False).micro_tokens == 15243
+    assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 20000, P32, None, None, False).micro_tokens == 20000
