@@ -11,9 +11,10 @@ runs use the same model, task, batch, adapter, optimizer and loss:
     optimizer  AdamW lr 2e-4, betas (0.9, 0.99), no decay, constant schedule, grad-norm clip 1
     loss       DAPO (ε 0.2 / 0.28, β = 0, rewards scaled by the group's std)
 
-qerl runs `train.py` with its defaults otherwise (NVFP4 base, AQN, the step plan of plan.py); TRL
-runs GRPOTrainer on the bf16 model with transformers' generate (no vLLM: the machine has none), each
-in its own process. TRL is a benchmark-only dependency (not in requirements.txt): install it beside
+qerl runs `train.py` with its defaults otherwise (NVFP4 base, AQN, the step plan of plan.py, dynamic
+sampling: up to three sampling rounds a step while half its groups lack a reward spread), and again
+with one sampling round a step (`--no-dynamic-sampling`: the work TRL does); TRL runs GRPOTrainer on
+the bf16 model with transformers' generate (no vLLM: the machine has none), each in its own process. TRL is a benchmark-only dependency (not in requirements.txt): install it beside
 (`pip install trl`; on the GPU machine it travels as wheels). Time per step is the median over the
 steps after the first two (the first compile and capture); held-out accuracy is eval.py's, greedy,
 on --eval-limit addition problems, each adapter on the base it was trained with (qerl's on NVFP4,
@@ -35,20 +36,20 @@ sys.path.insert(0, ROOT)
 PROMPTS, GROUP, NEW, RANK, ALPHA, LR = 8, 8, 24, 16, 32, 2e-4
 
 
-def run_ours(model: str, steps: int, out: str) -> dict:
-    """train.py as a user types it; its metrics.jsonl gives the step times."""
+def run_ours(model: str, steps: int, out: str, extra: list[str]) -> dict:
+    """train.py as a user types it (plus extra flags); its metrics.jsonl gives the step times."""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--dataset", "addition",
            "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--max-new-tokens", str(NEW),
            "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", str(LR), "--loss-type", "dapo",
-           "--max-steps", str(steps), "--save-every", str(steps), "--eval-limit", "0", "--output-dir", out,
-           "--no-dynamic-sampling"]                     # one sampling round a step, as TRL's
+           "--max-steps", str(steps), "--save-every", str(steps), "--eval-limit", "0", "--output-dir", out, *extra]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - t0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(ln) for ln in f if ln.strip()]
     return dict(step_s=[r["step_time"] for r in rows], wall_s=wall, adapter=os.path.join(out, f"checkpoint-{steps:06d}"),
-                reward=[r.get("reward") for r in rows], quant="nvfp4")
+                reward=[r.get("reward") for r in rows], rounds=[r.get("sampling/rounds") for r in rows],
+                quant="nvfp4")
 
 
 def run_trl(model: str, steps: int, out: str) -> dict:
@@ -129,7 +130,9 @@ def main(argv=None):
     path = os.path.join(args.out, "peer.json")
     res = json.load(open(path)) if os.path.exists(path) else {}
     if args.only in (None, "ours"):
-        res["qerl"] = run_ours(args.model, args.steps, os.path.join(args.out, "ours"))
+        res["qerl"] = run_ours(args.model, args.steps, os.path.join(args.out, "ours"), [])
+        res["qerl_one_round"] = run_ours(args.model, args.steps, os.path.join(args.out, "ours1"),
+                                         ["--no-dynamic-sampling"])
     if args.only in (None, "trl"):
         subprocess.run([sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
                         "--out", args.out, "--worker", "trl"], check=True)
@@ -140,12 +143,13 @@ def main(argv=None):
             r["accuracy_untrained"] = evaluate(args.model, None, r["quant"], args.eval_limit)
         r["median_step_s"] = statistics.median(r["step_s"][2:] or r["step_s"])
     json.dump(res, open(path, "w"), indent=1)
-    print(f"{'':6} {'steps':>5} {'median s/step':>13} {'wall s':>7} {'held-out acc (untrained)':>25}")
+    print(f"{'':14} {'steps':>5} {'median s/step':>13} {'wall s':>7} {'held-out acc (untrained)':>25}")
     for name, r in res.items():
-        print(f"{name:6} {len(r['step_s']):5d} {r['median_step_s']:13.3f} {r['wall_s']:7.1f} "
+        print(f"{name:14} {len(r['step_s']):5d} {r['median_step_s']:13.3f} {r['wall_s']:7.1f} "
               f"{100 * r['accuracy']:14.1f}% ({100 * r['accuracy_untrained']:.1f}%)")
-    if len(res) == 2:
-        print(f"qerl is {res['trl']['median_step_s'] / res['qerl']['median_step_s']:.2f}x faster a step")
+    for name in ("qerl", "qerl_one_round"):
+        if name in res and "trl" in res:
+            print(f"{name} is {res['trl']['median_step_s'] / res[name]['median_step_s']:.2f}x faster a step than TRL")
 
 
 if __name__ == "__main__":
