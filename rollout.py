@@ -122,12 +122,13 @@ class PrefillContext:
     def __init__(self, runner, slots, cu_seqlens):
         self.runner, self.slots, self.cu_seqlens = runner, slots, cu_seqlens  # slots (N,); list
         self.cu = runner._tensor(cu_seqlens, torch.int32) if runner.device.type == "cuda" else None
+        self.longest = max(e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]))
 
     def attend(self, layer, q, k, v, cos, sin):
         r = self.runner
         q, k = ops.rope(q, k, cos, sin)
         r.store_kv(r.k_cache[layer], r.v_cache[layer], k[0], v[0], self.slots)
-        return packed_causal_attention(q[0], k[0], v[0], self.cu_seqlens, self.cu)[None]
+        return packed_causal_attention(q[0], k[0], v[0], self.cu_seqlens, self.cu, self.longest)[None]
 
 
 class DecodeContext:
@@ -181,7 +182,7 @@ class Runner:
         self.k_cache = self.v_cache = None
         self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
         self.graphs, self.graph_pool, self._static = {}, None, None
-        self.warmed = set()                 # graph keys captured before (see _capture); free_cache keeps it
+        self.warmed = set()                 # (graph key, tuning) captured before (see _capture)
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the call's key (row_keys)
 
     def reseed(self, generator=None):
@@ -202,7 +203,7 @@ class Runner:
             # never during a capture (a key's first capture warms up eagerly); graphs read the counts
             # by address, so a larger eager batch (> the biggest bucket) drops them before the old
             # buffer is freed
-            self.graphs, self.graph_pool = {}, None
+            self.graphs, self.graph_pool, self.warmed = {}, None, set()
             self.attn_counts = kernels.attention_counts(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,
                                                         self.device)
         return kernels.paged_attention(q, *args, max_model_len=self.max_model_len, counts=self.attn_counts,
@@ -215,15 +216,19 @@ class Runner:
     def allocate_cache(self, num_blocks):
         if self.k_cache is not None and self.k_cache.shape[1] == num_blocks:
             return
-        self.free_cache()
+        self.free_cache(keep_warm=True)                 # the same model: its kernels stay compiled
         shape = (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
-    def free_cache(self):
-        """Drop the KV cache and the CUDA graphs (they point into it), e.g. before backward."""
+    def free_cache(self, keep_warm=False):
+        """Drop the KV cache and the CUDA graphs (they point into it), e.g. before backward.
+        keep_warm: the model and tuning are unchanged (a training step: only values changed in
+        place), so later captures may skip their warm-up (_capture)."""
         self.k_cache = self.v_cache = None
         self.graphs, self.graph_pool = {}, None
+        if not keep_warm:
+            self.warmed = set()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -336,18 +341,20 @@ class Runner:
             self._static = [torch.zeros(META_ROWS * n, dtype=torch.int32, device=d),
                             torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d),
                             new_record(n, d)]
-        if len(split_record(self._static[2])[0]) < prev_rows:
-            self.graphs, self.graph_pool = {}, None
+        if len(split_record(self._static[2])[0]) < prev_rows:   # new addresses, maybe another alignment
+            self.graphs, self.graph_pool, self.warmed = {}, None, set()
             self._static[2] = new_record(prev_rows, d)
         return self._static
 
     def _capture(self, key, bucket, params):
         """A graph of the decode step for `bucket` rows: up to the final hidden states (params None),
         or through the lm_head and the Triton sampler at params.temperature into the static record.
-        Only a key's first capture in this process runs the step eagerly first (the warm-up that
-        torch.cuda.graph asks for): its later captures, one per step after every free_cache, find
-        every kernel compiled and every lazy buffer made, and so pay one pass of the layers' Python
-        instead of two."""
+        The first capture of a key runs the step eagerly first, outside the capture (the warm-up
+        torch.cuda.graph asks for: a Triton kernel cannot load its binary while a stream captures).
+        A training step's free_cache(keep_warm=True) keeps the record of warmed keys (with the
+        tuning they ran under): the model is the same and only its values changed, so the next
+        capture finds every kernel compiled and every lazy buffer made, and pays one pass of the
+        layers' Python instead of two. Any other free_cache, and a replaced static buffer, forget it."""
         static_meta, static_tables, record = self._static_buffers()
         meta, tables = static_meta[:META_ROWS * bucket].view(META_ROWS, bucket), static_tables[:bucket]
         prev = split_record(record)[0]
@@ -358,7 +365,7 @@ class Runner:
                 return hidden
             return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]), record)
 
-        if key not in self.warmed:          # Triton compiles and lazy buffers appear outside any capture
+        if (key, kernels.current()) not in self.warmed:   # kernels compile outside any capture
             saved = record.clone()                   # the warm-up samples: put back what it overwrites
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -366,7 +373,7 @@ class Runner:
                 step()
             torch.cuda.current_stream().wait_stream(stream)
             record.copy_(saved)
-            self.warmed.add(key)
+            self.warmed.add((key, kernels.current()))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             out = step()
@@ -443,8 +450,10 @@ class LLMEngine:
         self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self.stats = {}
 
-    def free_cache(self):
-        self.runner.free_cache()
+    def free_cache(self, keep_warm=False):
+        """Drop the KV cache and the CUDA graphs. keep_warm: nothing but values changed in place
+        since the last generate() (a training step), so the next captures skip their warm-up."""
+        self.runner.free_cache(keep_warm)
 
     def cache_bytes(self) -> int:
         """Bytes the KV cache holds now (0 when freed)."""
@@ -586,8 +595,10 @@ class LLMEngine:
                     pending = None
                     continue
                 step = self._launch(kind, batch, copies, pending, params)
-                if first is not None and not any(steps.values()):
-                    first.record()
+                if not any(steps.values()):                # the first step's samples are queued
+                    first_host = time.perf_counter() - t0      # on the CPU, computed: it runs synchronously
+                    if cuda:
+                        first.record()
                 steps[kind] += 1
                 if pending:                            # the GPU runs `step` while the host reads this
                     take(pending)
@@ -603,7 +614,7 @@ class LLMEngine:
                 s.prompt_index, s.sample_index, s.completion_ids, s.logprobs, s.finish_reason)
         self.stats = dict(num_blocks=r.k_cache.shape[1], preemptions=sched.num_preemptions,
                           prefill_steps=steps["prefill"], decode_steps=steps["decode"], first_read_s=first_read,
-                          ttft_s=start.elapsed_time(first) / 1e3 if cuda else first_read,
+                          ttft_s=start.elapsed_time(first) / 1e3 if cuda else first_host,
                           total_s=time.perf_counter() - t0,
                           new_tokens=sum(len(s) - s.num_prompt_tokens for s in done))
         return out

@@ -279,7 +279,7 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
         groups, rounds = sample_round(0)[1], 1
     scores = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)    # (P·G,)
     if engine.cache_bytes() > keep_cache_bytes:
-        engine.free_cache()  # the KV cache goes before the backward pass needs the memory
+        engine.free_cache(keep_warm=True)  # the KV cache goes before the backward pass needs the memory
     t_rollout = time.perf_counter() - t0
     new_tokens = sum(len(c.token_ids) for c in completions)   # of all ranks
     errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))

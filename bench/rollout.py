@@ -13,7 +13,7 @@ Engines, on the same random weights (checkpoint.build_model, real Qwen2.5 config
                  LoRA updates as torch GEMMs: what the fast path of the seam buys
 Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
     batchB   B = 1, 2, 4, 8, 16 prompts of 256 random tokens, 512 new each:
-             decode tok/s = B·(new - 1) / (total - TTFT)
+             decode tok/s = B·(new - 1) / (total - TTFT), the first decode graph's capture included
     grpo     16 prompts x 8 samples, prompt 256, 1024 new: total tok/s = new tokens / wall time,
              time to first token (all prompts prefilled and first tokens sampled), peak memory
 Each workload is timed after a warm-up on the same prompts with 2 new tokens (Triton compiles its
@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
+import attention
 import lora
 import rollout
 from checkpoint import SHAPES, build_model
@@ -206,7 +207,7 @@ def _measure(model_name, engine_name, cfg, quant, workloads, max_model_len, prof
         prompts = random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0)
         run(prompts, w["n"], 2)            # warm-up: Triton compiles for these shapes, once per process
         if engine_name != "hf-bf16":
-            engine.free_cache()            # the timed run captures its graphs, as every training step does
+            engine.free_cache(keep_warm=True)   # the timed run captures its graphs, as every training step does
         torch.cuda.reset_peak_memory_stats()
         r = run(prompts, w["n"], w["new"])
         r.update(model=model_name, engine=engine_name, workload=wl, **w,
@@ -269,7 +270,8 @@ def main():
     print_table(rows)
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "varlen_prefill": attention.VARLEN, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
 
 

@@ -120,7 +120,7 @@ def grpo_step(policy, args, device, prompts, step: int, new_tokens: int) -> dict
         comps = engine.generate(prompts, sp)                                   # [P][G] Completion
     kv = dict(kv_blocks=engine.stats["num_blocks"], preemptions=engine.stats["preemptions"])
     if engine.cache_bytes() > step_plan.keep_cache_bytes:                   # as train.rollout_step does
-        engine.free_cache()
+        engine.free_cache(keep_warm=True)
     t_rollout = train.clock(device) - t0
     if device.type == "cuda":
         mem = {"rollout_peak_gib": memory(device, "max_memory_allocated"),

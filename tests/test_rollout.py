@@ -332,6 +332,8 @@ def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
     that replays them, and in a second engine that captured its graphs in another order (another
     seed first); another seed gives others. Stop tokens end sequences at different steps, so the
     batch moves down the buckets and graphs are captured while a graph step's tokens are in flight.
+    After a training step's free_cache the graphs are captured again without the eager warm-up,
+    and give the same.
     With top-p the graph stops at the hidden states and sampling runs outside it (key temperature
     None), reproducible too."""
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
@@ -349,5 +351,8 @@ def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
     other = LLMEngine(model)
     assert run(other, 12) != first
     assert run(engine, 11) == first and run(other, 11) == first
+    assert set(engine.runner.graphs) <= {key for key, _ in engine.runner.warmed}
+    engine.free_cache(keep_warm=True)    # as before every backward: captured again without the warm-up
+    assert not engine.runner.graphs and run(engine, 11) == first
     nucleus = run(engine, 11, top_p=0.9)
     assert None in {k[1] for k in engine.runner.graphs} and run(engine, 11, top_p=0.9) == nucleus
