@@ -54,10 +54,14 @@ def test_packed_causal_attention_keeps_each_prompt_to_itself():
 @pytest.mark.gpu
 def test_packed_causal_attention_one_varlen_launch_on_cuda():
     """bf16 on CUDA with the offsets on the device: the varlen flash-attention route (torch >= 2.11)
-    keeps each prompt to itself, within bf16 rounding of float64."""
-    assert attention.VARLEN, "this torch has no causal varlen_attn: prefill takes SDPA per prompt"
+    keeps each prompt to itself, within bf16 rounding of float64. q, k, v are views of one
+    (N, (Hq + 2·Hkv)·D) tensor, as the prefill's stacked q/k/v projection gives them."""
     q, k, v, cu = _packed_prompts("cuda", torch.bfloat16)
-    out = packed_causal_attention(q, k, v, cu, torch.tensor(cu, dtype=torch.int32, device="cuda"))
+    assert attention.varlen_runs(q), "this torch or GPU has no causal varlen_attn: prefill takes SDPA per prompt"
+    qkv = torch.cat([x.flatten(1) for x in (q, k, v)], 1)                          # (N, (6 + 2 + 2)·64)
+    q, k, v = (t.unflatten(1, (-1, 64)) for t in qkv.split([6 * 64, 2 * 64, 2 * 64], 1))
+    assert not q.is_contiguous()
+    out = packed_causal_attention(q, k, v, cu, torch.tensor(cu, dtype=torch.int32, device="cuda"), 7)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     _check_packed(out, q.float(), k.float(), v.float(), cu, 2e-2)
 
