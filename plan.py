@@ -2,16 +2,17 @@
 
 A GRPO step samples P·G completions, then runs the policy forward and backward over all of them
 (train.train_step). That pass is the larger half of a step, and how fast it runs depends on three
-choices that are about memory, not math:
+choices that trade memory for speed, none of which changes the math:
 
   * micro-batches: the P·G sequences go through forward + backward a few at a time. Each launch of
     the ~100 kernels of a layer costs the same whatever its size, so one big micro-batch is much
-    cheaper than many small ones (a 135M model: ~0.3 s of launches a micro-batch), and the GPU
-    only reaches its matmul rate on thousands of tokens at once.
+    cheaper than many small ones (a 135M model's micro-batch is mostly launches), and the GPU only
+    reaches its matmul rate on thousands of tokens at once.
   * recomputation (gradient checkpointing) keeps each layer's input only and runs the layer again
     in the backward: a third more work, in exchange for ~1/10 of the activation memory.
   * resident state between steps: the sampler's KV cache and CUDA graphs (captured again after
-    every free: ~0.1-0.3 s a step), and, for the training pass, a bf16 copy of the NVFP4 weights
+    every free, a pass of the decode step's Python per batch size), and, for the training pass, a
+    bf16 copy of the NVFP4 weights
     (one dequantization per step instead of one per matmul call and micro-batch).
 
 So the plan measures, once at start-up, what a token costs: a forward + backward over one and two
@@ -21,8 +22,8 @@ rest that does not grow). vLLM sizes its KV cache the same way, by measurement, 
 
     budget   = BUDGET_SHARE · free memory after weights, adapters, optimizer state and dense copies
     recompute only where one sequence of the longest possible length does not fit without it
-    tokens   = min((budget - a) / b, MICRO_FORWARD_FLOP / (2 · parameters))  per micro-batch; a
-               micro-batch takes consecutive sequences while count · longest <= tokens
+    tokens   = max(min((budget - a) / b, MICRO_FORWARD_FLOP / (2 · parameters)), longest sequence)
+               per micro-batch; a micro-batch takes consecutive sequences while count · longest <= tokens
     dense    = a bf16 copy of each NVFP4 weight during the training pass where those copies take at
                most DENSE_SHARE of the free memory (7B: yes; 32B on 80 GB: no)
     KV cache = kept across steps where it takes at most KEEP_CACHE_SHARE of the token budget
@@ -129,6 +130,12 @@ def recompute_bytes(b_ckpt: float, b_full: float, layers: int, hidden: int, item
     return b_ckpt if b_ckpt >= inputs else inputs + b_full / layers
 
 
+def parameters(model) -> int:
+    """The model's parameters, each NVFP4 weight (buffers, not parameters) counted as out x in."""
+    packed = sum(m.out_features * m.in_features for m in model.modules() if hasattr(m, "weight_packed"))
+    return packed + sum(p.numel() for p in model.parameters())
+
+
 def decide(free: float, a_full: float, b_full: float, a_ckpt: float, b_ckpt: float, max_seq_len: int,
            params: float, micro_batch: int | None, grad_checkpointing: bool | None, dense: bool,
            why: str = "") -> StepPlan:
@@ -139,7 +146,10 @@ def decide(free: float, a_full: float, b_full: float, a_ckpt: float, b_ckpt: flo
     fits_full = int((budget - a_full) // b_full)
     ckpt = fits_full < max_seq_len if grad_checkpointing is None else grad_checkpointing
     a, b = (a_ckpt, b_ckpt) if ckpt else (a_full, b_full)
-    tokens = max(min(int((budget - a) // b), int(MICRO_FORWARD_FLOP // (2 * params))), max_seq_len)
+    cap = int(MICRO_FORWARD_FLOP // (2 * params))
+    tokens = max(min(int((budget - a) // b), cap), max_seq_len)
+    if tokens == cap and not micro_batch:
+        why += f"; capped at {MICRO_FORWARD_FLOP:.0e} FLOP of forward work: {cap} tokens"
     return StepPlan(micro_batch, None if micro_batch else tokens, ckpt, dense,
                     max(0, int(KEEP_CACHE_SHARE * (budget - a))), why)
 
@@ -164,9 +174,8 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
     b_ckpt = recompute_bytes(b_ckpt, b_full, model.config.num_layers, model.config.hidden_size, model.dtype.itemsize)
     why = (f"{free / GIB:.1f} GiB free for the training pass; a token keeps {b_full / 2**20:.2f} MiB "
            f"({b_ckpt / 2**20:.2f} with recomputation)")
-    params = sum(m.out_features * m.in_features if hasattr(m, "weight_packed") else 0 for m in model.modules()) + sum(
-        p.numel() for p in model.parameters())                  # each NVFP4 weight as out x in parameters
-    p = decide(free, a_full, b_full, a_ckpt, b_ckpt, max_seq_len, params, micro_batch, grad_checkpointing, dense, why)
+    p = decide(free, a_full, b_full, a_ckpt, b_ckpt, max_seq_len, parameters(model), micro_batch,
+               grad_checkpointing, dense, why)
     model.gradient_checkpointing = p.grad_checkpointing
     return p
 

@@ -81,4 +81,18 @@ def test_flop_cap_bounds_a_large_models_micro_batch():
     memory alone allows ~44k; a cap below one sequence still takes one sequence."""
     floor = plan.recompute_bytes(1 / 256, 19.2 * MIB, 64, 5120, 2)
     assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, P32, None, None, False).micro_tokens == 15243
+    assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, P32, None, None, False, "m").why == \
+        "m; capped at 1e+15 FLOP of forward work: 15243 tokens"
     assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 20000, P32, None, None, False).micro_tokens == 20000
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "bf16"])
+def test_parameters_count_each_nvfp4_weight_as_its_matrix(quant):
+    """One layer, hidden 64, intermediate 128, 4 heads of 16 (2 kv), vocab 64, untied head: by hand,
+    q 64·64 + k, v 2 · 32·64 + o 64·64 + gate, up 2 · 128·64 + down 64·128 + biases 64 + 32 + 32,
+    two norms 2 · 64, final norm 64, embedding and head 2 · 64·64; the same whether bf16 or NVFP4."""
+    cfg = dict(checkpoint.SHAPES["qwen2.5-7b"], vocab_size=64, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = checkpoint.build_model(cfg, quant=quant, device="cpu", dtype=torch.float32)
+    want = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64 + 128 + 3 * 64 + 2 * 64 * 64
+    assert plan.parameters(model) == want
