@@ -14,8 +14,9 @@ runs use the same model, task, batch, adapter, optimizer and loss:
 qerl runs `train.py` with its defaults otherwise (NVFP4 base, AQN, the step plan of plan.py, dynamic
 sampling: up to three sampling rounds a step while half its groups lack a reward spread), and again
 with one sampling round a step (`--no-dynamic-sampling`: the work TRL does); TRL runs GRPOTrainer on
-the bf16 model with transformers' generate (no vLLM: the machine has none), each in its own process. TRL is a benchmark-only dependency (not in requirements.txt): install it beside
-(`pip install trl`; on the GPU machine it travels as wheels). Time per step is the median over the
+the bf16 model with transformers' generate (no vLLM: the machine has none), each in its own process.
+TRL is a benchmark-only dependency (not in requirements.txt): install it beside (`pip install trl`;
+on the GPU machine it travels as wheels). Time per step is the median over the
 steps after the first two (the first compile and capture); held-out accuracy is eval.py's, greedy,
 on --eval-limit addition problems, each adapter on the base it was trained with (qerl's on NVFP4,
 TRL's on bf16), and both bases untrained for reference.
