@@ -74,21 +74,22 @@ def causal_attention(q, k, v):
     return out[0].transpose(0, 1)
 
 
-def varlen_runs(q) -> bool:
-    """Does flash attention take q: torch's causal varlen_attn exists, bf16/fp16 on an sm_80+ GPU,
-    head size <= 256 (flash attention's limits)?"""
-    return (VARLEN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
-            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+def varlen_runs(device, dtype, head_dim: int) -> bool:
+    """Does flash attention take such inputs: torch's causal varlen_attn exists, bf16/fp16 on an
+    sm_80+ GPU, head size <= 256 (flash attention's limits)? Asked once per prefill, not per layer."""
+    device = torch.device(device)
+    return (VARLEN and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim <= 256
+            and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def packed_causal_attention(q, k, v, cu_seqlens, cu=None, longest=None):
     """Prompts packed in one row: q (N, Hq, D), k/v (N, Hkv, D), prompt i at rows cu_seqlens[i] to
     cu_seqlens[i+1] (a host list) -> (N, Hq, D), causal within each prompt. With cu, the same
-    offsets as an int32 CUDA tensor, and longest, the longest prompt, where varlen_runs(q): one
+    offsets as an int32 CUDA tensor where varlen_runs holds, and longest, the longest prompt: one
     varlen flash-attention launch (torch.nn.attention.varlen), where SDPA per prompt costs a launch
     per prompt and layer (a GRPO prefill of 16 prompts on a 7B model: 448 launches, host time the
     GPU waits for). Else SDPA per prompt."""
-    if cu is not None and varlen_runs(q):
+    if cu is not None:
         gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] and "enable_gqa" in _KEYWORDS else {}
         return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0), **gqa)
     out = torch.empty_like(q)

@@ -71,7 +71,7 @@ import torch
 
 import kernels
 import ops
-from attention import packed_causal_attention, paged_attention_ref, store_kv_ref
+from attention import packed_causal_attention, paged_attention_ref, store_kv_ref, varlen_runs
 from sampling import sample, uses_kernels
 from scheduler import BlockManager, Scheduler, Sequence
 
@@ -121,7 +121,8 @@ class PrefillContext:
 
     def __init__(self, runner, slots, cu_seqlens):
         self.runner, self.slots, self.cu_seqlens = runner, slots, cu_seqlens  # slots (N,); list
-        self.cu = runner._tensor(cu_seqlens, torch.int32) if runner.device.type == "cuda" else None
+        flash = varlen_runs(runner.device, runner.dtype, runner.head_dim)
+        self.cu = runner._tensor(cu_seqlens, torch.int32) if flash else None    # (prompts + 1,) int32
         self.longest = max(e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]))
 
     def attend(self, layer, q, k, v, cos, sin):
@@ -203,7 +204,7 @@ class Runner:
             # never during a capture (a key's first capture warms up eagerly); graphs read the counts
             # by address, so a larger eager batch (> the biggest bucket) drops them before the old
             # buffer is freed
-            self.graphs, self.graph_pool, self.warmed = {}, None, set()
+            self.drop_graphs()
             self.attn_counts = kernels.attention_counts(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,
                                                         self.device)
         return kernels.paged_attention(q, *args, max_model_len=self.max_model_len, counts=self.attn_counts,
@@ -226,11 +227,16 @@ class Runner:
         keep_warm: the model and tuning are unchanged (a training step: only values changed in
         place), so later captures may skip their warm-up (_capture)."""
         self.k_cache = self.v_cache = None
+        self.drop_graphs(keep_warm)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def drop_graphs(self, keep_warm=False):
+        """Drop the CUDA graphs and their pool; unless keep_warm, also the record of warmed keys, so
+        the next capture of each key warms up first (_capture)."""
         self.graphs, self.graph_pool = {}, None
         if not keep_warm:
             self.warmed = set()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def copy_blocks(self, copies):
         """Copy-on-write: duplicate whole blocks (all layers) src -> dst."""
@@ -342,7 +348,7 @@ class Runner:
                             torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d),
                             new_record(n, d)]
         if len(split_record(self._static[2])[0]) < prev_rows:   # new addresses, maybe another alignment
-            self.graphs, self.graph_pool, self.warmed = {}, None, set()
+            self.drop_graphs()
             self._static[2] = new_record(prev_rows, d)
         return self._static
 
@@ -365,7 +371,8 @@ class Runner:
                 return hidden
             return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]), record)
 
-        if (key, kernels.current()) not in self.warmed:   # kernels compile outside any capture
+        warm = (key, kernels.current())
+        if warm not in self.warmed:                  # kernels compile outside any capture
             saved = record.clone()                   # the warm-up samples: put back what it overwrites
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -373,7 +380,7 @@ class Runner:
                 step()
             torch.cuda.current_stream().wait_stream(stream)
             record.copy_(saved)
-            self.warmed.add((key, kernels.current()))
+            self.warmed.add(warm)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             out = step()

@@ -57,7 +57,7 @@ def test_packed_causal_attention_one_varlen_launch_on_cuda():
     keeps each prompt to itself, within bf16 rounding of float64. q, k, v are views of one
     (N, (Hq + 2·Hkv)·D) tensor, as the prefill's stacked q/k/v projection gives them."""
     q, k, v, cu = _packed_prompts("cuda", torch.bfloat16)
-    assert attention.varlen_runs(q), "this torch or GPU has no causal varlen_attn: prefill takes SDPA per prompt"
+    assert attention.varlen_runs(q.device, q.dtype, 64), "this torch or GPU has no causal varlen_attn: SDPA per prompt"
     qkv = torch.cat([x.flatten(1) for x in (q, k, v)], 1)                          # (N, (6 + 2 + 2)·64)
     q, k, v = (t.unflatten(1, (-1, 64)) for t in qkv.split([6 * 64, 2 * 64, 2 * 64], 1))
     assert not q.is_contiguous()
