@@ -12,8 +12,8 @@ choices that trade memory for speed, none of which changes the math:
     in the backward: a third more work, in exchange for ~1/10 of the activation memory.
   * resident state between steps: the sampler's KV cache and CUDA graphs (captured again after
     every free, a pass of the decode step's Python per batch size), and, for the training pass, a
-    bf16 copy of the NVFP4 weights
-    (one dequantization per step instead of one per matmul call and micro-batch).
+    bf16 copy of the NVFP4 weights (one dequantization per step instead of one per matmul call and
+    micro-batch).
 
 So the plan measures, once at start-up, what a token costs: a forward + backward over one and two
 synthetic sequences of PROBE_TOKENS tokens, recomputation off and on, gives the peak memory above
@@ -83,11 +83,21 @@ def micro_batches(seq_lens: list[int], plan: StepPlan) -> list[tuple[int, int]]:
     return out + [(start, len(seq_lens))] if seq_lens else out
 
 
+def nvfp4_layers(model) -> list:
+    """The model's NVFP4 linears (the modules holding weight_packed)."""
+    return [m for m in model.modules() if hasattr(m, "weight_packed")]
+
+
+def nvfp4_weights(model) -> int:
+    """Elements of the NVFP4 weights, out x in each (buffers, not parameters)."""
+    return sum(m.out_features * m.in_features for m in nvfp4_layers(model))
+
+
 @contextmanager
 def dense_weights(model, on: bool):
     """While inside, every NVFP4 linear of model multiplies by a bf16 copy of its dequantized weight
     (ops.dense_weight; the same bf16 numbers the kernels' large-M route computes per call)."""
-    layers = [m for m in model.modules() if hasattr(m, "weight_packed")] if on else []
+    layers = nvfp4_layers(model) if on else []
     try:
         for m in layers:
             m.dense = ops.dense_weight(m, model.dtype)                        # (N, K) in the activation dtype
@@ -131,9 +141,8 @@ def recompute_bytes(b_ckpt: float, b_full: float, layers: int, hidden: int, item
 
 
 def parameters(model) -> int:
-    """The model's parameters, each NVFP4 weight (buffers, not parameters) counted as out x in."""
-    packed = sum(m.out_features * m.in_features for m in model.modules() if hasattr(m, "weight_packed"))
-    return packed + sum(p.numel() for p in model.parameters())
+    """The model's parameters, each NVFP4 weight counted as its out x in."""
+    return nvfp4_weights(model) + sum(p.numel() for p in model.parameters())
 
 
 def decide(free: float, a_full: float, b_full: float, a_ckpt: float, b_ckpt: float, max_seq_len: int,
@@ -165,7 +174,7 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
         return StepPlan(micro_batch, None, model.gradient_checkpointing, False, 0,
                         "no GPU: one micro-batch, recomputation off unless asked for")
     free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
-    dense_bytes = sum(m.out_features * m.in_features * 2 for m in model.modules() if hasattr(m, "weight_packed"))
+    dense_bytes = 2 * nvfp4_weights(model)                                 # their bf16 copies
     dense = 0 < dense_bytes <= DENSE_SHARE * free
     with dense_weights(model, dense):
         free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
