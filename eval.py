@@ -58,7 +58,7 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256, system_
                             "finish_reasons": [c.finish_reason for c in comps]})
         bar.update(len(chunk))
     bar.close()
-    engine.free_cache()
+    engine.free_cache(keep_warm=True)  # the cache goes; the model is unchanged, so its graphs may stay
     metrics = {"accuracy": sum(correct) / max(1, len(correct)), "n_questions": len(examples),
                "n_samples": len(correct), "seconds": time.perf_counter() - t0, **stats.as_dict()}
     if strict:

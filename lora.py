@@ -19,10 +19,11 @@ its weight, except in `merge_lora`, where an NVFP4 base is dequantized first.
 
 The cost of the cast: each forward reads A and B in fp32 and writes bf16 copies (two extra kernels
 per adapted linear, ~8 bytes per adapter weight). Without autograd (sampling) the bf16 copies are
-kept between calls instead: every eager call refreshes them in place, and CUDA-graph replays (which
-run no Python) read them as they are, so a graphed decode step has no cast kernels. A version
-counter cannot tell when to refresh (fused AdamW does not always bump it), so the rule that makes
-this safe is that rollout.py's prefill, which starts every generate() call, runs eagerly.
+kept between calls instead: every call refreshes them in place, and a decode step's CUDA graph
+(captured under ops.casts_kept) reads them as they are, so a graphed decode step has no cast
+kernels. A version counter cannot tell when to refresh (fused AdamW does not always bump it), so
+the rule that makes this safe is that rollout.py's prefill, which starts every generate() call,
+refreshes them: eagerly, or as a prefill graph, whose capture records the refresh.
 
 The update itself is two small GEMMs and an add, y + s · (x Aᵀ) Bᵀ as one addmm (ops.add_update,
 in place without autograd). A 7B model has 196 adapted linears and a decode step runs each of them,
@@ -109,11 +110,6 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    """Is a CUDA graph being captured on t's device? Then the kept casts are read, not refreshed."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 class LoRALinear(nn.Module):
     """base(x) + scaling · dropout(x) Aᵀ Bᵀ, with `base` frozen and A, B fp32 parameters."""
 
@@ -149,8 +145,8 @@ class LoRALinear(nn.Module):
 
     def _cast(self, dtype):
         """A, B in the activation dtype: bf16 matmuls, fp32 gradients (the cast's backward upcasts).
-        Without autograd the casts are kept (see the module docstring): refreshed by each eager
-        call, read unchanged while a CUDA graph is being captured."""
+        Without autograd the casts are kept (see the module docstring): refreshed by each call,
+        except while a decode graph is captured (ops.casts_kept), which reads them as they are."""
         A, B = self.lora_A, self.lora_B
         if torch.is_grad_enabled() or A.dtype == dtype:
             return A.to(dtype), B.to(dtype)
@@ -158,7 +154,7 @@ class LoRALinear(nn.Module):
         if casts is None or casts[0].dtype != dtype or casts[0].device != A.device:
             with torch.inference_mode(False):   # plain tensors, writable outside inference mode too
                 casts = self._casts = (torch.empty_like(A, dtype=dtype), torch.empty_like(B, dtype=dtype))
-        if not _capturing(A):
+        if ops.refresh_casts(A):
             casts[0].copy_(A)
             casts[1].copy_(B)
         return casts

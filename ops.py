@@ -28,6 +28,7 @@ The ops:
     logits(hidden, head)              head(hidden), fp32
     logprob_stats / logprob_grad      log π(target), entropy and log Z of logit rows; their gradient
     dense_weight(layer, dtype)        an NVFP4 layer's dequantized weight (training passes: plan.py)
+    refresh_casts(t) / casts_kept()   when the adapters' kept bf16 casts of A and B are refreshed
 
 The references keep the rounding the kernels reproduce: the norm and RoPE compute in fp32 and cast
 back to the activation dtype once; the residual sum is rounded to the activation dtype as torch's
@@ -37,6 +38,8 @@ the kernels promise it (tests/test_model.py and the kernel tests check).
 Test: tests/test_ops.py (each reference against an independent formula); the fast paths are
 checked against these references by tests/test_kernels_*.py.
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -137,6 +140,32 @@ def lora_linear(x, base, A, B, scale):
         return kernels.lora_linear(x, base, A, B, scale)
     h = F.linear(x, A)                                     # (..., r); before base(x), which fixes the
     return add_update(base(x), h, B, scale)                # order the backward sums x's gradients in
+
+
+# ----------------------------------------------------------------------------------------------
+# the adapters' kept casts and CUDA graphs
+
+_casts_kept = False     # True while a decode graph is captured (casts_kept)
+
+
+@contextlib.contextmanager
+def casts_kept():
+    """While a decode step's CUDA graph is captured: the adapters' kept casts (LoRA's A and B in the
+    activation dtype, lora.py) are read as they are, so a replay runs no cast kernel. That is safe
+    because the prefill that starts every generate() call refreshes them, eagerly or as a graph
+    replay whose capture recorded the refresh."""
+    global _casts_kept
+    saved, _casts_kept = _casts_kept, True
+    try:
+        yield
+    finally:
+        _casts_kept = saved
+
+
+def refresh_casts(t) -> bool:
+    """Should a kept cast on t's device be refreshed now? Always, except while casts_kept() holds
+    during a capture."""
+    return not (_casts_kept and t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def logits(hidden, head):

@@ -25,6 +25,10 @@ all three in one kernel launch per layer.
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
+             On the GPU a prefill of up to a few thousand tokens is one CUDA-graph replay, one
+             graph per (token bucket, prompt bucket), padded; it stores K/V in staging rows that
+             one index_copy then moves into the cache, so the graph outlives the cache and every
+             training step replays what the first one captured (_prefill_graph).
     logits:  ops.logits (a GEMV on the GPU for one or two rows, else the lm_head's matmul).
     decode:  one token per sequence (B, 1); attention reads K/V through the block tables
              (Triton kernel on GPU, split over the context into partitions merged by log-sum-exp,
@@ -117,18 +121,23 @@ class Completion:
 # Attention contexts: the explicit object the model's layers call (no module globals)
 
 class PrefillContext:
-    """New prompts packed in one row: q (1, N, Hq, D). Each prompt attends causally to itself."""
+    """New prompts packed in one row: q (1, N, Hq, D). Each prompt attends causally to itself: host
+    offsets cu_seqlens, or (varlen_runs) cu, their int32 tensor, and longest, a bound on the longest.
+    K/V go to the cache at slots (N,), or, inside a prefill graph, to the staging rows stage = (k, v),
+    each (L, N, Hkv, D), from which the runner scatters them into the cache after the replay."""
 
-    def __init__(self, runner, slots, cu_seqlens):
-        self.runner, self.slots, self.cu_seqlens = runner, slots, cu_seqlens  # slots (N,); list
-        flash = varlen_runs(runner.device, runner.dtype, runner.head_dim)
-        self.cu = runner._tensor(cu_seqlens, torch.int32) if flash else None    # (prompts + 1,) int32
-        self.longest = max(e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+    def __init__(self, runner, cu_seqlens, cu, longest, slots=None, stage=None):
+        self.runner, self.cu_seqlens, self.cu, self.longest = runner, cu_seqlens, cu, longest
+        self.slots, self.stage = slots, stage
 
     def attend(self, layer, q, k, v, cos, sin):
         r = self.runner
         q, k = ops.rope(q, k, cos, sin)
-        r.store_kv(r.k_cache[layer], r.v_cache[layer], k[0], v[0], self.slots)
+        if self.stage is None:
+            r.store_kv(r.k_cache[layer], r.v_cache[layer], k[0], v[0], self.slots)
+        else:
+            self.stage[0][layer].copy_(k[0])
+            self.stage[1][layer].copy_(v[0])
         return packed_causal_attention(q[0], k[0], v[0], self.cu_seqlens, self.cu, self.longest)[None]
 
 
@@ -158,6 +167,7 @@ class DecodeContext:
 
 META_ROWS = 6          # decode inputs a row: token, position, KV slot, context length, source row, sequence id
 ROW_KEY = 1 << 24      # a draw's key: the call's seed + sequence id · ROW_KEY + position (positions < 2^24)
+PREFILL_GRAPH_BYTES = 1 << 28   # activations a prefill graph may hold: its pool outlives the KV cache
 
 
 class Runner:
@@ -183,7 +193,13 @@ class Runner:
         self.k_cache = self.v_cache = None
         self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
         self.graphs, self.graph_pool, self._static = {}, None, None
-        self.warmed = set()                 # (graph key, tuning) captured before (see _capture)
+        self.warmed = set()                 # (graph key, tuning) captured before (see _record)
+        # prefill graphs (see _prefill_graph): the largest token bucket whose activations fit the budget
+        per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * self.dtype.itemsize
+        fits = [t for t in self.PREFILL_TOKENS if t * per_token <= PREFILL_GRAPH_BYTES]
+        self.prefill_cap = fits[-1] if fits and self.cuda_graphs and varlen_runs(
+            self.device, self.dtype, self.head_dim) else 0
+        self.prefill_graphs, self.prefill_pool, self.stage = {}, None, None
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the call's key (row_keys)
 
     def reseed(self, generator=None):
@@ -223,17 +239,20 @@ class Runner:
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def free_cache(self, keep_warm=False):
-        """Drop the KV cache and the CUDA graphs (they point into it), e.g. before backward.
+        """Drop the KV cache and the decode graphs (they point into it), e.g. before backward.
         keep_warm: the model and tuning are unchanged (a training step: only values changed in
-        place), so later captures may skip their warm-up (_capture)."""
+        place), so the prefill graphs stay (they point into no cache) and later captures skip their
+        warm-up (_record). Without it the prefill graphs go too."""
         self.k_cache = self.v_cache = None
         self.drop_graphs(keep_warm)
+        if not keep_warm:
+            self.prefill_graphs, self.prefill_pool, self.stage = {}, None, None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def drop_graphs(self, keep_warm=False):
-        """Drop the CUDA graphs and their pool; unless keep_warm, also the record of warmed keys, so
-        the next capture of each key warms up first (_capture)."""
+        """Drop the decode graphs and their pool; unless keep_warm, also the record of warmed keys, so
+        the next capture of each key warms up first (_record)."""
         self.graphs, self.graph_pool = {}, None
         if not keep_warm:
             self.warmed = set()
@@ -277,10 +296,76 @@ class Runner:
             pos += range(len(seq))
             slots += [self._slot(seq, t) for t in range(len(seq))]
             cu.append(cu[-1] + len(seq))
-        ctx = PrefillContext(self, self._tensor(slots, torch.int64), cu)
+        key = self._prefill_key(len(ids), len(groups))
+        if key is not None:
+            return self._prefill_graph(key, ids, pos, slots, cu)
+        flash = varlen_runs(self.device, self.dtype, self.head_dim)
+        ctx = PrefillContext(self, cu, self._tensor(cu, torch.int32) if flash else None,
+                             max(e - s for s, e in zip(cu[:-1], cu[1:])), slots=self._tensor(slots, torch.int64))
         hidden = self.model(self._tensor([ids], torch.int64), self._tensor([pos], torch.int64),
                             attn_ctx=ctx, return_hidden=True)                      # (1, N, H)
         return self._logits(hidden[0, [c - 1 for c in cu[1:]]])
+
+    # ---- prefill graphs: one per (token bucket, prompt bucket), kept across training steps
+    PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+    def _prefill_key(self, tokens, prompts):
+        """The graph a prefill of `tokens` tokens in `prompts` prompts replays, or None (eager):
+        (token bucket, prompts rounded up to a power of two, tuning). The bucket leaves a token for
+        each padding prompt, so that no prompt of the graph is empty."""
+        if not self.prefill_cap:
+            return None
+        pb = 1 << (prompts - 1).bit_length()
+        tb = next((t for t in self.PREFILL_TOKENS if t >= tokens + pb - prompts), None)
+        return None if tb is None or tb > self.prefill_cap else (tb, pb, kernels.current())
+
+    def _prefill_graph(self, key, ids, pos, slots, cu):
+        """A prefill as one graph replay, where eagerly each of its ~10 launches a layer costs tens of
+        µs of Python (host time the GPU waits for at small batches).
+
+        The graph runs the model over tb tokens: the N real ones, then padding, which forms pb - g
+        extra prompts (pb: the prompt bucket, g: the real prompts) of one token each, the last taking
+        the rest; causal attention keeps the padding out of every real row. One buffer holds the
+        graph's inputs and the host fills it with one copy: [ids (tb) | positions (tb) | prompt
+        offsets (pb + 1) | KV slots (N, then unused) | each prompt's last row (g, then unused)].
+        The graph stores K/V in staging rows, not in the cache: the cache is freed before every
+        backward pass, the graph is not, so a training step replays what an earlier step captured.
+        After the replay one index_copy per K and V moves the N real rows into the cache.
+        -> (g, V) logits of each prompt's last token."""
+        tb, pb, _ = key
+        n, g = len(ids), len(cu) - 1
+        offsets = cu[:g] + [n + i for i in range(pb - g)] + [tb]
+        last = [c - 1 for c in cu[1:]]
+        host = torch.tensor(ids + [0] * (tb - n) + list(pos) + [0] * (tb - n) + offsets + slots + [0] * (tb - n)
+                            + last + [0] * (pb - g), dtype=torch.int64, pin_memory=True)
+        entry = self.prefill_graphs.get(key)
+        buf = entry[1] if entry else torch.empty(host.shape, dtype=torch.int64, device=self.device)
+        buf.copy_(host, non_blocking=True)
+        if entry is None:                      # captured on the real inputs (the warm-up runs them)
+            entry = self.prefill_graphs[key] = self._capture_prefill(tb, pb, buf)
+        graph, _, hidden = entry                                                  # hidden (tb, H)
+        graph.replay()
+        slots_t, last_t = buf[2 * tb + pb + 1:][:n], buf[3 * tb + pb + 1:][:g]
+        for cache, stage in zip((self.k_cache, self.v_cache), self.stage):       # (L, blocks, bs, Hkv, D)
+            cache.view(self.num_layers, -1, self.num_kv_heads, self.head_dim).index_copy_(1, slots_t, stage[:, :n])
+        return self._logits(hidden[last_t])
+
+    def _capture_prefill(self, tb, pb, buf):
+        """-> (graph, buf, hidden (tb, H)): the model over buf's tokens, K/V into the staging rows
+        (allocated once, outside the graphs' pool, for the largest bucket)."""
+        if self.stage is None:
+            shape = (self.num_layers, self.prefill_cap, self.num_kv_heads, self.head_dim)
+            self.stage = tuple(torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(2))
+        ids, pos, offsets = buf[:tb], buf[tb:2 * tb], buf[2 * tb:2 * tb + pb + 1]
+        stage = tuple(s[:, :tb] for s in self.stage)                               # (L, tb, Hkv, D)
+
+        def body():
+            ctx = PrefillContext(self, None, offsets.to(torch.int32), tb, stage=stage)
+            return self.model(ids[None], pos[None], attn_ctx=ctx, return_hidden=True)[0]
+
+        graph, hidden = self._record(("prefill", tb, pb), body, self.prefill_pool)
+        self.prefill_pool = graph.pool()
+        return graph, buf, hidden
 
     # ---- decode: one token per sequence
     def _decode_inputs(self, seqs, rows, src_rows):
@@ -355,12 +440,8 @@ class Runner:
     def _capture(self, key, bucket, params):
         """A graph of the decode step for `bucket` rows: up to the final hidden states (params None),
         or through the lm_head and the Triton sampler at params.temperature into the static record.
-        The first capture of a key runs the step eagerly first, outside the capture (the warm-up
-        torch.cuda.graph asks for: a Triton kernel cannot load its binary while a stream captures).
-        A training step's free_cache(keep_warm=True) keeps the record of warmed keys (with the
-        tuning they ran under): the model is the same and only its values changed, so the next
-        capture finds every kernel compiled and every lazy buffer made, and pays one pass of the
-        layers' Python instead of two. Any other free_cache, and a replaced static buffer, forget it."""
+        It reads the adapters' kept casts as they are (ops.casts_kept): the prefill that starts every
+        generate() call has refreshed them."""
         static_meta, static_tables, record = self._static_buffers()
         meta, tables = static_meta[:META_ROWS * bucket].view(META_ROWS, bucket), static_tables[:bucket]
         prev = split_record(record)[0]
@@ -371,20 +452,32 @@ class Runner:
                 return hidden
             return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]), record)
 
+        saved = record.clone()                       # a warm-up samples: put back what it overwrites
+        with ops.casts_kept():
+            graph, out = self._record(key, step, self.graph_pool)
+        record.copy_(saved)
+        self.graph_pool = graph.pool()
+        return graph, out
+
+    def _record(self, key, body, pool):
+        """-> (graph, its output): body() captured in a CUDA graph sharing `pool`.
+        The first capture of a key runs body eagerly first, outside the capture (the warm-up
+        torch.cuda.graph asks for: a Triton kernel cannot load its binary while a stream captures).
+        A training step's free_cache(keep_warm=True) keeps the record of warmed keys (with the
+        tuning they ran under): the model is the same and only its values changed, so the next
+        capture finds every kernel compiled and every lazy buffer made, and pays one pass of the
+        layers' Python instead of two. Any other free_cache, and a replaced static buffer, forget it."""
         warm = (key, kernels.current())
         if warm not in self.warmed:                  # kernels compile outside any capture
-            saved = record.clone()                   # the warm-up samples: put back what it overwrites
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                step()
+                body()
             torch.cuda.current_stream().wait_stream(stream)
-            record.copy_(saved)
             self.warmed.add(warm)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            out = step()
-        self.graph_pool = graph.pool()
+        with torch.cuda.graph(graph, pool=pool):
+            out = body()
         return graph, out
 
     def _decode_graph(self, seqs, src_rows, prev_tokens, params):

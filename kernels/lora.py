@@ -29,10 +29,10 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
 
 The adapters of a stacked group (q/k/v, gate/up: stacked.py) update together: their A's stacked
 (Σr, in) and their B's as one block-diagonal (Σ out, Σr), two kernels for the group. Those stacked
-copies are kept between calls, as lora.py (the trunk) keeps each adapter's cast copies: every eager
-call refreshes them in place, and a CUDA graph capture reads them as they are (_capturing), so a
-graphed decode step has no cast or copy kernels; rollout's prefill, which starts every generate()
-call, runs eagerly.
+copies are kept between calls, as lora.py (the trunk) keeps each adapter's cast copies: every call
+refreshes them in place, and a decode graph's capture reads them as they are (ops.refresh_casts),
+so a graphed decode step has no cast or copy kernels; rollout's prefill, which starts every
+generate() call, refreshes them (eagerly, or as a prefill graph whose capture recorded the copies).
 
 The adapters arrive by duck typing (the wing never imports lora.py): an adapter has base_layer,
 lora_A (r, in) and lora_B (out, r) fp32, scaling, enabled, lora_dropout, training, r; an NVFP4
@@ -282,14 +282,10 @@ def group_applies(mods) -> bool:
         and (isinstance(m.lora_dropout, nn.Identity) or not m.training) for m in mods)
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    """Is a CUDA graph being captured on t's device? Then the kept copies are read, not refreshed."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def group_casts(holder, mods, x):
     """The group's A (Σr, in) and block-diagonal B (Σ out, Σr) in x's dtype, kept on holder (the
-    stack) between calls: refreshed in place by each eager call, read as they are during a capture."""
+    stack) between calls: refreshed in place by each call, except in a decode graph's capture
+    (ops.refresh_casts), which reads them as they are."""
     R, N, K = sum(m.r for m in mods), sum(m.out_features for m in mods), mods[0].in_features
     casts = getattr(holder, "lora_casts", None)
     if (casts is None or casts[0].dtype != x.dtype or casts[0].device != x.device
@@ -298,7 +294,7 @@ def group_casts(holder, mods, x):
             casts = holder.lora_casts = (torch.empty(R, K, dtype=x.dtype, device=x.device),
                                          torch.zeros(N, R, dtype=x.dtype, device=x.device))
     A, B = casts                                                               # (Σr, in), (Σout, Σr)
-    if not _capturing(x):
+    if ops.refresh_casts(x):
         r0 = n0 = 0
         for m in mods:
             A[r0:r0 + m.r].copy_(m.lora_A)

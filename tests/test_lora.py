@@ -428,20 +428,32 @@ def test_sampling_cast_cache_follows_in_place_updates(mode):
 
 @pytest.mark.gpu
 def test_gpu_graph_replay_reads_casts_refreshed_by_an_eager_call():
+    """A graph captured under ops.casts_kept (a decode step's) reads the kept casts as they are: it
+    sees an in-place update of B only after an eager call refreshed them. A graph captured without
+    it (a prefill graph's) recorded the refresh and sees the update at its next replay."""
+    import ops
     m = _bf16_linear_with_adapter("cuda")
     x = torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         m(x)                                                 # eager: creates and fills the casts
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        kept, refreshing = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with ops.casts_kept(), torch.cuda.graph(kept):
             out = m(x)
+        with torch.cuda.graph(refreshing):
+            out_refreshing = m(x)
     with torch.no_grad():
         m.lora_B.mul_(-2.0)
     want = m(x).detach()                                     # autograd path: fresh casts
     with torch.inference_mode():
-        graph.replay()
+        kept.replay()
         stale = out.clone()
         m(x)                                                 # an eager call (rollout's prefill) refreshes
-        graph.replay()
+        kept.replay()
     assert not torch.equal(stale, want), "the replay before the refresh should still see the old B"
     check_close(out, want, 0.0, "graph replay after the eager refresh")
+    with torch.no_grad():
+        m.lora_B.mul_(-2.0)
+    want = m(x).detach()
+    with torch.inference_mode():
+        refreshing.replay()
+    check_close(out_refreshing, want, 0.0, "a graph that records the refresh, at its next replay")

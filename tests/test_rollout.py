@@ -313,7 +313,7 @@ def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora
                 for m in adapters:
                     m.lora_B.mul_(-1.5)             # an optimizer step, in place
         out = engine.generate(prompts, SamplingParams(max_tokens=40, n=4, seed=3, stop_token_ids=()))
-        assert bool(engine.runner.graphs) == graphs
+        assert bool(engine.runner.graphs) == graphs == bool(engine.runner.prefill_graphs)
         errs = []
         for p, comps in zip(prompts, out):
             for c in comps:
@@ -322,6 +322,33 @@ def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora
                 errs.append((ref - torch.tensor(c.logprobs)).abs())
         errs = torch.cat(errs)
         assert errs.max() < 5e-2 and errs.mean() < 1e-2, f"round {round}: max {errs.max():.2e} mean {errs.mean():.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graph_matches_the_eager_prefill(tiny_hf_dir):
+    """A prefill replayed as a CUDA graph (padded to its token bucket, the prompts to a power of two)
+    writes the same K/V into the cache as the eager prefill and gives the same first tokens and
+    logprobs, for: padding as an extra prompt (3 prompts in a bucket of 4), no padding at all (4 x 16
+    tokens in the same graph, replayed), padding after the one prompt, and 5 prompts in a bucket of 8.
+    The graphs outlive a training step's free_cache and write into the newly allocated cache."""
+    model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
+    graphed, eager = LLMEngine(model), LLMEngine(model, cuda_graphs=False)
+    assert graphed.runner.prefill_cap >= 128 and not eager.runner.prefill_cap
+    params = SamplingParams(max_tokens=1, n=2, seed=5, stop_token_ids=())
+    for lengths in ([5, 40, 17], [16, 16, 16, 16], [100], [30, 2, 7, 1, 9]):
+        prompts = random_prompts(lengths, seed=len(lengths))
+        for _ in range(2):                                  # the second time after a training step's free
+            outs = [e.generate(prompts, params) for e in (graphed, eager)]
+            for a, b in zip(*outs):
+                assert [c.token_ids for c in a] == [c.token_ids for c in b]
+                torch.testing.assert_close(torch.tensor([c.logprobs for c in a]),
+                                           torch.tensor([c.logprobs for c in b]), atol=2e-2, rtol=0)
+            for name in ("k_cache", "v_cache"):
+                torch.testing.assert_close(getattr(graphed.runner, name), getattr(eager.runner, name),
+                                           atol=2e-2, rtol=2e-2)
+            graphed.free_cache(keep_warm=True)
+            eager.free_cache(keep_warm=True)
+    assert {k[:2] for k in graphed.runner.prefill_graphs} == {(64, 4), (128, 1), (64, 8)}
 
 
 @pytest.mark.gpu
@@ -353,6 +380,6 @@ def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
     assert run(engine, 11) == first and run(other, 11) == first
     assert set(engine.runner.graphs) <= {key for key, _ in engine.runner.warmed}
     engine.free_cache(keep_warm=True)    # as before every backward: captured again without the warm-up
-    assert not engine.runner.graphs and run(engine, 11) == first
+    assert not engine.runner.graphs and engine.runner.prefill_graphs and run(engine, 11) == first
     nucleus = run(engine, 11, top_p=0.9)
     assert None in {k[1] for k in engine.runner.graphs} and run(engine, 11, top_p=0.9) == nucleus
