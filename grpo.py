@@ -13,6 +13,10 @@ Advantages (group-relative, no critic). For the G rewards r of one prompt:
 A group whose rewards are all equal gets A = 0 and contributes no gradient: DAPO's dynamic
 sampling drops such groups and samples more prompts instead (`fill_batch`; by default only in steps
 where at least half of the first round's groups are such, where refilling pays for its rollouts).
+Each round is one rollout, and a small model's rollout is latency-bound, so one larger round costs
+little more than a small one: `round_size` over-samples each round from the share p of informative
+groups the previous step saw (verl's DAPO uses a fixed generation batch larger than the train batch;
+this one follows p), so that one round usually fills the batch.
 
 Per token t of completion i, with ratio ρ = exp(logp - old_logp) against the policy that sampled:
 
@@ -86,7 +90,7 @@ class GRPOConfig:
     is_min: float | None = None          # C_min of the correction (None: no lower bound)
     dynamic_sampling: bool = True        # DAPO: drop zero-variance groups and sample more
     dynamic_sampling_threshold: float = 0.5  # ... only when this share of a step's first round has zero variance
-    max_sampling_rounds: int = 3         # sampling rounds per batch before giving up filling it
+    max_sampling_rounds: int = 3         # rounds (and batches' worth of prompts) a step before giving up
     dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal"
 
     def __post_init__(self):
@@ -332,58 +336,99 @@ def dynamic_sampling_filter(rewards: torch.Tensor, group_size: int, tol: float =
     return (r.max(dim=1).values - r.min(dim=1).values) > tol
 
 
+def round_size(need: int, keep_rate: float, cap: int) -> int:
+    """How many prompts a sampling round draws to find `need` informative groups: the smallest
+    n >= need with
+
+        n·p - sqrt(n·p·(1-p)) >= need,        p = keep_rate clamped to [0, 1]
+
+    i.e. the expected informative count minus one binomial standard deviation covers the need. If p
+    is the true rate, one round then fills the batch in about 5 steps of 6 or more (the one-sided
+    one-σ bound; the discrete binomial gives at least 86% for needs of 1 to 32), and a shortfall is
+    small and refilled by a second round. The mean alone (n = need/p) would miss half the time; a
+    wider margin would save few second rounds and discard more groups. p >= 1 gives n = need (no
+    over-sampling, as after a step whose groups all carried signal); p <= 0, or no n up to cap
+    satisfying the rule, gives cap, the prompts the step may still draw. Never more than cap, even
+    where cap < need.
+    """
+    p = min(max(keep_rate, 0.0), 1.0)
+    return next((n for n in range(need, cap + 1) if n * p - math.sqrt(n * p * (1 - p)) >= need), cap)
+
+
 @dataclass
 class FilledBatch:
     """What fill_batch gathered: the kept groups, in sampling order."""
     groups: list            # one caller-defined payload per kept group (at most target_groups)
     rewards: torch.Tensor   # (len(groups) · G,) their rewards
     rounds: int             # sampling rounds used
-    sampled_groups: int     # groups drawn in total (kept + dropped + surplus)
+    sampled_groups: int     # groups (= prompts) drawn in total (kept + dropped + surplus)
+    informative: int        # of those, groups with a reward spread (kept or not)
     full: bool              # True when target_groups groups were found
+
+    @property
+    def keep_rate(self) -> float:
+        """The share of drawn groups that carried signal: the next step's fill_batch keep_rate."""
+        return self.informative / self.sampled_groups
 
 
 def fill_batch(
-    sample_round: Callable[[int], tuple[torch.Tensor, Sequence[Any]]],
+    sample_round: Callable[[int, int], tuple[torch.Tensor, Sequence[Any]]],
     target_groups: int,
     group_size: int,
     max_rounds: int,
     tol: float = 1e-6,
     threshold: float = 0.0,
+    keep_rate: float = 1.0,
 ) -> FilledBatch:
-    """Call sample_round until target_groups informative groups are kept or max_rounds is hit.
+    """Call sample_round until target_groups informative groups are kept or the budget is spent.
 
-    sample_round(round_index) -> (rewards (n·G,), payloads: n objects, one per group) samples n
-    fresh prompts × G completions (the caller owns prompts, the sampler and what a payload is).
-    Groups whose rewards are all equal within tol are dropped; the surplus of the last round is
-    discarded, as DAPO does. When max_rounds runs out, the partial batch comes back with
-    full=False (possibly empty): the caller decides whether to train on it or skip the step.
+    sample_round(round_index, n) -> (rewards (n·G,), payloads: n objects, one per group) samples n
+    fresh prompts × G completions (the caller owns prompts, the sampler and what a payload is). Each
+    round draws round_size(need, keep_rate, left) prompts, need = target_groups - groups kept so far:
+    keep_rate is the expected share of informative groups (the previous step's FilledBatch.keep_rate;
+    1.0 without history, which draws exactly the need). The budget is what max_rounds rounds of
+    target_groups prompts would draw: at most max_rounds rounds and max_rounds · target_groups prompts
+    in all (left is what remains of it). Groups whose rewards are all equal within tol are dropped;
+    informative ones are kept in sampling order up to target_groups and the surplus discarded, as DAPO
+    does. When the budget runs out, the partial batch comes back with full=False (possibly empty): the
+    caller decides whether to train on it or skip the step.
 
     threshold: refill only where it pays. When fewer than this share of the first round's groups
-    are uninformative, that round comes back whole (its zero-variance groups included, as without
-    dynamic sampling) and nothing more is sampled. Refilling buys an update more groups with signal
-    at one more rollout each round; that matters where most groups have none (a base model that
-    rarely solves the task, or a policy whose entropy has collapsed), and costs a rollout for little
-    where most already have a spread. 0 refills every step (DAPO's rule).
+    are uninformative, nothing more is sampled and the batch is that round's target_groups groups
+    with the most signal: its informative groups, then its first zero-variance ones (as without
+    dynamic sampling), in sampling order. Refilling buys an update more groups with signal at one more
+    rollout each round; that matters where most groups have none (a base model that rarely solves the
+    task, or a policy whose entropy has collapsed), and costs a rollout for little where most already
+    have a spread. 0 refills every step (DAPO's rule). For the same reason the first round is
+    over-sampled only where keep_rate predicts a refill (1 - keep_rate >= threshold): otherwise it
+    draws target_groups, as it would come back unfiltered.
     """
     if target_groups < 1:
         raise ValueError(f"target_groups must be >= 1, got {target_groups}")
     if max_rounds < 1:
         raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
-    kept, kept_rewards, sampled, rounds = [], [], 0, 0
-    while len(kept) < target_groups and rounds < max_rounds:
-        rewards, payloads = sample_round(rounds)
+    budget = max_rounds * target_groups
+    kept, kept_rewards, sampled, informative, rounds = [], [], 0, 0, 0
+    while len(kept) < target_groups and rounds < max_rounds and sampled < budget:
+        p = keep_rate if rounds or 1 - keep_rate >= threshold else 1.0
+        n = round_size(target_groups - len(kept), p, budget - sampled)
+        rewards, payloads = sample_round(rounds, n)
         rounds += 1
         keep = dynamic_sampling_filter(rewards, group_size, tol)     # (n,)
-        if keep.numel() != len(payloads):
-            raise ValueError(f"sample_round returned {keep.numel()} groups of rewards but {len(payloads)} payloads")
-        sampled += len(payloads)
+        if (keep.numel(), len(payloads)) != (n, n):
+            raise ValueError(f"sample_round was asked for {n} groups and returned {keep.numel()} groups of "
+                             f"rewards and {len(payloads)} payloads")
+        sampled += n
+        informative += int(keep.sum())
         r = rewards.float().view(-1, group_size)                     # (n, G)
         if rounds == 1 and (~keep).float().mean().item() < threshold:  # enough signal: no refill
-            return FilledBatch(list(payloads), r.flatten(), 1, sampled, True)
+            flags = keep.tolist()
+            picks = sorted(sorted(range(n), key=lambda i: not flags[i])[:target_groups])  # informative first
+            return FilledBatch([payloads[i] for i in picks], r[picks].flatten(), 1, sampled, informative, True)
         for i in torch.nonzero(keep).flatten().tolist():
             if len(kept) == target_groups:
                 break
             kept.append(payloads[i])
             kept_rewards.append(r[i])
     rew = torch.cat(kept_rewards) if kept_rewards else torch.zeros(0)
-    return FilledBatch(kept, rew, rounds, sampled, len(kept) == target_groups)
+    return FilledBatch(kept, rew, rounds, sampled, informative, len(kept) == target_groups)

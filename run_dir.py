@@ -6,7 +6,8 @@
                  plots.png              reward, eval accuracy, loss, grad norm, AQN σ, step time, entropy
                                         and completion length against step, redrawn at each evaluation
                  checkpoint-<step>/     adapter_model.safetensors + adapter_config.json (a PEFT adapter)
-                                        + trainer_state.pt (optimizer, schedule, step, data position)
+                                        + trainer_state.pt (optimizer, schedule, step, data position,
+                                        dynamic sampling's keep rate)
                                         + manifest.json (the size and sha256 of each of those files)
                  latest                 the name of the newest checkpoint: a hint, not the truth
                  .lock                  held by the live run (flock); it holds the run's pid and host
@@ -281,9 +282,11 @@ def _optimizer_tensors(optimizer, names: dict):
             yield f"optimizer {k} of {names.get(id(p), 'a parameter')}", v
 
 
-def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: int, base_model: str, keep: int):
+def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: int, base_model: str, keep: int,
+                    keep_rate: float = 1.0):
     """checkpoint-<step>/ = PEFT adapter + trainer_state.pt + manifest.json, written as .tmp-... and
-    renamed; then `latest`, then the oldest beyond `keep` go. Checkpoints newer than this one stay."""
+    renamed; then `latest`, then the oldest beyond `keep` go. Checkpoints newer than this one stay.
+    data_pos and keep_rate (grpo.fill_batch's) are what the next step's sampling starts from."""
     names = {id(p): n for n, p in model.named_parameters()}
     bad = _nonfinite((n, p) for n, p in model.named_parameters() if p.requires_grad)
     bad = bad or _nonfinite(_optimizer_tensors(optimizer, names))
@@ -294,7 +297,7 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
     tmp, final = os.path.join(out, f".tmp-{name}"), os.path.join(out, name)
     shutil.rmtree(tmp, ignore_errors=True)
     lora.save_adapter(model, tmp, base_model)
-    state = {"step": step, "data_pos": data_pos, "optimizer": optimizer.state_dict(),
+    state = {"step": step, "data_pos": data_pos, "keep_rate": keep_rate, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict()}
     torch.save(state, os.path.join(tmp, TRAINER_STATE))
     files = {}
@@ -317,7 +320,8 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
 
 def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> dict:
     """Restore the adapter, optimizer and schedule from a verified checkpoint; returns its state
-    (step, data_pos). Refuses, naming the tensor, anything non-finite."""
+    (step, data_pos, keep_rate: 1.0 from a checkpoint written before it was kept, as a fresh run
+    starts). Refuses, naming the tensor, anything non-finite."""
     try:
         lora.load_adapter(model, ckpt, base_model)
     except (ValueError, FileNotFoundError) as e:
@@ -333,6 +337,7 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> 
         raise SystemExit(f"error: cannot resume from {ckpt}: its {TRAINER_STATE} is of step {state['step']}")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    state.setdefault("keep_rate", 1.0)
     return state
 
 

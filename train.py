@@ -9,7 +9,8 @@ One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
     rollout : P prompts × G samples from the model itself (rollout.py; NVFP4 base + live LoRA + z)
     reward  : Σ weight · term over the reward terms (reward_funcs.py: the guarded correctness check,
               functions of the user's) + DAPO overlong shaping; DAPO dynamic sampling drops groups
-              whose G rewards are all equal and samples more prompts
+              whose G rewards are all equal and samples more prompts, each round over-sampled from the
+              share of informative groups the last step drew, so that one rollout usually fills P
     A       = grpo.advantages(r)                     one advantage per completion
     train   : log π_θ(completion) through the same model in micro-batches (gradient checkpointing,
               lm_head in chunks, never a (tokens × vocab) fp32 tensor for the whole batch), the
@@ -29,8 +30,8 @@ logprobs.py (the batch as training tensors, the chunked log-probs), plan.py (how
 memory: micro-batch sizes, recomputation, what stays resident), run_dir.py (run_config.json,
 metrics.jsonl, plots.png, crash-safe checkpoints that --resume continues from) and distributed.py
 (`torchrun --nproc-per-node N train.py ...`: ranks as replicas of one policy). Every random draw (data
-order, AQN noise, sampling) is seeded from (seed, step), so a resumed run samples what the
-uninterrupted run would have.
+order, AQN noise, sampling) is seeded from (seed, step), and a checkpoint carries the data position and
+dynamic sampling's keep rate, so a resumed run samples what the uninterrupted run would have.
 
 Left out here: multi-node (the output directory must be shared), a learning-rate decay schedule.
 Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run);
@@ -227,20 +228,24 @@ class PromptStream:
         return [self._order(i // len(self.examples))[i % len(self.examples)] for i in range(start, self.position)]
 
 
-def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep_cache_bytes: int = 0):
+def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep_cache_bytes: int = 0,
+                 keep_rate: float = 1.0):
     """The step's generation batch: P prompts × G samples from the policy under the AQN noise, each
     completion scored (reward_funcs.score: the weighted reward terms, + DAPO overlong shaping). With
     dynamic sampling, groups whose G rewards are all equal are dropped and more prompts sampled
-    (grpo.fill_batch). Each rank samples its share; every rank returns the whole batch. The KV cache (and
-    the CUDA graphs that point into it) stays for the next step where it takes at most keep_cache_bytes,
-    else it is freed for the training pass. -> (groups [(example, prompt ids, completions, rewards)],
-    scores: their rewards (P·G,), metrics, this rank's samples [{prompt, completion, reward, terms}])."""
+    (grpo.fill_batch): each round takes the next n prompts of the stream, n sized by grpo.round_size from
+    keep_rate, the share of informative groups the previous step drew (1.0 at the first step), so that one
+    round usually fills the batch. Each rank samples every world-th of a round's prompts (n need not divide
+    by world); every rank returns the whole batch, and computes the next rate from the gathered rewards, so
+    all size their rounds alike. The KV cache (and the CUDA graphs that point into it) stays for the next
+    step where it takes at most keep_cache_bytes, else it is freed for the training pass. -> (groups
+    [(example, prompt ids, completions, rewards)], scores: their rewards (P·G,), metrics, this rank's
+    samples [{prompt, completion, reward, terms}], the next step's keep_rate)."""
     rank, world = rank_world()
     per_rank = f"/rank{rank}" if world > 1 else ""   # the ranks' own streams (AQN noise is the same on all)
     stats, completions, samples, term_sums = rewards.RewardStats(), [], [], {}
 
-    def sample_round(r):  # this rank's slice of the prompts; returns every rank's groups
-        idx = stream.take(args.prompts_per_step)[rank::world]
+    def sample_prompts(r, idx):  # round r on this rank's prompts -> (their rewards (len(idx)·G,), groups)
         sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
                                     n=args.group_size, seed=step_seed(args.seed, step, f"sample{r}{per_rank}"))
         with aqn.noise_applied(engine.model, noise):
@@ -250,7 +255,7 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
         examples = [stream.examples[i] for i, cs in zip(idx, comps) for _ in cs]
         totals, terms = reward_funcs.score(funcs, examples, texts, stats, completion_ids=[c.token_ids for c in flat],
                                            timeout_s=args.reward_timeout, format_weight=args.format_weight)
-        rs = torch.tensor(totals, dtype=torch.float32)                            # (n·G,)
+        rs = torch.tensor(totals, dtype=torch.float32)                            # (len(idx)·G,)
         shaped = rs
         if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
             lens = torch.tensor([len(c.token_ids) for c in flat])
@@ -263,20 +268,25 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
                         **{f"rewards/{name}": values[j] for name, values in terms.items()}}
                        for j, (e, t, v) in enumerate(zip(examples, texts, shaped)))
         G = args.group_size
-        groups = [(stream.examples[i], stream.ids[i], cs, shaped[k * G:(k + 1) * G]) for k, (i, cs) in
-                  enumerate(zip(idx, comps))]
-        parts = gather((rs, groups))
+        return rs, [(stream.examples[i], stream.ids[i], cs, shaped[k * G:(k + 1) * G]) for k, (i, cs) in
+                    enumerate(zip(idx, comps))]
+
+    def sample_round(r, n):  # this rank's share of the next n prompts; returns every rank's groups
+        idx = stream.take(n)[rank::world]
+        parts = gather(sample_prompts(r, idx) if idx else (torch.zeros(0), []))   # n < world: a rank may get none
         groups = [g for _, gs in parts for g in gs]
         completions.extend(c for g in groups for c in g[2])
         return torch.cat([r for r, _ in parts]), groups
 
     t0 = time.perf_counter()
+    rounds, prompts, sizing = 1, args.prompts_per_step, {}
     if gcfg.dynamic_sampling:
         filled = grpo.fill_batch(sample_round, args.prompts_per_step, args.group_size, gcfg.max_sampling_rounds,
-                                 gcfg.dynamic_sampling_tol, gcfg.dynamic_sampling_threshold)
-        groups, rounds = filled.groups, filled.rounds
+                                 gcfg.dynamic_sampling_tol, gcfg.dynamic_sampling_threshold, keep_rate)
+        groups, rounds, prompts = filled.groups, filled.rounds, filled.sampled_groups
+        sizing, keep_rate = {"sampling/keep_rate": keep_rate}, filled.keep_rate   # this step's (logged); the next's
     else:
-        groups, rounds = sample_round(0)[1], 1
+        groups = sample_round(0, prompts)[1]
     scores = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)    # (P·G,)
     if engine.cache_bytes() > keep_cache_bytes:
         engine.free_cache(keep_warm=True)  # the KV cache goes before the backward pass needs the memory
@@ -288,12 +298,13 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
         for name, (total, count) in part.items():
             t, c = term_means.get(name, (0.0, 0))
             term_means[name] = (t + total, c + count)
-    return groups, scores, {
+    metrics = {
         "time/rollout": t_rollout, "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
-        "reward_errors": errors, "reward_timeouts": timeouts,
+        "sampling/prompts": prompts, **sizing, "reward_errors": errors, "reward_timeouts": timeouts,
         **{f"rewards/{name}/mean": total / count for name, (total, count) in term_means.items() if count},
         "completions/mean_length": new_tokens / len(completions),
-        "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}, samples
+        "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}
+    return groups, scores, metrics, samples, keep_rate
 
 
 def main(argv=None):
@@ -332,10 +343,11 @@ def main(argv=None):
         write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps({**vars(args), "world_size": world,
                                                                           "step_plan": step_plan.as_dict()}, indent=2))
 
-    start, stream = 0, PromptStream(train_set, train_ids, args.seed)
+    # keep_rate: the share of informative groups the last step drew, which sizes dynamic sampling's rounds
+    start, stream, keep_rate = 0, PromptStream(train_set, train_ids, args.seed), 1.0
     if resume_from:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, args.model)
-        start, stream.position = state["step"], state["data_pos"]
+        start, stream.position, keep_rate = state["step"], state["data_pos"], state["keep_rate"]
         log(f"resumed from {resume_from} at step {start}")
     if rank == 0:
         for name in (METRICS, COMPLETIONS):
@@ -363,8 +375,8 @@ def main(argv=None):
             sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
             noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
             try:
-                groups, scores, rollout_metrics, samples = rollout_step(step, engine, tokenizer, stream, noise, args, gcfg,
-                                                                        funcs, step_plan.keep_cache_bytes)
+                groups, scores, rollout_metrics, samples, keep_rate = rollout_step(
+                    step, engine, tokenizer, stream, noise, args, gcfg, funcs, step_plan.keep_cache_bytes, keep_rate)
             except reward_funcs.RewardError as e:  # the user's reward function: its own line, no traceback
                 raise SystemExit(f"error: at step {step}: {e}") from None
             m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, **rollout_metrics}
@@ -390,7 +402,7 @@ def main(argv=None):
                             zero_std=f"{m.get('frac_reward_zero_std', float('nan')):.2f}")   # groups without signal
             if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
                 save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, stream.position, args.model,
-                                args.keep_checkpoints)
+                                args.keep_checkpoints, keep_rate)
             if world > 1:
                 torch.distributed.barrier()  # rank 0 has finished the checkpoint before any rank goes on
             if stop:

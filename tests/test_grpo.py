@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo import (GRPOConfig, advantages, completion_mask, dynamic_sampling_filter, fill_batch,
-                  overlong_penalty, policy_loss)
+                  overlong_penalty, policy_loss, round_size)
 
 E = math.exp
 NAN, INF = float("nan"), float("inf")
@@ -307,29 +307,107 @@ def test_dynamic_sampling_filter():
     assert dynamic_sampling_filter(r, 3, tol=1e-3).tolist() == [False, True, False, False]
 
 
+@pytest.mark.parametrize("need, p, cap, want", [
+    (8, 0.4, 100, 27),   # 0.4n - √(0.24n): n = 26 -> 10.4 - 2.50 = 7.90 < 8; n = 27 -> 10.8 - 2.55 = 8.25
+    (8, 0.5, 100, 21),   # (n - √n)/2 >= 8: n = 20 -> 15.53/2 < 8; n = 21 -> 16.42/2 = 8.21
+    (8, 0.8, 100, 12),   # 0.8n - 0.4√n: n = 11 -> 8.8 - 1.33 = 7.47; n = 12 -> 9.6 - 1.39 = 8.21
+    (4, 0.8, 100, 7),    # n = 6 -> 4.8 - 0.98 = 3.82; n = 7 -> 5.6 - 1.06 = 4.54
+    (2, 0.8, 100, 4),    # n = 3 -> 2.4 - 0.69 = 1.71; n = 4 -> 3.2 - 0.8 = 2.4
+    (4, 0.5, 100, 12),   # (n - √n)/2 >= 4: n = 11 -> 7.68/2 < 4; n = 12 -> 8.54/2 = 4.27
+    (8, 1.0, 100, 8),    # every group informative: exactly the need
+    (8, 1.5, 100, 8),    # a rate above 1 counts as 1
+    (8, 0.0, 24, 24),    # none informative: the whole budget
+    (8, -0.2, 24, 24),
+    (8, 0.4, 24, 24),    # the rule wants 27: the cap binds
+    (8, 1.0, 5, 5),      # a cap below the need still binds
+])
+def test_round_size_by_hand(need, p, cap, want):
+    assert round_size(need, p, cap) == want
+
+
+def test_round_size_fills_in_one_round_at_least_five_times_in_six():
+    """With the true rate p, P(Binomial(n, p) >= need) >= 5/6: exact binomial tails (math.comb)."""
+    worst = 1.0
+    for need in range(1, 33):
+        for p in (0.05, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 0.99):
+            n = round_size(need, p, 10_000)
+            worst = min(worst, sum(math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(need, n + 1)))
+    assert worst >= 5 / 6, f"one round fills the batch with probability {worst:.3f} at worst"
+
+
 def _sampler(rounds_rewards):
-    """A fake sampler: round k returns the given (n, G) rewards, payloads 'k:i'."""
-    def sample_round(k):
-        r = torch.tensor(rounds_rewards[k], dtype=torch.float32)
-        return r.flatten(), [f"{k}:{i}" for i in range(r.shape[0])]
+    """A fake sampler: round k returns the first n of the given (·, G) rewards of round k, payloads
+    'k:i'; .asked records the n of each call."""
+    def sample_round(k, n):
+        sample_round.asked.append(n)
+        r = torch.tensor(rounds_rewards[k][:n], dtype=torch.float32)
+        assert r.shape[0] == n, f"round {k}: asked for {n} groups, the script has {r.shape[0]}"
+        return r.flatten(), [f"{k}:{i}" for i in range(n)]
+    sample_round.asked = []
     return sample_round
 
 
 def test_fill_batch_accumulates_until_full():
-    rounds = [[[1, 1], [0, 1], [0, 0], [1, 1]],      # 1 informative group
-              [[1, 0], [1, 1], [0, 1], [1, 0]]]      # 3 informative, 1 of them surplus
-    out = fill_batch(_sampler(rounds), target_groups=3, group_size=2, max_rounds=5)
-    assert out.full and out.rounds == 2 and out.sampled_groups == 8
-    assert out.groups == ["0:1", "1:0", "1:2"]
+    """keep_rate 1 (no history): each round draws exactly the groups still missing."""
+    rounds = [[[1, 1], [0, 1], [0, 0]],      # 1 informative group
+              [[1, 0], [1, 1]],              # 1
+              [[0, 1]]]                      # 1
+    s = _sampler(rounds)
+    out = fill_batch(s, target_groups=3, group_size=2, max_rounds=5)
+    assert s.asked == [3, 2, 1]
+    assert out.full and out.rounds == 3 and out.sampled_groups == 6 and out.informative == 3
+    assert out.groups == ["0:1", "1:0", "2:0"]
     assert out.rewards.tolist() == [0, 1, 1, 0, 0, 1]
 
 
+def test_fill_batch_over_samples_and_fills_in_one_round():
+    """keep_rate 0.8, 4 wanted: round_size(4, 0.8, 12) = 7 prompts; 5 of them informative, the 5th
+    informative one is surplus."""
+    s = _sampler([[[1, 0], [1, 1], [0, 1], [1, 0], [0, 0], [1, 0], [0, 1]]])
+    out = fill_batch(s, target_groups=4, group_size=2, max_rounds=3, keep_rate=0.8)
+    assert s.asked == [7]
+    assert out.full and out.rounds == 1 and out.sampled_groups == 7 and out.informative == 5
+    assert out.groups == ["0:0", "0:2", "0:3", "0:5"]
+    assert out.rewards.tolist() == [1, 0, 0, 1, 1, 0, 1, 0]
+    assert out.keep_rate == 5 / 7
+
+
+def test_fill_batch_sizes_a_second_round_for_the_shortfall():
+    """Round 0 draws 7 and finds 2 informative; round 1 draws round_size(2, 0.8, 12 - 7) = 4 for the
+    2 missing, finds 3, keeps 2."""
+    rounds = [[[1, 1], [0, 1], [0, 0], [1, 1], [1, 0], [0, 0], [1, 1]],
+              [[0, 0], [1, 0], [0, 1], [1, 0]]]
+    s = _sampler(rounds)
+    out = fill_batch(s, target_groups=4, group_size=2, max_rounds=3, keep_rate=0.8)
+    assert s.asked == [7, 4]
+    assert out.full and out.rounds == 2 and out.sampled_groups == 11 and out.informative == 5
+    assert out.groups == ["0:1", "0:4", "1:1", "1:2"]
+    assert out.keep_rate == 5 / 11
+
+
 def test_fill_batch_stops_at_max_rounds():
-    rounds = [[[1, 1], [0, 1]], [[0, 0], [1, 1]], [[1, 0], [0, 1]]]
-    out = fill_batch(_sampler(rounds), target_groups=3, group_size=2, max_rounds=2)
-    assert not out.full and out.rounds == 2 and out.groups == ["0:1"] and out.sampled_groups == 4
+    rounds = [[[1, 1], [0, 1], [0, 0]], [[0, 0], [1, 1]], [[1, 0], [0, 1]]]
+    s = _sampler(rounds)
+    out = fill_batch(s, target_groups=3, group_size=2, max_rounds=2)
+    assert s.asked == [3, 2]
+    assert not out.full and out.rounds == 2 and out.groups == ["0:1"] and out.sampled_groups == 5
     empty = fill_batch(_sampler([[[1, 1]]]), target_groups=1, group_size=2, max_rounds=1)
-    assert not empty.full and empty.groups == [] and empty.rewards.numel() == 0
+    assert not empty.full and empty.groups == [] and empty.rewards.numel() == 0 and empty.informative == 0
+
+
+def test_fill_batch_never_draws_more_than_max_rounds_times_target():
+    """Budget 3 · 4 = 12 prompts. keep_rate 0.8: round 0 draws 7, none informative; round 1 would draw
+    7 for the 4 missing but only 5 are left; then the budget is spent with a round to spare."""
+    rounds = [[[1, 1]] * 7, [[0, 0], [0, 1], [1, 1], [0, 0], [1, 1]], [[0, 1]] * 7]
+    s = _sampler(rounds)
+    out = fill_batch(s, target_groups=4, group_size=2, max_rounds=3, keep_rate=0.8)
+    assert s.asked == [7, 5]
+    assert not out.full and out.rounds == 2 and out.sampled_groups == 12 and out.groups == ["1:1"]
+    # keep_rate 0.5 wants 12 for 4, budget 2 · 4 = 8: one round of 8; keep_rate 0 takes the budget too
+    for rate, max_rounds in ((0.5, 2), (0.0, 3)):
+        s = _sampler([[[0, 0]] * 7 + [[0, 1]] * 5])
+        out = fill_batch(s, target_groups=4, group_size=2, max_rounds=max_rounds, keep_rate=rate)
+        assert s.asked == [4 * max_rounds] and out.rounds == 1 and out.informative == 4 * max_rounds - 7
 
 
 def test_fill_batch_refills_only_past_the_threshold():
@@ -345,6 +423,33 @@ def test_fill_batch_refills_only_past_the_threshold():
     assert fill_batch(_sampler(mostly_signal), 4, 2, 3, threshold=0.0).groups == ["0:0", "0:1", "0:3", "1:0"]
 
 
+@pytest.mark.parametrize("keep_rate, threshold, max_rounds, script, asked, informative, groups", [
+    # 0.8 predicts 20% uninformative, under the threshold 0.5: the round draws the 4 it needs, not
+    # round_size's 7, and with 1 of 4 uninformative comes back whole, unfiltered
+    (0.8, 0.5, 3, [[1, 0], [1, 1], [0, 1], [1, 0], [0, 0], [1, 0], [0, 1]], 4, 3, [0, 1, 2, 3]),
+    # 0.5 predicts a refill (1 - 0.5 >= 0.5): round_size(4, 0.5, 12) = 12 (n = 11: 5.5 - 1.66 < 4;
+    # n = 12: 6 - 1.73 >= 4); 4 of 12 uninformative (< 0.5): no refill, the first 4 informative
+    (0.5, 0.5, 3, [[1, 1], [0, 1], [0, 0], [1, 0], [1, 1], [0, 1], [1, 0], [0, 1], [1, 0], [1, 1], [0, 1], [1, 0]],
+     12, 8, [1, 3, 5, 6]),
+    # 0.05 draws the whole budget of 2 rounds x 4 at once; 5 of 8 uninformative is under 0.9: the 3
+    # informative groups and the first zero-variance one, in sampling order
+    (0.05, 0.9, 2, [[0, 0], [1, 0], [1, 1], [0, 0], [0, 1], [1, 1], [1, 0], [0, 0]], 8, 3, [0, 1, 4, 6]),
+])
+def test_fill_batch_threshold_over_samples_only_where_a_refill_is_predicted_and_keeps_signal_first(
+        keep_rate, threshold, max_rounds, script, asked, informative, groups):
+    """Where the first round has enough signal, the batch is its target groups with the most signal
+    (informative first, then zero-variance ones), in sampling order; the first round is over-sampled
+    only where keep_rate predicts a refill."""
+    s = _sampler([script])
+    out = fill_batch(s, target_groups=4, group_size=2, max_rounds=max_rounds, threshold=threshold, keep_rate=keep_rate)
+    assert s.asked == [asked]
+    assert out.full and out.rounds == 1 and out.sampled_groups == asked and out.informative == informative
+    assert out.groups == [f"0:{i}" for i in groups]
+    assert out.rewards.tolist() == [v for i in groups for v in script[i]]
+
+
 def test_fill_batch_checks_payload_count():
     with pytest.raises(ValueError, match="payloads"):
-        fill_batch(lambda k: (torch.tensor([0.0, 1.0]), ["a", "b"]), 1, 2, 1)
+        fill_batch(lambda k, n: (torch.tensor([0.0, 1.0]), ["a", "b"]), 1, 2, 1)
+    with pytest.raises(ValueError, match="asked for 1 groups and returned 2"):
+        fill_batch(lambda k, n: (torch.tensor([0.0, 1.0, 1.0, 1.0]), ["a", "b"]), 1, 2, 1)

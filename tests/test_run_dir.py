@@ -196,6 +196,21 @@ def test_rotation_keeps_newer_checkpoints_and_sets_a_failed_one_aside(tmp_path):
     assert run_dir.verify_checkpoint(ck(out, 6)) is None and open(out / run_dir.LATEST).read() == "checkpoint-000006"
 
 
+def test_the_checkpoint_carries_the_keep_rate_and_an_older_one_resumes_with_one(tmp_path):
+    """trainer_state.pt holds dynamic sampling's keep rate next to the data position; a checkpoint
+    written before it was kept loads with 1.0, the rate a fresh run starts from."""
+    out = tmp_path / "run"
+    model, opt, sched = make_run(out, steps=(1,))
+    run_dir.save_checkpoint(str(out), 2, model, opt, sched, 7, "toy", keep=3, keep_rate=0.375)
+    state = run_dir.load_checkpoint(ck(out, 2), *toy(seed=1), "toy")
+    assert (state["step"], state["data_pos"], state["keep_rate"]) == (2, 7, 0.375)
+    path = os.path.join(ck(out, 2), run_dir.TRAINER_STATE)
+    older = torch.load(path, weights_only=True)
+    del older["keep_rate"]
+    torch.save(older, path)
+    assert run_dir.load_checkpoint(ck(out, 2), *toy(seed=1), "toy")["keep_rate"] == 1.0
+
+
 # ----------------------------------------------------------------------------------------------
 # non-finite values
 

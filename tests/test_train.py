@@ -129,15 +129,22 @@ def test_train_resume_then_eval(tiny_model, tmp_path, capsys):
     assert len(preds) == 3 and all(len(p["completions"]) == 1 for p in preds)
 
 
-def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path, monkeypatch, dynamic):
     """Seeds derive from (seed, step): 2 steps + resume 1 step == 3 steps straight (adapter bits).
 
     A random model never solves addition, so the reward is replaced by one that varies with the
-    completion (its length parity): the advantages are non-zero and the adapters really move."""
+    completion (its length parity): the advantages are non-zero and the adapters really move. With
+    dynamic sampling the reward is spread_on_even_answers, which leaves about half the groups without
+    a spread, so step 2, the first after the resume, over-samples by the keep rate step 1 measured and
+    the checkpoint carried."""
     monkeypatch.setattr(train.rewards, "rewards", lambda exs, texts, stats=None, **kw: [float(len(t) % 2) for t in texts])
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     common = ["--model", tiny_model, "--save-every", "1", "--eval-limit", "0", "--lr", "1e-2",
               "--lora-dropout", "0.1", "--max-steps", "3", *FAST]
+    if dynamic:
+        common += ["--dynamic-sampling", "--dynamic-sampling-threshold", "0",
+                   "--reward", "test_train:spread_on_even_answers"]
     train.main([*common, "--output-dir", a])
     train.main([*common, "--output-dir", b, "--stop-at", "2"])
     train.main([*common, "--output-dir", b, "--resume"])
@@ -149,7 +156,19 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path, monkeypatch)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
     ra, rb = read_metrics(a), read_metrics(b)
-    assert [r["reward"] for r in ra] == [r["reward"] for r in rb]
+    keys = ("reward", "sampling/rounds", "sampling/prompts", "sampling/keep_rate")
+    assert [[r.get(k) for k in keys] for r in ra] == [[r.get(k) for k in keys] for r in rb]
+    states = [torch.load(os.path.join(d, "checkpoint-000003", run_dir.TRAINER_STATE), weights_only=True)
+              for d in (a, b)]
+    assert states[0]["data_pos"] == states[1]["data_pos"] == sum(r["sampling/prompts"] for r in ra)
+    assert states[0]["keep_rate"] == states[1]["keep_rate"]
+    if dynamic:  # answers 128, 137, 52 | 122, 100, 144, 23, 117 | 155, 192, 88, 117, 142, 120 (even: a spread)
+        # step 0: rounds of 2 and 1 (rate 1); step 1: round_size(2, 2/3, 6) = 5, 3 of them informative;
+        # step 2, after the resume: round_size(2, 0.6, 6) = 6 (n = 5: 3 - √1.2 = 1.90 < 2; n = 6: 3.6 - 1.2 = 2.4)
+        assert [(r["sampling/keep_rate"], r["sampling/prompts"]) for r in ra] == \
+            [(1.0, 3), (pytest.approx(2 / 3), 5), (pytest.approx(0.6), 6)], ra
+    else:
+        assert states[0]["data_pos"] == 3 * 2 and "sampling/keep_rate" not in ra[0]
 
 
 def test_sigkill_mid_run_then_resume(tiny_model, tmp_path):
@@ -185,6 +204,13 @@ CALLS = []
 def length_parity(completions, **kwargs):
     """A reward that varies with the completion (a random model never solves addition): 1 for an odd length."""
     return [float(len(c) % 2) for c in completions]
+
+
+def spread_on_even_answers(completions, answer, **kwargs):
+    """A reward with a spread (0, 1, 0, 1 by position; G is even) in the groups of even answers and none
+    (all 0) in those of odd ones: dynamic sampling keeps about half of what it draws, whatever the
+    random model writes, and which groups it keeps follows from the data order alone."""
+    return [0.0 if int(a) % 2 else float(i % 2) for i, a in enumerate(answer)]
 
 
 def length_mod_3(prompts, completions, completion_ids, difficulty, **kwargs):
