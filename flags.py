@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dynamic-sampling-threshold", type=float, default=0.5,
                    help="refill a step only when at least this share of its first round's groups has no reward "
                         "spread (0: every step, DAPO's rule)")
-    g.add_argument("--max-sampling-rounds", type=int, default=3, help="dynamic sampling's rounds per step")
+    g.add_argument("--max-sampling-rounds", type=int, default=10,
+                   help="dynamic sampling's budget a step: at most this many rounds, and this many times "
+                        "--prompts-per-step prompts (verl's DAPO gives up after 10 generation batches)")
     g.add_argument("--overlong-cache", type=int, default=0, help="DAPO overlong shaping window (0 = off)")
     g.add_argument("--mask-truncated", action="store_true", help="overlong filtering: no loss on truncated completions")
     g.add_argument("--importance-sampling", choices=list(grpo.IS_MODES), default=None,

@@ -90,7 +90,7 @@ class GRPOConfig:
     is_min: float | None = None          # C_min of the correction (None: no lower bound)
     dynamic_sampling: bool = True        # DAPO: drop zero-variance groups and sample more
     dynamic_sampling_threshold: float = 0.5  # ... only when this share of a step's first round has zero variance
-    max_sampling_rounds: int = 3         # rounds (and batches' worth of prompts) a step before giving up
+    max_sampling_rounds: int = 10        # rounds (and batches' worth of prompts) a step before giving up
     dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal"
 
     def __post_init__(self):

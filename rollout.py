@@ -560,8 +560,9 @@ class LLMEngine:
         k = self.runner.k_cache
         return 0 if k is None else 2 * k.numel() * k.element_size()
 
-    def _cache_blocks(self, need, prefill_tokens):
-        """How many blocks to allocate for a call that needs `need` (no sharing assumed)."""
+    def _cache_blocks(self, need, prefill_tokens, rows):
+        """How many blocks to allocate for a call that needs `need` (no sharing assumed) and decodes at
+        most `rows` sequences at once."""
         if self.num_blocks is not None:
             return self.num_blocks
         r = self.runner
@@ -572,7 +573,7 @@ class LLMEngine:
         # prefill activations (a few (N, hidden) and (N, intermediate) bf16 tensors) and the sampler's
         # fp32 (B, V) temporaries, plus slack
         reserve = (prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4
-                   + self.max_num_seqs * cfg.vocab_size * 16 + (1 << 29))
+                   + rows * cfg.vocab_size * 16 + (1 << 29))
         cached = torch.cuda.memory_reserved(r.device) - torch.cuda.memory_allocated(r.device)
         free = torch.cuda.mem_get_info(r.device)[0] + cached + held - reserve
         return max(1, min(need, int(self.gpu_memory_utilization * free) // r.bytes_per_block()))
@@ -656,7 +657,8 @@ class LLMEngine:
         max_new = [min(params.max_tokens, self.max_model_len - len(p)) for p in prompts]
         seq_blocks = [-(-(len(p) + m) // bs) for p, m in zip(prompts, max_new)]
         num_blocks = self._cache_blocks(sum(b * params.n for b in seq_blocks),
-                                         min(self.max_num_batched_tokens, sum(map(len, prompts))))
+                                         min(self.max_num_batched_tokens, sum(map(len, prompts))),
+                                         min(self.max_num_seqs, len(prompts) * params.n))
         i = max(range(len(prompts)), key=lambda j: seq_blocks[j])
         if seq_blocks[i] > num_blocks:
             raise ValueError(f"prompt {i} ({len(prompts[i])} tokens) + max_tokens {max_new[i]} needs "

@@ -198,8 +198,10 @@ def build_policy(args, device):
     acfg = aqn.AQNConfig(sigma_start=args.sigma_start, sigma_end=args.sigma_end, stages=args.aqn_stages,
                          rollout_only=args.aqn_rollout_only)
     eval_new = args.eval_max_new_tokens or args.max_new_tokens
+    # as many sequences at once as the largest decode graph takes: an over-sampled round decodes in one wave
     engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
-                               gpu_memory_utilization=args.gpu_memory_utilization)
+                               gpu_memory_utilization=args.gpu_memory_utilization,
+                               max_num_seqs=rollout.Runner.BUCKETS[-1])
 
     def fwd_bwd(ids, prompt_lens, comp_lens):  # the training pass on one micro-batch, for the memory probe
         completion_logprobs(model, ids, prompt_lens, comp_lens, args.temperature, args.logprob_chunk)[0].sum().backward()

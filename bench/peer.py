@@ -12,7 +12,7 @@ runs use the same model, task, batch, adapter, optimizer and loss:
     loss       DAPO (ε 0.2 / 0.28, β = 0, rewards scaled by the group's std)
 
 qerl runs `train.py` with its defaults otherwise (NVFP4 base, AQN, the step plan of plan.py, dynamic
-sampling: up to three sampling rounds a step while half its groups lack a reward spread), and again
+sampling: rounds sized from the share of groups with a reward spread, while half of them lack one), and again
 with one sampling round a step (`--no-dynamic-sampling`: the work TRL does); TRL runs GRPOTrainer on
 the bf16 model with transformers' generate (no vLLM: the machine has none), each in its own process.
 TRL is a benchmark-only dependency (not in requirements.txt): install it beside (`pip install trl`;
@@ -22,6 +22,7 @@ on --eval-limit addition problems, each adapter on the base it was trained with 
 TRL's on bf16), and both bases untrained for reference.
 
     python bench/peer.py --model /root/smol --steps 50 --out /tmp/peer     # table on stdout, peer.json
+    python bench/peer.py --model /root/smol --only ours --seeds 1,2 --train-args "--max-sampling-rounds 3"
 """
 import argparse
 import json
@@ -50,7 +51,7 @@ def run_ours(model: str, steps: int, out: str, extra: list[str]) -> dict:
         rows = [json.loads(ln) for ln in f if ln.strip()]
     return dict(step_s=[r["step_time"] for r in rows], wall_s=wall, adapter=os.path.join(out, f"checkpoint-{steps:06d}"),
                 reward=[r.get("reward") for r in rows], rounds=[r.get("sampling/rounds") for r in rows],
-                quant="nvfp4")
+                prompts=[r.get("sampling/prompts") for r in rows], flags=extra, quant="nvfp4")
 
 
 def run_trl(model: str, steps: int, out: str) -> dict:
@@ -121,6 +122,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--eval-limit", type=int, default=200)
     ap.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side (its JSON merges into --out)")
+    ap.add_argument("--seeds", default="0", help="comma-separated --seed values for qerl's arms (TRL runs seed 0); "
+                                                "arms of seed s > 0 are named with the suffix _s<s>")
+    ap.add_argument("--train-args", default="", help="more train.py flags for qerl's arms, e.g. \"--max-sampling-rounds 3\"")
     ap.add_argument("--out", default="/tmp/peer")
     ap.add_argument("--worker", help=argparse.SUPPRESS)          # "trl": run TRL in this process
     args = ap.parse_args(argv)
@@ -130,10 +134,11 @@ def main(argv=None):
         return
     path = os.path.join(args.out, "peer.json")
     res = json.load(open(path)) if os.path.exists(path) else {}
-    if args.only in (None, "ours"):
-        res["qerl"] = run_ours(args.model, args.steps, os.path.join(args.out, "ours"), [])
-        res["qerl_one_round"] = run_ours(args.model, args.steps, os.path.join(args.out, "ours1"),
-                                         ["--no-dynamic-sampling"])
+    for seed in (int(s) for s in args.seeds.split(",")) if args.only in (None, "ours") else ():
+        suffix, extra = (f"_s{seed}" if seed else ""), ["--seed", str(seed), *args.train_args.split()]
+        res["qerl" + suffix] = run_ours(args.model, args.steps, os.path.join(args.out, "ours" + suffix), extra)
+        res["qerl_one_round" + suffix] = run_ours(args.model, args.steps, os.path.join(args.out, "ours1" + suffix),
+                                                  [*extra, "--no-dynamic-sampling"])
     if args.only in (None, "trl"):
         subprocess.run([sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
                         "--out", args.out, "--worker", "trl"], check=True)
@@ -144,12 +149,12 @@ def main(argv=None):
             r["accuracy_untrained"] = evaluate(args.model, None, r["quant"], args.eval_limit)
         r["median_step_s"] = statistics.median(r["step_s"][2:] or r["step_s"])
     json.dump(res, open(path, "w"), indent=1)
-    print(f"{'':14} {'steps':>5} {'median s/step':>13} {'wall s':>7} {'held-out acc (untrained)':>25}")
+    print(f"{'':17} {'steps':>5} {'median s/step':>13} {'wall s':>7} {'held-out acc (untrained)':>25}")
     for name, r in res.items():
-        print(f"{name:14} {len(r['step_s']):5d} {r['median_step_s']:13.3f} {r['wall_s']:7.1f} "
+        print(f"{name:17} {len(r['step_s']):5d} {r['median_step_s']:13.3f} {r['wall_s']:7.1f} "
               f"{100 * r['accuracy']:14.1f}% ({100 * r['accuracy_untrained']:.1f}%)")
-    for name in ("qerl", "qerl_one_round"):
-        if name in res and "trl" in res:
+    for name in [n for n in res if n.startswith("qerl")]:
+        if "trl" in res:
             print(f"{name} is {res['trl']['median_step_s'] / res[name]['median_step_s']:.2f}x faster a step than TRL")
 
 
