@@ -384,9 +384,11 @@ def fill_batch(
 
     sample_round(round_index, n) -> (rewards (n·G,), payloads: n objects, one per group) samples n
     fresh prompts × G completions (the caller owns prompts, the sampler and what a payload is). Each
-    round draws round_size(need, keep_rate, left) prompts, need = target_groups - groups kept so far:
-    keep_rate is the expected share of informative groups (the previous step's FilledBatch.keep_rate;
-    1.0 without history, which draws exactly the need). The budget is what max_rounds rounds of
+    round draws round_size(need, p, left) prompts, need = target_groups - groups kept so far, p the
+    expected share of informative groups: for the first round keep_rate (the previous step's
+    FilledBatch.keep_rate; 1.0 without history, which draws exactly the need), for a refill the share
+    this step's rounds have found so far (a first step on a hard task then refills its whole shortfall
+    in one more round, not in many small ones). The budget is what max_rounds rounds of
     target_groups prompts would draw: at most max_rounds rounds and max_rounds · target_groups prompts
     in all (left is what remains of it). Groups whose rewards are all equal within tol are dropped;
     informative ones are kept in sampling order up to target_groups and the surplus discarded, as DAPO
@@ -410,7 +412,10 @@ def fill_batch(
     budget = max_rounds * target_groups
     kept, kept_rewards, sampled, informative, rounds = [], [], 0, 0, 0
     while len(kept) < target_groups and rounds < max_rounds and sampled < budget:
-        p = keep_rate if rounds or 1 - keep_rate >= threshold else 1.0
+        if rounds:                               # a refill: this step's own rate so far
+            p = informative / sampled
+        else:                                    # over-sample only where a refill is predicted
+            p = keep_rate if 1 - keep_rate >= threshold else 1.0
         n = round_size(target_groups - len(kept), p, budget - sampled)
         rewards, payloads = sample_round(rounds, n)
         rounds += 1

@@ -82,8 +82,8 @@ def test_two_ranks_give_the_single_process_update(tiny_model, tmp_path, device):
 def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
     """`torchrun --nproc-per-node 2 train.py` on CPU: rank 0 logs and checkpoints, both resume. Each step
     fills its batch by dynamic sampling over both ranks (the reward leaves the groups of odd answers
-    without a spread): every rank must agree on the rounds and their sizes, a round of one prompt
-    included (rank 1 draws none), and the resumed step sizes its round from the checkpoint's keep rate."""
+    without a spread): every rank must agree on the rounds and their sizes, and the resumed step sizes
+    its round from the checkpoint's keep rate."""
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "train.py"), "--model", tiny_model, "--output-dir", out, "--device", "cpu",
@@ -99,11 +99,11 @@ def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[1], rows
     assert all("loss" in r for r in rows), rows
-    # The data order's first answers are 128, 137, 52, 122, 100, 144, 23. Step 0 (keep rate 1) draws 2 prompts,
-    # keeps 128, then 1 for the 1 missing (52): 3 prompts, 2 informative. Step 1 wants round_size(2, 2/3, 4)
-    # = 5 prompts, capped at 2 rounds · 2 = 4 (122, 100, 144, 23): one round.
+    # The data order's answers (even: a spread), a budget of 2 rounds · 2 = 4 prompts a step. Step 0, rate 1:
+    # 128 137 (1 of 2), then round_size(1, 1/2, 2) = the 2 left: 52 122 -> 4 prompts, 3 informative. Step 1,
+    # rate 3/4: round_size(2, 3/4, 4) = 4 (n = 3: 2.25 - 0.75 < 2): 100 144 23 117, one round.
     assert [(r["sampling/keep_rate"], r["sampling/prompts"], r["sampling/rounds"]) for r in rows] == \
-        [(1.0, 3, 2), (pytest.approx(2 / 3), 4, 1)], rows
+        [(1.0, 4, 2), (0.75, 4, 1)], rows
     state = torch.load(os.path.join(out, "checkpoint-000002", run_dir.TRAINER_STATE), weights_only=True)
     assert state["data_pos"] == sum(r["sampling/prompts"] for r in rows), "a round's prompts are the global count"
     with open(os.path.join(out, run_dir.RUN_CONFIG)) as f:

@@ -348,15 +348,16 @@ def _sampler(rounds_rewards):
 
 
 def test_fill_batch_accumulates_until_full():
-    """keep_rate 1 (no history): each round draws exactly the groups still missing."""
-    rounds = [[[1, 1], [0, 1], [0, 0]],      # 1 informative group
-              [[1, 0], [1, 1]],              # 1
-              [[0, 1]]]                      # 1
+    """keep_rate 1 (no history): the first round draws exactly the 3 groups wanted and finds 1; the
+    refill is sized from this step's rate so far, 1/3: round_size(2, 1/3, 12) = 11 (n - √(2n) >= 6:
+    n = 10 gives 5.53, n = 11 gives 6.31), and keeps the first 2 of its 4 informative groups."""
+    rounds = [[[1, 1], [0, 1], [0, 0]],
+              [[0, 0], [1, 1], [1, 0], [0, 0], [1, 1], [0, 1], [1, 0], [0, 0], [0, 0], [1, 1], [0, 1]]]
     s = _sampler(rounds)
     out = fill_batch(s, target_groups=3, group_size=2, max_rounds=5)
-    assert s.asked == [3, 2, 1]
-    assert out.full and out.rounds == 3 and out.sampled_groups == 6 and out.informative == 3
-    assert out.groups == ["0:1", "1:0", "2:0"]
+    assert s.asked == [3, 11]
+    assert out.full and out.rounds == 2 and out.sampled_groups == 14 and out.informative == 5
+    assert out.groups == ["0:1", "1:2", "1:5"]
     assert out.rewards.tolist() == [0, 1, 1, 0, 0, 1]
 
 
@@ -373,31 +374,34 @@ def test_fill_batch_over_samples_and_fills_in_one_round():
 
 
 def test_fill_batch_sizes_a_second_round_for_the_shortfall():
-    """Round 0 draws 7 and finds 2 informative; round 1 draws round_size(2, 0.8, 12 - 7) = 4 for the
-    2 missing, finds 3, keeps 2."""
+    """Round 0 draws 7 (keep_rate 0.8) and finds 2 informative; the refill is sized from this step's
+    rate, 2/7: round_size(2, 2/7, 12 - 7) wants more than the 5 the budget leaves (n = 5: (10 - √50)/7
+    < 2), so it draws 5, finds 3, keeps 2."""
     rounds = [[[1, 1], [0, 1], [0, 0], [1, 1], [1, 0], [0, 0], [1, 1]],
-              [[0, 0], [1, 0], [0, 1], [1, 0]]]
+              [[0, 0], [1, 0], [0, 1], [1, 0], [1, 1]]]
     s = _sampler(rounds)
     out = fill_batch(s, target_groups=4, group_size=2, max_rounds=3, keep_rate=0.8)
-    assert s.asked == [7, 4]
-    assert out.full and out.rounds == 2 and out.sampled_groups == 11 and out.informative == 5
+    assert s.asked == [7, 5]
+    assert out.full and out.rounds == 2 and out.sampled_groups == 12 and out.informative == 5
     assert out.groups == ["0:1", "0:4", "1:1", "1:2"]
-    assert out.keep_rate == 5 / 11
+    assert out.keep_rate == 5 / 12
 
 
 def test_fill_batch_stops_at_max_rounds():
-    rounds = [[[1, 1], [0, 1], [0, 0]], [[0, 0], [1, 1]], [[1, 0], [0, 1]]]
+    """Budget 2 · 3 = 6: round 0 finds 1 of 3; the refill (rate 1/3) wants more than the 3 left, takes
+    them and finds none."""
+    rounds = [[[1, 1], [0, 1], [0, 0]], [[0, 0], [1, 1], [1, 1]], [[1, 0], [0, 1]]]
     s = _sampler(rounds)
     out = fill_batch(s, target_groups=3, group_size=2, max_rounds=2)
-    assert s.asked == [3, 2]
-    assert not out.full and out.rounds == 2 and out.groups == ["0:1"] and out.sampled_groups == 5
+    assert s.asked == [3, 3]
+    assert not out.full and out.rounds == 2 and out.groups == ["0:1"] and out.sampled_groups == 6
     empty = fill_batch(_sampler([[[1, 1]]]), target_groups=1, group_size=2, max_rounds=1)
     assert not empty.full and empty.groups == [] and empty.rewards.numel() == 0 and empty.informative == 0
 
 
 def test_fill_batch_never_draws_more_than_max_rounds_times_target():
-    """Budget 3 · 4 = 12 prompts. keep_rate 0.8: round 0 draws 7, none informative; round 1 would draw
-    7 for the 4 missing but only 5 are left; then the budget is spent with a round to spare."""
+    """Budget 3 · 4 = 12 prompts. keep_rate 0.8: round 0 draws 7, none informative; the refill (rate 0
+    so far) takes the 5 left; then the budget is spent with a round to spare."""
     rounds = [[[1, 1]] * 7, [[0, 0], [0, 1], [1, 1], [0, 0], [1, 1]], [[0, 1]] * 7]
     s = _sampler(rounds)
     out = fill_batch(s, target_groups=4, group_size=2, max_rounds=3, keep_rate=0.8)
@@ -412,15 +416,18 @@ def test_fill_batch_never_draws_more_than_max_rounds_times_target():
 
 def test_fill_batch_refills_only_past_the_threshold():
     """threshold 0.5: a first round with 1 of 4 groups uninformative comes back whole (zero-variance
-    group included, one round); with 3 of 4 uninformative it is refilled as DAPO does."""
+    group included, one round); with 3 of 4 uninformative it is refilled as DAPO does, by a round of
+    the 8 left (rate 1/4 so far). With threshold 0 the first round's 3 informative groups are kept and
+    round_size(1, 3/4, 8) = 3 more drawn (n = 2: 1.5 - 0.61 < 1; n = 3: 2.25 - 0.75 >= 1)."""
     mostly_signal = [[[1, 0], [0, 1], [1, 1], [1, 0]], [[0, 1], [1, 0], [0, 1], [1, 0]]]
     out = fill_batch(_sampler(mostly_signal), target_groups=4, group_size=2, max_rounds=3, threshold=0.5)
     assert out.full and out.rounds == 1 and out.groups == ["0:0", "0:1", "0:2", "0:3"]
     assert out.rewards.tolist() == [1, 0, 0, 1, 1, 1, 1, 0]
-    mostly_none = [[[1, 1], [0, 0], [0, 0], [1, 0]], [[0, 1], [1, 0], [0, 1], [1, 0]]]
+    mostly_none = [[[1, 1], [0, 0], [0, 0], [1, 0]], [[0, 1], [1, 0], [0, 1], [1, 0], [0, 0], [1, 1], [0, 1], [1, 0]]]
     out = fill_batch(_sampler(mostly_none), target_groups=4, group_size=2, max_rounds=3, threshold=0.5)
     assert out.full and out.rounds == 2 and out.groups == ["0:3", "1:0", "1:1", "1:2"]
-    assert fill_batch(_sampler(mostly_signal), 4, 2, 3, threshold=0.0).groups == ["0:0", "0:1", "0:3", "1:0"]
+    s = _sampler(mostly_signal)
+    assert fill_batch(s, 4, 2, 3, threshold=0.0).groups == ["0:0", "0:1", "0:3", "1:0"] and s.asked == [4, 3]
 
 
 @pytest.mark.parametrize("keep_rate, threshold, max_rounds, script, asked, informative, groups", [
