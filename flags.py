@@ -177,8 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-rewards", choices=list(grpo.SCALE_REWARDS), default="group", help="advantage scaling")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=True,
                    help="drop groups whose rewards are all equal (they carry no gradient) and sample more prompts, "
-                        "up to --max-sampling-rounds rounds a step (DAPO); it pays where the base model rarely "
-                        "solves the task (docs/usage.md)")
+                        "within --max-sampling-rounds rounds and as many batches of prompts a step (DAPO); it pays "
+                        "where the base model rarely solves the task (docs/usage.md)")
     g.add_argument("--dynamic-sampling-threshold", type=float, default=0.5,
                    help="refill a step only when at least this share of its first round's groups has no reward "
                         "spread (0: every step, DAPO's rule)")

@@ -39,6 +39,7 @@ Test: tests/test_ops.py (each reference against an independent formula); the fas
 checked against these references by tests/test_kernels_*.py.
 """
 import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +146,7 @@ def lora_linear(x, base, A, B, scale):
 # ----------------------------------------------------------------------------------------------
 # the adapters' kept casts and CUDA graphs
 
-_casts_kept = False     # True while a decode graph is captured (casts_kept)
+_CASTS_KEPT = contextvars.ContextVar("casts_kept", default=False)   # set while a decode graph is captured
 
 
 @contextlib.contextmanager
@@ -154,18 +155,17 @@ def casts_kept():
     activation dtype, lora.py) are read as they are, so a replay runs no cast kernel. That is safe
     because the prefill that starts every generate() call refreshes them, eagerly or as a graph
     replay whose capture recorded the refresh."""
-    global _casts_kept
-    saved, _casts_kept = _casts_kept, True
+    token = _CASTS_KEPT.set(True)
     try:
         yield
     finally:
-        _casts_kept = saved
+        _CASTS_KEPT.reset(token)
 
 
 def refresh_casts(t) -> bool:
     """Should a kept cast on t's device be refreshed now? Always, except while casts_kept() holds
     during a capture."""
-    return not (_casts_kept and t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not (_CASTS_KEPT.get() and t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def logits(hidden, head):

@@ -10,10 +10,10 @@ choices that trade memory for speed, none of which changes the math:
     reaches its matmul rate on thousands of tokens at once.
   * recomputation (gradient checkpointing) keeps each layer's input only and runs the layer again
     in the backward: a third more work, in exchange for ~1/10 of the activation memory.
-  * resident state between steps: the sampler's KV cache and CUDA graphs (captured again after
-    every free, a pass of the decode step's Python per batch size), and, for the training pass, a
-    bf16 copy of the NVFP4 weights (one dequantization per step instead of one per matmul call and
-    micro-batch).
+  * resident state between steps: the sampler's KV cache and decode CUDA graphs (captured again
+    after every free, a pass of the decode step's Python per batch size; the prefill graphs and their
+    staging rows stay), and, for the training pass, a bf16 copy of the NVFP4 weights (one
+    dequantization per step instead of one per matmul call and micro-batch).
 
 So the plan measures, once at start-up, what a token costs: a forward + backward over one and two
 synthetic sequences of PROBE_TOKENS tokens, recomputation off and on, gives the peak memory above

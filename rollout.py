@@ -25,8 +25,8 @@ all three in one kernel launch per layer.
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
-             On the GPU a prefill of up to a few thousand tokens is one CUDA-graph replay, one
-             graph per (token bucket, prompt bucket), padded; it stores K/V in staging rows that
+             On the GPU a prefill of up to PREFILL_GRAPH_BYTES of activations is one CUDA-graph
+             replay, one graph per (token bucket, prompt bucket), padded; it stores K/V in staging rows that
              one index_copy then moves into the cache, so the graph outlives the cache and every
              training step replays what the first one captured (_prefill_graph).
     logits:  ops.logits (a GEMV on the GPU for one or two rows, else the lm_head's matmul).
@@ -197,8 +197,8 @@ class Runner:
         # prefill graphs (see _prefill_graph): the largest token bucket whose activations fit the budget
         per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * self.dtype.itemsize
         fits = [t for t in self.PREFILL_TOKENS if t * per_token <= PREFILL_GRAPH_BYTES]
-        self.prefill_cap = fits[-1] if fits and self.cuda_graphs and varlen_runs(
-            self.device, self.dtype, self.head_dim) else 0
+        graphs = self.cuda_graphs and varlen_runs(self.device, self.dtype, self.head_dim)
+        self.prefill_cap = fits[-1] if fits and graphs else 0
         self.prefill_graphs, self.prefill_pool, self.stage = {}, None, None
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the call's key (row_keys)
 
@@ -325,9 +325,10 @@ class Runner:
 
         The graph runs the model over tb tokens: the N real ones, then padding, which forms pb - g
         extra prompts (pb: the prompt bucket, g: the real prompts) of one token each, the last taking
-        the rest; causal attention keeps the padding out of every real row. One buffer holds the
-        graph's inputs and the host fills it with one copy: [ids (tb) | positions (tb) | prompt
-        offsets (pb + 1) | KV slots (N, then unused) | each prompt's last row (g, then unused)].
+        the rest; where pb = g the last real prompt takes it. Causal attention keeps the padding out of
+        every real row. One buffer holds the graph's inputs and the host fills it with one copy:
+        [ids (tb) | positions (tb) | prompt offsets (pb + 1) | KV slots (N, then unused) | each
+        prompt's last row (g, then unused)].
         The graph stores K/V in staging rows, not in the cache: the cache is freed before every
         backward pass, the graph is not, so a training step replays what an earlier step captured.
         After the replay one index_copy per K and V moves the N real rows into the cache.
@@ -336,8 +337,9 @@ class Runner:
         n, g = len(ids), len(cu) - 1
         offsets = cu[:g] + [n + i for i in range(pb - g)] + [tb]
         last = [c - 1 for c in cu[1:]]
-        host = torch.tensor(ids + [0] * (tb - n) + list(pos) + [0] * (tb - n) + offsets + slots + [0] * (tb - n)
-                            + last + [0] * (pb - g), dtype=torch.int64, pin_memory=True)
+        pad, spare = [0] * (tb - n), [0] * (pb - g)
+        segments = [ids, pad, pos, pad, offsets, slots, pad, last, spare]    # tb | tb | pb + 1 | tb | pb
+        host = torch.tensor([v for seg in segments for v in seg], dtype=torch.int64, pin_memory=True)
         entry = self.prefill_graphs.get(key)
         buf = entry[1] if entry else torch.empty(host.shape, dtype=torch.int64, device=self.device)
         buf.copy_(host, non_blocking=True)
@@ -452,10 +454,12 @@ class Runner:
                 return hidden
             return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]), record)
 
-        saved = record.clone()                       # a warm-up samples: put back what it overwrites
+        warming = (key, kernels.current()) not in self.warmed
+        saved = record.clone() if warming else None  # the warm-up samples: put back what it overwrites
         with ops.casts_kept():
             graph, out = self._record(key, step, self.graph_pool)
-        record.copy_(saved)
+        if warming:
+            record.copy_(saved)
         self.graph_pool = graph.pool()
         return graph, out
 
@@ -551,8 +555,10 @@ class LLMEngine:
         self.stats = {}
 
     def free_cache(self, keep_warm=False):
-        """Drop the KV cache and the CUDA graphs. keep_warm: nothing but values changed in place
-        since the last generate() (a training step), so the next captures skip their warm-up."""
+        """Drop the KV cache and the decode graphs. keep_warm: nothing but parameter values changed in
+        place since the last generate() (a training step: the same modules, tensors, adapters and
+        tuning), so the prefill graphs stay and the next captures skip their warm-up. Anything else
+        (a reloaded adapter, another dtype) needs free_cache() without it, which drops every graph."""
         self.runner.free_cache(keep_warm)
 
     def cache_bytes(self) -> int:

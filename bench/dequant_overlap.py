@@ -1,8 +1,9 @@
 """Can NVFP4's large-M dequantization hide behind the GEMMs? The 7B prefill's weight traffic, timed.
 
-Above 1,024 rows an NVFP4 linear dequantizes its weight to bf16 (ops.dense_weight: one Triton pass)
-and multiplies with cuBLAS, so a 7B prefill of the GRPO batch (16 prompts × 256 = 4,096 tokens) pays
-the bf16 GEMMs plus ~6 ms of dequantization. Each weight's dequantization depends on nothing but the
+At large M an NVFP4 linear dequantizes its weight to bf16 (ops.dense_weight: one Triton pass) and
+multiplies with cuBLAS (kernels/README.md's route table: every weight above 1,024 rows), so a 7B
+prefill of the GRPO batch (16 prompts × 256 = 4,096 tokens) pays the bf16 GEMMs plus the
+dequantization. Each weight's dequantization depends on nothing but the
 weight, so it could run on a second stream while the GEMM before it runs. This times, over the four
 projections of a Qwen2.5-7B layer (stacked q/k/v, o, stacked gate/up, down) × 28 layers at M rows
 (random NVFP4 weights in the interleaved layout the kernels read):
