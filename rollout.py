@@ -26,9 +26,9 @@ all three in one kernel launch per layer.
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
              On the GPU a prefill of up to PREFILL_GRAPH_BYTES of activations is one CUDA-graph
-             replay, one graph per (token bucket, prompt bucket), padded; it stores K/V in staging rows that
-             one index_copy then moves into the cache, so the graph outlives the cache and every
-             training step replays what the first one captured (_prefill_graph).
+             replay, one graph per (token bucket, prompt bucket), padded; it stores K/V in staging
+             rows that one index_copy then moves into the cache, so the graph outlives the cache and
+             every training step replays what the first one captured (_prefill_graph).
     logits:  ops.logits (a GEMV on the GPU for one or two rows, else the lm_head's matmul).
     decode:  one token per sequence (B, 1); attention reads K/V through the block tables
              (Triton kernel on GPU, split over the context into partitions merged by log-sum-exp,

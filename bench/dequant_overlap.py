@@ -46,8 +46,8 @@ def timed(f, *args):
 
 def main():
     torch.manual_seed(0)
-    layers = [NVFP4Linear.from_weight(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02).to("cuda").interleave_()
-              for N, K in SHAPES]
+    weights = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for N, K in SHAPES]
+    layers = [NVFP4Linear.from_weight(w).to("cuda").interleave_() for w in weights]
     xs = {K: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _, K in SHAPES}   # (M, K)
     seq = layers * LAYERS
     dense = [ops.dense_weight(lin) for lin in layers] * LAYERS

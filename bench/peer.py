@@ -124,7 +124,8 @@ def main(argv=None):
     ap.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side (its JSON merges into --out)")
     ap.add_argument("--seeds", default="0", help="comma-separated --seed values for qerl's arms (TRL runs seed 0); "
                                                 "arms of seed s > 0 are named with the suffix _s<s>")
-    ap.add_argument("--train-args", default="", help="more train.py flags for qerl's arms, e.g. \"--max-sampling-rounds 3\"")
+    ap.add_argument("--train-args", default="",
+                    help="more train.py flags for qerl's arms, e.g. \"--max-sampling-rounds 3\"")
     ap.add_argument("--out", default="/tmp/peer")
     ap.add_argument("--worker", help=argparse.SUPPRESS)          # "trl": run TRL in this process
     args = ap.parse_args(argv)
