@@ -82,29 +82,33 @@ def test_two_ranks_give_the_single_process_update(tiny_model, tmp_path, device):
 def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
     """`torchrun --nproc-per-node 2 train.py` on CPU: rank 0 logs and checkpoints, both resume. Each step
     fills its batch by dynamic sampling over both ranks (the reward leaves the groups of odd answers
-    without a spread): every rank must agree on the rounds and their sizes, and the resumed step sizes
-    its round from the checkpoint's keep rate."""
+    without a spread): every rank must agree on the rounds and their sizes, a round of one prompt
+    included (rank 1 draws none), and the resumed step sizes its round from the checkpoint's keep rate."""
     out = str(tmp_path / "run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "train.py"), "--model", tiny_model, "--output-dir", out, "--device", "cpu",
-           "--max-steps", "2", "--save-every", "1", *FAST, "--eval-limit", "3", "--dynamic-sampling",
-           "--max-sampling-rounds", "2", "--dynamic-sampling-threshold", "0",
+           "--max-steps", "4", "--save-every", "1", *FAST, "--eval-limit", "3", "--dynamic-sampling",
+           "--prompts-per-step", "4", "--max-sampling-rounds", "2", "--dynamic-sampling-threshold", "0",
            "--reward", "test_train:spread_on_even_answers"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests")}
-    res = subprocess.run([*cmd, "--stop-at", "1"], cwd=ROOT, capture_output=True, text=True, env=env)
+    res = subprocess.run([*cmd, "--stop-at", "2"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     res = subprocess.run([*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("resumed from") == 1, "only rank 0 prints"
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[1], rows
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval/accuracy" in rows[3], rows
     assert all("loss" in r for r in rows), rows
-    # The data order's answers (even: a spread), a budget of 2 rounds · 2 = 4 prompts a step. Step 0, rate 1:
-    # 128 137 (1 of 2), then round_size(1, 1/2, 2) = the 2 left: 52 122 -> 4 prompts, 3 informative. Step 1,
-    # rate 3/4: round_size(2, 3/4, 4) = 4 (n = 3: 2.25 - 0.75 < 2): 100 144 23 117, one round.
+    # The data order's answers (even: a spread), a budget of 2 rounds · 4 = 8 prompts a step.
+    # step 0, rate 1: 128 137 52 122 (3 of 4), then round_size(1, 3/4, 4) = 3 (n = 2: 1.5 - 0.61 < 1):
+    #   100 144 23 -> 7 prompts, 5 informative
+    # step 1, rate 5/7: round_size(4, 5/7, 8) = 8 (n = 7: 5 - 1.20 < 4): 117 155 192 88 117 142 120 91 (4)
+    # step 2 (resumed), rate 1/2: round_size(4, 1/2, 8) = the budget: 40 154 85 155 58 66 100 112 (6)
+    # step 3, rate 3/4: round_size(4, 3/4, 8) = 7 (n = 6: 4.5 - 1.06 < 4): 98 87 145 94 132 101 163 (3),
+    #   then the one prompt left, 102: rank 1 draws none
     assert [(r["sampling/keep_rate"], r["sampling/prompts"], r["sampling/rounds"]) for r in rows] == \
-        [(1.0, 4, 2), (0.75, 4, 1)], rows
-    state = torch.load(os.path.join(out, "checkpoint-000002", run_dir.TRAINER_STATE), weights_only=True)
+        [(1.0, 7, 2), (pytest.approx(5 / 7), 8, 1), (0.5, 8, 1), (0.75, 8, 2)], rows
+    state = torch.load(os.path.join(out, "checkpoint-000004", run_dir.TRAINER_STATE), weights_only=True)
     assert state["data_pos"] == sum(r["sampling/prompts"] for r in rows), "a round's prompts are the global count"
     with open(os.path.join(out, run_dir.RUN_CONFIG)) as f:
         assert '"world_size": 2' in f.read()
