@@ -76,7 +76,7 @@ def causal_attention(q, k, v):
 
 def varlen_runs(device, dtype, head_dim: int) -> bool:
     """Does flash attention take such inputs: torch's causal varlen_attn exists, bf16/fp16 on an
-    sm_80+ GPU, head size <= 256 (flash attention's limits)? Asked once per prefill, not per layer."""
+    sm_80+ GPU, head size <= 256 (flash attention's limits)? Asked once per runner (rollout.Runner.varlen)."""
     device = torch.device(device)
     return (VARLEN and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim <= 256
             and torch.cuda.get_device_capability(device) >= (8, 0))

@@ -15,8 +15,9 @@ sampling drops such groups and samples more prompts instead (`fill_batch`; by de
 where at least half of the first round's groups are such, where refilling pays for its rollouts).
 Each round is one rollout, and a small model's rollout is latency-bound, so one larger round costs
 little more than a small one: `round_size` over-samples each round from the share p of informative
-groups the previous step saw (verl's DAPO uses a fixed generation batch larger than the train batch;
-this one follows p), so that one round usually fills the batch.
+groups (the previous step's for a first round, this step's so far for a refill; verl's DAPO uses a
+fixed generation batch larger than the train batch, this one follows p), so that one round usually
+fills the batch.
 
 Per token t of completion i, with ratio ρ = exp(logp - old_logp) against the policy that sampled:
 

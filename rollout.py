@@ -197,8 +197,8 @@ class Runner:
         # prefill graphs (see _prefill_graph): the largest token bucket whose activations fit the budget
         per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * self.dtype.itemsize
         fits = [t for t in self.PREFILL_TOKENS if t * per_token <= PREFILL_GRAPH_BYTES]
-        graphs = self.cuda_graphs and varlen_runs(self.device, self.dtype, self.head_dim)
-        self.prefill_cap = fits[-1] if fits and graphs else 0
+        self.varlen = varlen_runs(self.device, self.dtype, self.head_dim)   # a packed prefill: one flash launch
+        self.prefill_cap = fits[-1] if fits and self.cuda_graphs and self.varlen else 0
         self.prefill_graphs, self.prefill_pool, self.stage = {}, None, None
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the call's key (row_keys)
 
@@ -299,8 +299,7 @@ class Runner:
         key = self._prefill_key(len(ids), len(groups))
         if key is not None:
             return self._prefill_graph(key, ids, pos, slots, cu)
-        flash = varlen_runs(self.device, self.dtype, self.head_dim)
-        ctx = PrefillContext(self, cu, self._tensor(cu, torch.int32) if flash else None,
+        ctx = PrefillContext(self, cu, self._tensor(cu, torch.int32) if self.varlen else None,
                              max(e - s for s, e in zip(cu[:-1], cu[1:])), slots=self._tensor(slots, torch.int64))
         hidden = self.model(self._tensor([ids], torch.int64), self._tensor([pos], torch.int64),
                             attn_ctx=ctx, return_hidden=True)                      # (1, N, H)
@@ -454,7 +453,7 @@ class Runner:
                 return hidden
             return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]), record)
 
-        warming = (key, kernels.current()) not in self.warmed
+        warming = self._warm_key(key) not in self.warmed
         saved = record.clone() if warming else None  # the warm-up samples: put back what it overwrites
         with ops.casts_kept():
             graph, out = self._record(key, step, self.graph_pool)
@@ -462,6 +461,11 @@ class Runner:
             record.copy_(saved)
         self.graph_pool = graph.pool()
         return graph, out
+
+    @staticmethod
+    def _warm_key(key):
+        """What `warmed` records of a capture: its key and the tuning its kernels ran under."""
+        return key, kernels.current()
 
     def _record(self, key, body, pool):
         """-> (graph, its output): body() captured in a CUDA graph sharing `pool`.
@@ -471,7 +475,7 @@ class Runner:
         tuning they ran under): the model is the same and only its values changed, so the next
         capture finds every kernel compiled and every lazy buffer made, and pays one pass of the
         layers' Python instead of two. Any other free_cache, and a replaced static buffer, forget it."""
-        warm = (key, kernels.current())
+        warm = self._warm_key(key)
         if warm not in self.warmed:                  # kernels compile outside any capture
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

@@ -10,7 +10,7 @@ One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
     reward  : Σ weight · term over the reward terms (reward_funcs.py: the guarded correctness check,
               functions of the user's) + DAPO overlong shaping; DAPO dynamic sampling drops groups
               whose G rewards are all equal and samples more prompts, each round over-sampled from the
-              share of informative groups the last step drew, so that one rollout usually fills P
+              share of informative groups (grpo.round_size), so that one rollout usually fills P
     A       = grpo.advantages(r)                     one advantage per completion
     train   : log π_θ(completion) through the same model in micro-batches (gradient checkpointing,
               lm_head in chunks, never a (tokens × vocab) fp32 tensor for the whole batch), the
@@ -236,13 +236,14 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
     completion scored (reward_funcs.score: the weighted reward terms, + DAPO overlong shaping). With
     dynamic sampling, groups whose G rewards are all equal are dropped and more prompts sampled
     (grpo.fill_batch): each round takes the next n prompts of the stream, n sized by grpo.round_size from
-    keep_rate, the share of informative groups the previous step drew (1.0 at the first step), so that one
-    round usually fills the batch. Each rank samples every world-th of a round's prompts (n need not divide
-    by world); every rank returns the whole batch, and computes the next rate from the gathered rewards, so
-    all size their rounds alike. The KV cache (and the CUDA graphs that point into it) stays for the next
-    step where it takes at most keep_cache_bytes, else it is freed for the training pass. -> (groups
-    [(example, prompt ids, completions, rewards)], scores: their rewards (P·G,), metrics, this rank's
-    samples [{prompt, completion, reward, terms}], the next step's keep_rate)."""
+    the share of informative groups (for the first round keep_rate, the previous step's: 1.0 at the first
+    step; for a refill this step's so far), so that one round usually fills the batch. Each rank samples
+    every world-th of a round's prompts (n need not divide by world); every rank returns the whole batch,
+    and computes the next rate from the gathered rewards, so all size their rounds alike. The KV cache
+    (and the CUDA graphs that point into it) stays for the next step where it takes at most
+    keep_cache_bytes, else it is freed for the training pass. -> (groups [(example, prompt ids,
+    completions, rewards)], scores: their rewards (P·G,), metrics, this rank's samples [{prompt,
+    completion, reward, terms}], the next step's keep_rate)."""
     rank, world = rank_world()
     per_rank = f"/rank{rank}" if world > 1 else ""   # the ranks' own streams (AQN noise is the same on all)
     stats, completions, samples, term_sums = rewards.RewardStats(), [], [], {}
