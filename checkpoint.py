@@ -24,8 +24,9 @@ in QeRL. q/k/v (and gate/up) are quantized with one shared global scale, the sma
 (quantize_group), as llm-compressor does for checkpoints meant to be served fused: the fast kernels
 may then multiply a group at once.
 A compressed-tensors NVFP4 checkpoint is assigned as is. Base weights come back frozen
-(requires_grad=False); LoRA adds the trainable parameters. Last, kernels.prepare puts the weights
-into the fast kernels' layout on a GPU (nvfp4.interleave, and the stacked groups).
+(requires_grad=False); LoRA adds the trainable parameters. Last, NVFP4 weights on a GPU move into the
+fast kernels' layout (nvfp4.interleave, where ops.interleaves says the kernels read it) and each
+layer's q/k/v and gate/up are stacked (model.stack_groups).
 
 Random init (`build_model`). The real Qwen2.5 and Qwen3 shapes (SHAPES) with N(0, 0.02²) weights
 (norms 1), drawn and quantized one group at a time: benchmarks of 7B-32B shapes on machines without
@@ -50,9 +51,9 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import kernels
 import nvfp4
-from model import GROUPS, ModelConfig, RMSNorm, Transformer, rope_inv_freq
+import ops
+from model import GROUPS, ModelConfig, RMSNorm, Transformer, rope_inv_freq, stack_groups
 
 INIT_STD = 0.02  # build_model's random weights (transformers' initializer_range)
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -164,8 +165,10 @@ def _finish(model: Transformer, device) -> Transformer:
     model.inv_freq = rope_inv_freq(model.config, device)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"tensors left on the meta device: {left}"
-    kernels.prepare(model, GROUPS)             # the fast kernels' weight layout and stacks (CUDA)
-    return model.eval()
+    for m in model.modules():                  # the fast kernels' weight layout, where they read it
+        if isinstance(m, nvfp4.NVFP4Linear) and ops.interleaves(m.weight_packed):
+            m.interleave_()
+    return stack_groups(model).eval()          # q/k/v and gate/up back to back: one matmul a group
 
 
 def _device(device) -> torch.device:
@@ -369,3 +372,16 @@ def save_pretrained(model: nn.Module, directory: str, max_shard_size: int | None
     if model.quant == "nvfp4":
         hf["quantization_config"] = nvfp4.quantization_config(ignore=["lm_head"])
     _atomic(os.path.join(directory, "config.json"), lambda tmp: Path(tmp).write_text(json.dumps(hf, indent=2)))
+
+
+# ----------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":  # python checkpoint.py <hub id or dir> "prompt": load, then greedy without a KV cache
+    import sys
+    path, prompt = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "The capital of France is"
+    tok, model = load_tokenizer(path), load_model(path, quant="bf16")
+    ids = torch.tensor([tok(prompt)["input_ids"]], device=model.lm_head.weight.device)
+    with torch.inference_mode():
+        for _ in range(24):
+            ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)   # (1, T + 1): the most likely next token
+    print(tok.decode(ids[0]))

@@ -51,26 +51,26 @@ numbers and its fp32 -> bf16 cast truncates. There the wrapper passes FP32_DOT (
 in fp32, the same values exactly) and has the kernel write fp32, which torch rounds to bf16.
 
 Where the speed is: the `kernels/` package. This kernel is correct for every M and simple, not
-fast; nvfp4_matmul hands off to kernels.nvfp4_matmul wherever kernels.gemm_runs(x) says the fast
-path can run, and which fast kernel runs at which M is kernels/README.md's business. Their tests
-take this file's float64 reference and this kernel as the oracle.
+fast; the trunk's NVFP4 matmul (ops.nvfp4_linear) runs the fast kernels, and which one runs at
+which M is kernels/README.md's business. Their tests take this file's float64 reference and this
+kernel as the oracle. To run this kernel in a real training run instead (to see an edit of it at
+work), set QERL_MATMUL=teaching (ops.py). The file imports nothing of the project: a leaf.
 
 What it leaves out: activation quantization (W4A16 only); a dx kernel (dx = dy·W falls back to
-dequantize + matmul; the fast path has its own); the interleaved layout of nvfp4.interleave (the
-dispatch restores the plain one first); split-K for the few programs of a small M; autotuning;
+dequantize + matmul; the fast path has its own); the interleaved layout of nvfp4.interleave (under
+QERL_MATMUL=teaching the loaders keep the plain one); split-K for the few programs of a small M; autotuning;
 epilogue fusions (LoRA, SiLU·mul); NaN scales (compressed-tensors never writes them).
 
 Test: pytest tests/test_marlin_kernel.py (against float64 on random codes and scales at many
-shapes, the exact decode of every byte and scale, the input checks, the dispatch; on a GPU the fast
-path against this kernel on Qwen2.5 shapes). Demo: python marlin_kernel.py (no GPU: prefix
+shapes, the exact decode of every byte and scale, the input checks; on a GPU the fast path against
+this kernel on Qwen2.5 shapes); tests/test_ops.py runs it through QERL_MATMUL=teaching. Demo: python marlin_kernel.py (no GPU: prefix
 TRITON_INTERPRET=1).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
-
-import kernels
-import nvfp4
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -218,12 +218,16 @@ def _check(x, packed, scale, global_scale, bias):
     return N, K
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def matmul(x, packed, scale, global_scale, bias=None):
     """y (M, N) bf16 = x (M, K) bf16 · W (N, K)ᵀ (+ bias (N,) bf16), fp32 accumulation, for any M.
     W in the plain compressed-tensors layout (module docstring)."""
     N, K = _check(x, packed, scale, global_scale, bias)
     M = x.shape[0]
-    interpreting = kernels.interpreting()
+    interpreting = _interpreting()
     # the interpreter's fp32 -> bf16 cast truncates: there the kernel writes fp32 and torch rounds
     y = torch.empty((M, N), device=x.device, dtype=torch.float32 if interpreting else torch.bfloat16)
     if M == 0:
@@ -240,39 +244,16 @@ def matmul(x, packed, scale, global_scale, bias=None):
     return y.to(torch.bfloat16)                                      # no copy when y is bf16
 
 
-# ----------------------------------------------------------------------------------------------
-# the dispatch: the fast kernels where they run, else the teaching kernel
-
-def nvfp4_matmul(x, packed, scale, global_scale, bias=None, interleaved=False):
-    """y (M, N) bf16 = x (M, K) bf16 · W (N, K)ᵀ (+ bias (N,) bf16): the call nvfp4.linear makes.
-    kernels.nvfp4_matmul where kernels.gemm_runs(x), else matmul above. interleaved: packed and
-    scale hold nvfp4.interleave's layout (NVFP4Linear's on CUDA), which the teaching kernel does
-    not read: it gets the plain layout back first."""
-    if kernels.gemm_runs(x):
-        return kernels.nvfp4_matmul(x, packed, scale, global_scale, bias=bias, interleaved=interleaved)
-    if interleaved:
-        packed, scale = nvfp4.deinterleave(packed, scale)
-    return matmul(x, packed, scale, global_scale, bias)
-
-
-def nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False):
-    """dx (M, K) = dy (M, N) · W (N, K), the backward of y = x·Wᵀ: kernels.nvfp4_matmul_dx where
-    kernels.gemm_runs(dy), else dy times the dequantized weight, in dy's dtype. There is no
-    teaching kernel for dx: it would be this file's GEMM again with W read along its other dim."""
-    if kernels.gemm_runs(dy):
-        return kernels.nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=interleaved)
-    if interleaved:
-        packed, scale = nvfp4.deinterleave(packed, scale)
-    return dy @ nvfp4.dequantize(packed, scale, global_scale, dy.dtype)
-
-
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not kernels.interpreting():
+    if device == "cpu" and not _interpreting():
         raise SystemExit("no GPU: run it in Triton's interpreter, TRITON_INTERPRET=1 python marlin_kernel.py")
     torch.manual_seed(0)
     M, N, K = 5, 192, 320
-    packed, scale, gs = nvfp4.quantize(torch.randn(N, K, device=device) * 0.02)
+    # random codes and E4M3 scales between 2^-3 and 2^4: any bytes are a valid weight
+    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, device=device)
+    scale = torch.exp2(torch.randint(-3, 5, (N, K // BLOCK), device=device).float()).to(torch.float8_e4m3fn)
+    gs = torch.tensor([448 * 6 / 0.05], device=device)
     x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
     y, ref = matmul(x, packed, scale, gs), reference_matmul(x, packed, scale, gs)
     err = (y.double() - ref).abs()

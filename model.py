@@ -348,14 +348,98 @@ class Transformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# Stacks: the projections that share an input, stored back to back
 
-if __name__ == "__main__":  # python model.py <hub id or dir> "prompt": greedy, no KV cache (see rollout.py)
-    import sys
-    from checkpoint import load_model, load_tokenizer
-    path, prompt = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "The capital of France is"
-    tok, model = load_tokenizer(path), load_model(path, quant="bf16")
-    ids = torch.tensor([tok(prompt)["input_ids"]], device=model.lm_head.weight.device)
-    with torch.inference_mode():
-        for _ in range(24):
-            ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
-    print(tok.decode(ids[0]))
+
+class Stack:
+    """The linears `mods` of one group (q/k/v, or gate/up: one input, one kind) over one allocation.
+
+    `linear` is one linear of Σ N_i rows whose tensors are the members' stacked, and each member's
+    tensor becomes a row slice of it (N_i its out_features, K its in_features):
+
+        weight         (Σ N_i, K)       bf16;  or, NVFP4:
+        weight_packed  (Σ N_i, K/2)     uint8
+        weight_scale   (Σ N_i, K/16)    float8_e4m3fn
+        bias           (Σ N_i,)         where the members have one
+        member i       rows [N_0 + ... + N_{i-1}, + N_i) of each: a view, no copy
+
+    So the state dict, checkpoints, LoRA and the training forward see the members unchanged, while
+    the sampler's fast path (ops.project) multiplies a group once. NVFP4 members must share one
+    global scale (a kernel applies one per matmul): the loader gives each group one, the smallest of
+    the members' (checkpoint.quantize_group). A group that cannot share (mixed kinds, biases, scales)
+    gets no stack. A member whose tensor no longer lives in the stack (.to(), a reload that rebinds a
+    parameter) ends it: `holds` compares data pointers. `lora_casts` is where the kernels keep the
+    group's adapter casts between calls."""
+
+    TENSORS = ("weight", "weight_packed", "weight_scale", "bias")
+
+    @staticmethod
+    def can_stack(mods) -> bool:
+        first = mods[0]
+        if type(first) not in (nn.Linear, nvfp4.NVFP4Linear) or not all(
+                type(m) is type(first) and m.in_features == first.in_features
+                and (m.bias is None) == (first.bias is None) for m in mods):
+            return False
+        return not isinstance(first, nvfp4.NVFP4Linear) or all(
+            torch.equal(m.weight_global_scale, first.weight_global_scale) and m.interleaved == first.interleaved
+            for m in mods)
+
+    def __init__(self, mods):
+        first = mods[0]
+        self.sizes = [m.out_features for m in mods]
+        self.lora_casts = None
+        shape = (first.in_features, sum(self.sizes), first.bias is not None)    # on meta: every tensor is bound below
+        if isinstance(first, nvfp4.NVFP4Linear):
+            self.linear = nvfp4.NVFP4Linear(*shape, device="meta")
+            self.linear.weight_global_scale, self.linear.interleaved = first.weight_global_scale, first.interleaved
+        else:
+            self.linear = nn.Linear(*shape, device="meta")
+        for name in self.TENSORS:
+            if getattr(first, name, None) is None:
+                continue
+            stacked = torch.cat([getattr(m, name).detach() for m in mods])             # (Σ N, ...)
+            self._bind(self.linear, name, stacked)
+            for m, rows in zip(mods, stacked.split(self.sizes)):
+                self._bind(m, name, rows)
+        self.names = [n for n in self.TENSORS if getattr(first, n, None) is not None]
+        self.ptrs = self._ptrs(mods)
+
+    @staticmethod
+    def _bind(module, name, t):
+        """module.<name> = t, a frozen parameter where it is one, else a buffer."""
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(t, requires_grad=False)
+        else:
+            module._buffers[name] = t
+
+    def _ptrs(self, mods):
+        return [getattr(m, name).data_ptr() for m in mods for name in self.names]
+
+    def holds(self, mods) -> bool:
+        """Are the members' tensors still slices of the stack? (.to() or a reload ends that.)"""
+        return self._ptrs(mods) == self.ptrs
+
+
+def stack_groups(model: nn.Module) -> nn.Module:
+    """Give every layer's groups (GROUPS) a Stack where they can share one, else None (the
+    `stacked` attribute of self_attn and mlp, which ops.project reads)."""
+    for layer in model.model.layers:
+        for attr, names in GROUPS.items():
+            parent = getattr(layer, attr)
+            mods = [getattr(parent, n) for n in names]
+            parent.stacked = Stack(mods) if Stack.can_stack(mods) else None
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":  # python model.py: a tiny random Qwen2 decoder and one forward (checkpoint.py loads real ones)
+    cfg = ModelConfig("Qwen2ForCausalLM", vocab_size=1000, hidden_size=128, intermediate_size=256,
+                      num_layers=2, num_heads=4, num_kv_heads=2)
+    model = Transformer(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():            # norms 1, the rest N(0, 0.02²)
+            p.normal_(std=0.02) if p.ndim > 1 else p.fill_(1.0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    print(model)
+    print(f"logits {tuple(model(ids).shape)} for ids {tuple(ids.shape)}")

@@ -46,18 +46,21 @@ What this file leaves out: activation quantization (this is weight-only, W4A16),
 scales (GPTQ, MSE search: plain absmax), padding of K to a multiple of 16, and the fusion of
 q/k/v (or gate/up) into one matmul, which needs one shared global scale: pass
 `global_scale=min(compute_global_scale(w) for w in group)` to `quantize`, as llm-compressor does.
-The fast GPU matmul lives in marlin_kernel.py; here the CPU path dequantizes and calls F.linear.
+NVFP4Linear multiplies through the seam (ops.nvfp4_linear): on a GPU a kernel reads the 4-bit
+weight as it is (marlin_kernel.py teaches how; kernels/ holds the fast ones), elsewhere the weight is
+dequantized and F.linear multiplies.
 
 Test: pytest tests/test_nvfp4.py compares bytes and scales with compressed-tensors' own quantizer
 and compressor, loads our checkpoints through compressed-tensors' decompressor, and checks the
 dequantizer against a float64 formula.
 """
 import functools
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import ops
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -207,20 +210,6 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Te
 
 
 # ----------------------------------------------------------------------------------------------
-# fast path: marlin_kernel (Triton) on CUDA when it can be imported, else the reference above
-
-@functools.cache
-def _marlin():
-    try:
-        import marlin_kernel
-    except ImportError as e:
-        warnings.warn(f"nvfp4: marlin_kernel is not importable ({e}); NVFP4Linear on CUDA falls "
-                      f"back to dequantize + F.linear (slow)")
-        return None
-    return marlin_kernel
-
-
-# ----------------------------------------------------------------------------------------------
 # the kernels' layout: 16 x 128 tiles
 
 def interleave(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,47 +240,8 @@ def _tiles(packed, scale, inverse):
     return p.reshape(N, K // 2), s.reshape(N, K // 16).view(scale.dtype)
 
 
-def _use_kernel(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.dtype == torch.bfloat16 and _marlin() is not None
-
-
 def _plain(packed, scale, interleaved):
     return deinterleave(packed, scale) if interleaved else (packed, scale)
-
-
-def linear(x, packed, scale, global_scale, bias=None, interleaved=False):
-    """y = x·W'ᵀ (+ bias) without autograd: x (..., K) -> (..., N) in x.dtype. On CUDA with bf16
-    activations, marlin_kernel.nvfp4_matmul (4-bit weights read as they are); elsewhere W' is
-    dequantized and F.linear multiplies. interleaved: packed and scale hold interleave()'s layout."""
-    x2d = x.reshape(-1, x.shape[-1])                                      # (M, K)
-    if _use_kernel(x2d):
-        b = bias.to(torch.bfloat16) if bias is not None else None
-        y = _marlin().nvfp4_matmul(x2d.contiguous(), packed, scale, global_scale, b, interleaved)
-    else:
-        b = bias.to(x.dtype) if bias is not None else None
-        y = F.linear(x2d, dequantize(*_plain(packed, scale, interleaved), global_scale, x.dtype), b)
-    return y.view(*x.shape[:-1], y.shape[-1])                             # (..., N)
-
-
-class _NVFP4Matmul(torch.autograd.Function):
-    """linear with the gradient flowing to x only: W' is frozen, stored as NVFP4."""
-
-    @staticmethod
-    def forward(ctx, x, packed, scale, global_scale, bias, interleaved):
-        ctx.save_for_backward(packed, scale, global_scale)
-        ctx.interleaved = interleaved
-        return linear(x, packed, scale, global_scale, bias, interleaved)
-
-    @staticmethod
-    def backward(ctx, dy):
-        packed, scale, global_scale = ctx.saved_tensors
-        dy2d = dy.reshape(-1, dy.shape[-1])                               # (M, N)
-        if _use_kernel(dy2d):
-            dx = _marlin().nvfp4_matmul_dx(dy2d.contiguous(), packed, scale, global_scale, ctx.interleaved)
-        else:                                                             # (M, K)
-            dx = dy2d @ dequantize(*_plain(packed, scale, ctx.interleaved), global_scale, dy.dtype)
-        dbias = dy2d.sum(0) if ctx.needs_input_grad[4] else None         # only if unfrozen
-        return dx.view(*dy.shape[:-1], dx.shape[-1]), None, None, None, dbias, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,11 +281,11 @@ class NVFP4Linear(nn.Module):
         layer.weight_packed, layer.weight_scale, layer.weight_global_scale = packed, scale, g
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
-        return layer.interleave_() if weight.is_cuda else layer
+        return layer.interleave_() if ops.interleaves(weight) else layer
 
     def interleave_(self) -> "NVFP4Linear":
-        """Move the weight into the kernels' layout (interleave) where the shape allows; the CPU
-        path works on either layout, so the loaders call this on CUDA only."""
+        """Move the weight into the kernels' layout (interleave) where the shape allows; the torch
+        path works on either layout, so the loaders call this where ops.interleaves says."""
         if not self.interleaved and self.out_features % 16 == 0 and self.in_features % 128 == 0:
             self.weight_packed, self.weight_scale = interleave(self.weight_packed, self.weight_scale)
             self.interleaved = True
@@ -365,11 +315,7 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"NVFP4Linear: input has {x.shape[-1]} features, expected {self.in_features}")
         if self.dense is not None:                      # one dequantization a step, not one a call
             return F.linear(x, self.dense, self.bias)
-        args = (x, self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias)
-        needs_grad = x.requires_grad or (self.bias is not None and self.bias.requires_grad)
-        if torch.is_grad_enabled() and needs_grad:
-            return _NVFP4Matmul.apply(*args, self.interleaved)
-        return linear(*args, interleaved=self.interleaved)                # no autograd (rollout)
+        return ops.nvfp4_linear(self, x)                # the 4-bit weight read as it is, where a kernel runs
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

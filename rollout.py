@@ -2,8 +2,8 @@
 
 The training model itself (NVFP4 base + live LoRA + AQN noise on the norms) samples: there is no
 second copy of the weights and no weight sync. The sampler turns `model.forward` into a batched,
-continuously-scheduled generator in four layers, as nano-vllm splits its engine; this file holds
-the public API and the tensor half, the others one concern each:
+continuously-scheduled generator in layers, as nano-vllm splits its engine; this file holds the
+public API and the tensor half, the others one concern each:
 
     scheduler.py        Sequence (plain state of one completion), BlockManager (fixed-size KV
                         blocks, reference counts, a free list), Scheduler (waiting / running
@@ -12,9 +12,13 @@ the public API and the tensor half, the others one concern each:
     attention.py        the KV cache's slot layout, and the store and attention over it in torch
                         (their one-launch Triton version, which also applies RoPE, is the wing's)
     sampling.py         logits -> tokens and their logprobs (temperature, top-k, top-p; no host sync)
+    graphs.py           CUDA graphs of a decode step or a short prefill, and their static buffers
     rollout.py          SamplingParams, Completion, LLMEngine and generate (the public API); the
                         attention contexts the model's layers call; the Runner: all tensor work
-                        (the KV cache, packed prefill, paged decode, CUDA graphs)
+                        (the KV cache, packed prefill, paged decode)
+
+The fast kernels (attention, sampling, the matmuls) come through ops.py, the seam; the files here
+hold the torch references.
 
 KV cache. One tensor per K and V of shape (L, num_blocks, block_size, Hkv, D), held by the Runner;
 attention.py describes the slots. The model never sees it: each layer calls
@@ -25,20 +29,18 @@ all three in one kernel launch per layer.
 
     prefill: all new prompts packed into one row (1, sum T_i); attention is causal within each
              prompt (cu_seqlens); the lm_head runs on the last position of each prompt only.
-             On the GPU a prefill of up to PREFILL_GRAPH_BYTES of activations is one CUDA-graph
-             replay, one graph per (token bucket, prompt bucket), padded; it stores K/V in staging
-             rows that one index_copy then moves into the cache, so the graph outlives the cache and
-             every training step replays what the first one captured (_prefill_graph).
+             On the GPU a short prefill is one CUDA-graph replay (graphs.py), padded to a bucket;
+             it stores K/V in staging rows that one index_copy then moves into the cache, so the
+             graph outlives the cache and every training step replays what the first captured.
     logits:  ops.logits (a GEMV on the GPU for one or two rows, else the lm_head's matmul).
     decode:  one token per sequence (B, 1); attention reads K/V through the block tables
              (Triton kernel on GPU, split over the context into partitions merged by log-sum-exp,
-             so batch 1 still fills the GPU; torch reference on CPU). CUDA graphs: one per
-             batch-size bucket, padded rows write nothing; a graph also fills in the tokens of the
-             step in flight (kernels.fill_tokens), and
-             where sampling is the Triton path (no top-k / top-p) it runs the lm_head and the
-             sampler too (one graph per temperature): a step is then two small copies in (three
-             after a prefill), one replay and one copy of the step's record (tokens and logprobs
-             in one buffer) out.
+             so batch 1 still fills the GPU; torch reference on CPU). CUDA graphs (graphs.py): one
+             per batch-size bucket, padded rows write nothing; a graph also fills in the tokens of
+             the step in flight (ops.fill_tokens), and where sampling is the kernels' path (no
+             top-k / top-p) it runs the lm_head and the sampler too (one graph per temperature): a
+             step is then two small copies in (three after a prefill), one replay and one copy of
+             the step's record (tokens and logprobs in one buffer) out.
     draws:   a sequence's random draws depend only on (the call's seed, the sequence, the position
              sampled): row keys = seed + seq_id · 2^24 + position (ROW_KEY), each row drawing from
              its own key. So preemption, a smaller KV cache or another batch composition sample
@@ -73,10 +75,10 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import graphs
 import ops
 from attention import packed_causal_attention, paged_attention_ref, store_kv_ref, varlen_runs
-from sampling import sample, uses_kernels
+from graphs import new_record, split_record
 from scheduler import BlockManager, Scheduler, Sequence
 
 
@@ -154,7 +156,7 @@ class DecodeContext:
         r = self.runner
         k_cache, v_cache = r.k_cache[layer], r.v_cache[layer]
         meta = (k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
-        if r.attn_backend == "triton" and kernels.runs(q):
+        if r.attn_backend == "triton" and ops.runs(q):
             cos, sin = (t[:, 0, 0] for t in (cos, sin))              # (B, D/2)
             return r.paged_attention(q[:, 0], *meta, rope=(k[:, 0], v[:, 0], cos, sin, self.slots))[:, None]
         q, k = ops.rope(q, k, cos, sin)
@@ -163,11 +165,10 @@ class DecodeContext:
 
 
 # ----------------------------------------------------------------------------------------------
-# Runner: the KV cache, packed prefill, paged decode, CUDA graphs
+# Runner: the KV cache, packed prefill, paged decode (graphs.py captures its steps)
 
-META_ROWS = 6          # decode inputs a row: token, position, KV slot, context length, source row, sequence id
 ROW_KEY = 1 << 24      # a draw's key: the call's seed + sequence id · ROW_KEY + position (positions < 2^24)
-PREFILL_GRAPH_BYTES = 1 << 28   # activations a prefill graph may hold: its pool outlives the KV cache
+MAX_GRAPH_BATCH = graphs.BUCKETS[-1]   # the most sequences one decode graph takes
 
 
 class Runner:
@@ -181,25 +182,21 @@ class Runner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         if attn_backend not in ("triton", "torch"):
             raise ValueError(f"attn_backend must be 'triton' or 'torch', got {attn_backend!r}")
-        if attn_backend == "triton" and not kernels.available:
-            raise ValueError("attn_backend='triton' needs triton installed")
+        if attn_backend == "triton" and not ops.attention_kernels(self.device):
+            raise ValueError(f"attn_backend='triton' needs triton installed and a CUDA device (or the "
+                             f"interpreter), got {self.device}")
         self.partition_size, self.attn_backend = partition_size, attn_backend
         if attn_backend == "triton":
-            self.store_kv, self.paged_attention = kernels.store_kv, self._paged_attention_triton
+            self.store_kv, self.paged_attention = ops.store_kv, self._paged_attention_triton
         else:
             self.store_kv, self.paged_attention = store_kv_ref, paged_attention_ref
-        # graphs need the sync-free Triton path (the torch reference reads lengths on the host)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and attn_backend == "triton"
         self.k_cache = self.v_cache = None
         self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
-        self.graphs, self.graph_pool, self._static = {}, None, None
-        self.warmed = set()                 # (graph key, tuning) captured before (see _record)
-        # prefill graphs (see _prefill_graph): the largest token bucket whose activations fit the budget
-        per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * self.dtype.itemsize
-        fits = [t for t in self.PREFILL_TOKENS if t * per_token <= PREFILL_GRAPH_BYTES]
         self.varlen = varlen_runs(self.device, self.dtype, self.head_dim)   # a packed prefill: one flash launch
-        self.prefill_cap = fits[-1] if fits and self.cuda_graphs and self.varlen else 0
-        self.prefill_graphs, self.prefill_pool, self.stage = {}, None, None
+        # graphs need the sync-free kernel path (the torch reference reads lengths on the host); prefill
+        # graphs need varlen attention too (one launch for all prompts)
+        on = cuda_graphs and self.device.type == "cuda" and attn_backend == "triton"
+        self.graphs = graphs.Graphs(self, graphs.prefill_cap(cfg, self.dtype) if self.varlen else 0) if on else None
         self.seed = torch.zeros(1, dtype=torch.int64, device=self.device)  # the call's key (row_keys)
 
     def reseed(self, generator=None):
@@ -214,17 +211,17 @@ class Runner:
         return self.seed + seq_ids.long() * ROW_KEY + positions.long()
 
     def _paged_attention_triton(self, q, *args, rope=None):
-        """kernels.paged_attention with the counters its partitions merge by. The partitioning it
+        """ops.paged_attention with the counters its partitions merge by. The partitioning it
         picks is fixed per batch size (not per step), so captured CUDA graphs stay valid."""
         if self.attn_counts is None or self.attn_counts.shape[0] < q.shape[0]:
             # never during a capture (a key's first capture warms up eagerly); graphs read the counts
             # by address, so a larger eager batch (> the biggest bucket) drops them before the old
             # buffer is freed
             self.drop_graphs()
-            self.attn_counts = kernels.attention_counts(max(q.shape[0], self.BUCKETS[-1]), self.num_kv_heads,
-                                                        self.device)
-        return kernels.paged_attention(q, *args, max_model_len=self.max_model_len, counts=self.attn_counts,
-                                       partition_size=self.partition_size, rope=rope)
+            self.attn_counts = ops.attention_counts(max(q.shape[0], MAX_GRAPH_BATCH), self.num_kv_heads,
+                                                    self.device)
+        return ops.paged_attention(q, *args, max_model_len=self.max_model_len, counts=self.attn_counts,
+                                   partition_size=self.partition_size, rope=rope)
 
     # ---- cache
     def bytes_per_block(self):
@@ -240,22 +237,19 @@ class Runner:
 
     def free_cache(self, keep_warm=False):
         """Drop the KV cache and the decode graphs (they point into it), e.g. before backward.
-        keep_warm: the model and tuning are unchanged (a training step: only values changed in
-        place), so the prefill graphs stay (they point into no cache) and later captures skip their
-        warm-up (_record). Without it the prefill graphs go too."""
+        keep_warm: the model and kernel settings are unchanged (a training step: only values changed
+        in place), so the prefill graphs stay (they point into no cache) and later captures skip
+        their warm-up (graphs.py). Without it the prefill graphs go too."""
         self.k_cache = self.v_cache = None
-        self.drop_graphs(keep_warm)
-        if not keep_warm:
-            self.prefill_graphs, self.prefill_pool, self.stage = {}, None, None
+        if self.graphs is not None:
+            self.graphs.drop(keep_warm, prefill=not keep_warm)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def drop_graphs(self, keep_warm=False):
-        """Drop the decode graphs and their pool; unless keep_warm, also the record of warmed keys, so
-        the next capture of each key warms up first (_record)."""
-        self.graphs, self.graph_pool = {}, None
-        if not keep_warm:
-            self.warmed = set()
+    def drop_graphs(self):
+        """Drop the decode graphs and the record of warmed keys (a buffer they read moved)."""
+        if self.graphs is not None:
+            self.graphs.drop()
 
     def copy_blocks(self, copies):
         """Copy-on-write: duplicate whole blocks (all layers) src -> dst."""
@@ -271,18 +265,18 @@ class Runner:
     def _slot(self, seq, pos):
         return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _logits(self, hidden):
+    def logits(self, hidden):
         """(rows, H) -> (rows, V) fp32 logits (ops.logits): sample() reads them as they are."""
         return ops.logits(hidden, self.model.lm_head)
 
     def sample(self, logits, params, keys, record=None):
-        """logits (B, V), keys (>= B,) int64 (row_keys) -> the step's record (split_record): the
+        """logits (B, V), keys (>= B,) int64 (row_keys) -> the step's record (graphs.split_record): the
         sampled tokens and their logprobs in its first B rows. record: a buffer of >= B rows to fill
         (default: a new one of B rows)."""
         B = logits.shape[0]
         record = new_record(B, logits.device) if record is None else record
         tokens, logprobs = split_record(record)
-        sample(logits, params, keys=keys[:B], out=(tokens[:B], logprobs[:B]))
+        ops.sample(logits, params, keys=keys[:B], out=(tokens[:B], logprobs[:B]))
         return record
 
     # ---- prefill: one packed row of all new tokens
@@ -296,80 +290,22 @@ class Runner:
             pos += range(len(seq))
             slots += [self._slot(seq, t) for t in range(len(seq))]
             cu.append(cu[-1] + len(seq))
-        key = self._prefill_key(len(ids), len(groups))
+        key = self.graphs.prefill_key(len(ids), len(groups)) if self.graphs is not None else None
         if key is not None:
-            return self._prefill_graph(key, ids, pos, slots, cu)
-        ctx = PrefillContext(self, cu, self._tensor(cu, torch.int32) if self.varlen else None,
-                             max(e - s for s, e in zip(cu[:-1], cu[1:])), slots=self._tensor(slots, torch.int64))
-        hidden = self.model(self._tensor([ids], torch.int64), self._tensor([pos], torch.int64),
-                            attn_ctx=ctx, return_hidden=True)                      # (1, N, H)
-        return self._logits(hidden[0, [c - 1 for c in cu[1:]]])
+            return self.graphs.prefill(key, ids, pos, slots, cu)
+        hidden = self.packed_forward(self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), cu,
+                                     self._tensor(cu, torch.int32) if self.varlen else None,
+                                     max(e - s for s, e in zip(cu[:-1], cu[1:])), slots=self._tensor(slots, torch.int64))
+        return self.logits(hidden[[c - 1 for c in cu[1:]]])
 
-    # ---- prefill graphs: one per (token bucket, prompt bucket), kept across training steps
-    PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
-
-    def _prefill_key(self, tokens, prompts):
-        """The graph a prefill of `tokens` tokens in `prompts` prompts replays, or None (eager):
-        (token bucket, prompts rounded up to a power of two, tuning). The bucket leaves a token for
-        each padding prompt, so that no prompt of the graph is empty."""
-        if not self.prefill_cap:
-            return None
-        pb = 1 << (prompts - 1).bit_length()
-        tb = next((t for t in self.PREFILL_TOKENS if t >= tokens + pb - prompts), None)
-        return None if tb is None or tb > self.prefill_cap else (tb, pb, kernels.current())
-
-    def _prefill_graph(self, key, ids, pos, slots, cu):
-        """A prefill as one graph replay, where eagerly each of its ~10 launches a layer costs tens of
-        µs of Python (host time the GPU waits for at small batches).
-
-        The graph runs the model over tb tokens: the N real ones, then padding, which forms pb - g
-        extra prompts (pb: the prompt bucket, g: the real prompts) of one token each, the last taking
-        the rest; where pb = g the last real prompt takes it. Causal attention keeps the padding out of
-        every real row. One buffer holds the graph's inputs and the host fills it with one copy:
-        [ids (tb) | positions (tb) | prompt offsets (pb + 1) | KV slots (N, then unused) | each
-        prompt's last row (g, then unused)].
-        The graph stores K/V in staging rows, not in the cache: the cache is freed before every
-        backward pass, the graph is not, so a training step replays what an earlier step captured.
-        After the replay one index_copy per K and V moves the N real rows into the cache.
-        -> (g, V) logits of each prompt's last token."""
-        tb, pb, _ = key
-        n, g = len(ids), len(cu) - 1
-        offsets = cu[:g] + [n + i for i in range(pb - g)] + [tb]
-        last = [c - 1 for c in cu[1:]]
-        pad, spare = [0] * (tb - n), [0] * (pb - g)
-        segments = [ids, pad, pos, pad, offsets, slots, pad, last, spare]    # tb | tb | pb + 1 | tb | pb
-        host = torch.tensor([v for seg in segments for v in seg], dtype=torch.int64, pin_memory=True)
-        entry = self.prefill_graphs.get(key)
-        buf = entry[1] if entry else torch.empty(host.shape, dtype=torch.int64, device=self.device)
-        buf.copy_(host, non_blocking=True)
-        if entry is None:                      # captured on the real inputs (the warm-up runs them)
-            entry = self.prefill_graphs[key] = self._capture_prefill(tb, pb, buf)
-        graph, _, hidden = entry                                                  # hidden (tb, H)
-        graph.replay()
-        slots_t, last_t = buf[2 * tb + pb + 1:][:n], buf[3 * tb + pb + 1:][:g]
-        for cache, stage in zip((self.k_cache, self.v_cache), self.stage):       # (L, blocks, bs, Hkv, D)
-            cache.view(self.num_layers, -1, self.num_kv_heads, self.head_dim).index_copy_(1, slots_t, stage[:, :n])
-        return self._logits(hidden[last_t])
-
-    def _capture_prefill(self, tb, pb, buf):
-        """-> (graph, buf, hidden (tb, H)): the model over buf's tokens, K/V into the staging rows
-        (allocated once, outside the graphs' pool, for the largest bucket)."""
-        if self.stage is None:
-            shape = (self.num_layers, self.prefill_cap, self.num_kv_heads, self.head_dim)
-            self.stage = tuple(torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(2))
-        ids, pos, offsets = buf[:tb], buf[tb:2 * tb], buf[2 * tb:2 * tb + pb + 1]
-        stage = tuple(s[:, :tb] for s in self.stage)                               # (L, tb, Hkv, D)
-
-        def body():
-            ctx = PrefillContext(self, None, offsets.to(torch.int32), tb, stage=stage)
-            return self.model(ids[None], pos[None], attn_ctx=ctx, return_hidden=True)[0]
-
-        graph, hidden = self._record(("prefill", tb, pb), body, self.prefill_pool)
-        self.prefill_pool = graph.pool()
-        return graph, buf, hidden
+    def packed_forward(self, ids, pos, cu_seqlens, cu, longest, *, slots=None, stage=None):
+        """The model over prompts packed in one row: ids, pos (N,) -> final hidden states (N, H),
+        K/V into the cache at slots or into the staging rows (PrefillContext)."""
+        ctx = PrefillContext(self, cu_seqlens, cu, longest, slots=slots, stage=stage)
+        return self.model(ids[None], pos[None], attn_ctx=ctx, return_hidden=True)[0]
 
     # ---- decode: one token per sequence
-    def _decode_inputs(self, seqs, rows, src_rows):
+    def decode_inputs(self, seqs, rows, src_rows):
         """-> (6, rows) int32 [token, position, KV slot, context length, source row, sequence id] and (rows, width)
         block tables, built on the host in one tensor each. A token still on the GPU (sampled by the
         step in flight) is 0 here and its row in that step's output is the source row (else -1).
@@ -388,139 +324,24 @@ class Runner:
             meta, tables = meta.pin_memory(), tables.pin_memory()
         return meta, tables
 
-    @staticmethod
-    def _fill_tokens(meta, prev_tokens):
-        """meta[0] = prev_tokens[meta[4]] where meta[4] >= 0: tokens that never visited the host.
-        On CUDA one Triton kernel (kernels.fill_tokens); the torch ops are its reference."""
-        if prev_tokens is None:
-            return
-        if meta.is_cuda and kernels.available:
-            kernels.fill_tokens(meta, prev_tokens)
-            return
-        src = meta[4].long()
-        meta[0].copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)].to(meta.dtype), meta[0]))
-
     @torch.inference_mode()
     def decode(self, seqs, src_rows, prev_tokens, params):
-        """-> the step's record (split_record), the next token of each sequence in its first B rows;
-        src_rows/prev_tokens: see above; params: as in sample()."""
+        """-> the step's record (graphs.split_record), the next token of each sequence in its first B
+        rows; src_rows/prev_tokens: see above; params: as in sample(). A graph replay where graphs run."""
         B = len(seqs)
-        if self.cuda_graphs and B <= self.BUCKETS[-1]:
-            return self._decode_graph(seqs, src_rows, prev_tokens, params)
-        meta, tables = (t.to(self.device, non_blocking=True) for t in self._decode_inputs(seqs, B, src_rows))
-        hidden = self._run_decode(meta, tables, prev_tokens)[:, 0]                     # (B, H)
-        return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]))
+        if self.graphs is not None and B <= MAX_GRAPH_BATCH:
+            return self.graphs.decode(seqs, src_rows, prev_tokens, params)
+        meta, tables = (t.to(self.device, non_blocking=True) for t in self.decode_inputs(seqs, B, src_rows))
+        hidden = self.run_decode(meta, tables, prev_tokens)[:, 0]                      # (B, H)
+        return self.sample(self.logits(hidden), params, self.row_keys(meta[5], meta[1]))
 
-    def _run_decode(self, meta, tables, prev_tokens):
+    def run_decode(self, meta, tables, prev_tokens):
         """meta (6, B), tables (B, width) on the device, prev_tokens: the step in flight's tokens
-        (or None) -> final hidden states (B, 1, H)."""
-        self._fill_tokens(meta, prev_tokens)
+        (or None), filled into meta's tokens first -> final hidden states (B, 1, H)."""
+        if prev_tokens is not None:
+            ops.fill_tokens(meta, prev_tokens)
         ctx = DecodeContext(self, meta[2], tables, meta[3])
         return self.model(meta[0][:, None], meta[1][:, None], attn_ctx=ctx, return_hidden=True)
-
-    # ---- CUDA graphs: one per batch-size bucket (and temperature), captured lazily, sharing one pool
-    BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-
-    def _static_buffers(self, prev_rows=0):
-        """[meta (6·n,), tables (n, width), record (12·n',)]: what the graphs read and write by address.
-        A graph of b rows reads meta[:6·b] as (6, b), contiguous, so that its host copy is one plain
-        copy (a strided view of a (6, n) tensor takes a copy kernel as well). The record
-        (split_record) receives the graphs' samples; its tokens are also the step in flight's
-        tokens, which the next graph fills into meta[0]. A step with more rows than it holds (a
-        large prefill) replaces it and drops the graphs that use it."""
-        n, d = self.BUCKETS[-1], self.device
-        if self._static is None:
-            self._static = [torch.zeros(META_ROWS * n, dtype=torch.int32, device=d),
-                            torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=d),
-                            new_record(n, d)]
-        if len(split_record(self._static[2])[0]) < prev_rows:   # new addresses, maybe another alignment
-            self.drop_graphs()
-            self._static[2] = new_record(prev_rows, d)
-        return self._static
-
-    def _capture(self, key, bucket, params):
-        """A graph of the decode step for `bucket` rows: up to the final hidden states (params None),
-        or through the lm_head and the Triton sampler at params.temperature into the static record.
-        It reads the adapters' kept casts as they are (ops.casts_kept): the prefill that starts every
-        generate() call has refreshed them."""
-        static_meta, static_tables, record = self._static_buffers()
-        meta, tables = static_meta[:META_ROWS * bucket].view(META_ROWS, bucket), static_tables[:bucket]
-        prev = split_record(record)[0]
-
-        def step():
-            hidden = self._run_decode(meta, tables, prev)[:, 0]                      # (bucket, H)
-            if params is None:
-                return hidden
-            return self.sample(self._logits(hidden), params, self.row_keys(meta[5], meta[1]), record)
-
-        warming = self._warm_key(key) not in self.warmed
-        saved = record.clone() if warming else None  # the warm-up samples: put back what it overwrites
-        with ops.casts_kept():
-            graph, out = self._record(key, step, self.graph_pool)
-        if warming:
-            record.copy_(saved)
-        self.graph_pool = graph.pool()
-        return graph, out
-
-    @staticmethod
-    def _warm_key(key):
-        """What `warmed` records of a capture: its key and the tuning its kernels ran under."""
-        return key, kernels.current()
-
-    def _record(self, key, body, pool):
-        """-> (graph, its output): body() captured in a CUDA graph sharing `pool`.
-        The first capture of a key runs body eagerly first, outside the capture (the warm-up
-        torch.cuda.graph asks for: a Triton kernel cannot load its binary while a stream captures).
-        A training step's free_cache(keep_warm=True) keeps the record of warmed keys (with the
-        tuning they ran under): the model is the same and only its values changed, so the next
-        capture finds every kernel compiled and every lazy buffer made, and pays one pass of the
-        layers' Python instead of two. Any other free_cache, and a replaced static buffer, forget it."""
-        warm = self._warm_key(key)
-        if warm not in self.warmed:                  # kernels compile outside any capture
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                body()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.warmed.add(warm)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = body()
-        return graph, out
-
-    def _decode_graph(self, seqs, src_rows, prev_tokens, params):
-        B = len(seqs)
-        bucket = next(b for b in self.BUCKETS if b >= B)
-        meta, tables = self._decode_inputs(seqs, bucket, src_rows)
-        static_meta, static_tables, record = self._static_buffers(0 if prev_tokens is None else len(prev_tokens))
-        static_meta[:META_ROWS * bucket].view(META_ROWS, bucket).copy_(meta, non_blocking=True)   # two host->device copies
-        static_tables[:bucket, :tables.shape[1]].copy_(tables, non_blocking=True)
-        prev = split_record(record)[0]
-        if prev_tokens is not None and prev_tokens.data_ptr() != prev.data_ptr():
-            prev[:len(prev_tokens)].copy_(prev_tokens)   # not from a graph: a prefill or an eager step
-        # the lm_head and the sampler join the graph where sampling is the Triton path
-        in_graph = uses_kernels(params, (bucket, self.model.lm_head.out_features), self.device)
-        key = (bucket, params.temperature) if in_graph else (bucket, None)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(key, bucket, params if in_graph else None)
-        graph, out = self.graphs[key]
-        graph.replay()
-        if in_graph:
-            return out
-        keys = self.row_keys([s.seq_id for s in seqs], [len(s) - 1 for s in seqs])
-        return self.sample(self._logits(out[:B]), params, keys)
-
-
-def new_record(rows, device):
-    """A step's record: one uint8 buffer of 12 bytes a row holding the sampled tokens (int64) and
-    then their logprobs (fp32), so that one copy takes a step's samples to the host."""
-    return torch.empty(12 * rows, dtype=torch.uint8, device=device)
-
-
-def split_record(record):
-    """A record (12·n,) uint8 -> its views tokens (n,) int64, logprobs (n,) fp32."""
-    n = record.numel() // 12
-    return record[:8 * n].view(torch.int64), record[8 * n:].view(torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,7 +370,7 @@ class LLMEngine:
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         device = next(model.parameters()).device
-        attn_backend = attn_backend or ("triton" if device.type == "cuda" else "torch")
+        attn_backend = attn_backend or ("triton" if device.type == "cuda" and ops.attention_kernels(device) else "torch")
         self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len, self.gpu_memory_utilization = max_model_len, gpu_memory_utilization
@@ -651,18 +472,8 @@ class LLMEngine:
                 sched.finish(seq)
                 done.append(seq)
 
-    @torch.inference_mode()
-    def generate(self, prompts, params: SamplingParams):
-        """prompts: list of token-id lists -> completions[prompt_index][sample_index]."""
-        t0 = time.perf_counter()
-        # time to first token, on the GPU: from an event at the call to one after the first step's
-        # sampling (work queued before the call is not counted). The host reads those tokens one
-        # step later (first_read_s), after queuing the next step and capturing its graph.
-        cuda = self.runner.device.type == "cuda"
-        start, first = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
-        if cuda:
-            start.record()
-        self._check_prompts(prompts, params)
+    def _schedule(self, prompts, params):
+        """The call's KV cache (allocated to fit) and a Scheduler holding its n sequences a prompt."""
         bs = self.block_size
         max_new = [min(params.max_tokens, self.max_model_len - len(p)) for p in prompts]
         seq_blocks = [-(-(len(p) + m) // bs) for p, m in zip(prompts, max_new)]
@@ -677,15 +488,26 @@ class LLMEngine:
         r = self.runner
         if r.k_cache is None or r.k_cache.shape[1] < num_blocks:
             r.allocate_cache(num_blocks)
-        sched = Scheduler(BlockManager(r.k_cache.shape[1], bs), self.max_num_seqs,
-                          self.max_num_batched_tokens)
+        sched = Scheduler(BlockManager(r.k_cache.shape[1], bs), self.max_num_seqs, self.max_num_batched_tokens)
         for pi, p in enumerate(prompts):
             sched.add([Sequence(pi * params.n + j, pi, j, p, max_new[pi]) for j in range(params.n)])
+        return sched
+
+    @torch.inference_mode()
+    def generate(self, prompts, params: SamplingParams):
+        """prompts: list of token-id lists -> completions[prompt_index][sample_index]."""
+        t0 = time.perf_counter()
+        # time to first token, on the GPU: from an event at the call to one after the first step's
+        # sampling (work queued before the call is not counted). The host reads those tokens one
+        # step later (first_read_s), after queuing the next step and capturing its graph.
+        r, cuda = self.runner, self.runner.device.type == "cuda"
+        start, first = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+        if cuda:
+            start.record()
+        self._check_prompts(prompts, params)
+        sched = self._schedule(prompts, params)
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.eos_ids)
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=r.device).manual_seed(params.seed)
-        r.reseed(gen)
+        r.reseed(None if params.seed is None else torch.Generator(device=r.device).manual_seed(params.seed))
         was_training = self.model.training
         self.model.eval()                                  # LoRA dropout off while sampling
         done, steps, first_read = [], {"prefill": 0, "decode": 0}, None
@@ -720,15 +542,20 @@ class LLMEngine:
         finally:
             self.model.train(was_training)
         assert sched.bm.num_free() == sched.bm.num_blocks, "KV blocks leaked"
-        out = [[None] * params.n for _ in prompts]
-        for s in done:
-            out[s.prompt_index][s.sample_index] = Completion(
-                s.prompt_index, s.sample_index, s.completion_ids, s.logprobs, s.finish_reason)
         self.stats = dict(num_blocks=r.k_cache.shape[1], preemptions=sched.num_preemptions,
                           prefill_steps=steps["prefill"], decode_steps=steps["decode"], first_read_s=first_read,
                           ttft_s=start.elapsed_time(first) / 1e3 if cuda else first_host,
                           total_s=time.perf_counter() - t0,
                           new_tokens=sum(len(s) - s.num_prompt_tokens for s in done))
+        return self._completions(done, len(prompts), params.n)
+
+    @staticmethod
+    def _completions(done, prompts, n):
+        """The finished sequences as completions[prompt_index][sample_index]."""
+        out = [[None] * n for _ in range(prompts)]
+        for s in done:
+            out[s.prompt_index][s.sample_index] = Completion(
+                s.prompt_index, s.sample_index, s.completion_ids, s.logprobs, s.finish_reason)
         return out
 
 

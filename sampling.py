@@ -13,8 +13,8 @@ reproducible. With `keys` (B,) int64, row b draws from its own key alone, whatev
 call: the engine keys a draw by (the call's seed, the sequence, the position being sampled), so
 that preemption, a smaller KV cache or another batch composition sample the same tokens.
 
-The GPU path without top-k / top-p (GRPO samples at temperature 1 from the full distribution) is
-the kernel wing's (kernels/sampler.py): two Triton kernels instead of ~10 torch ones, the same
+This file is the torch path. The GPU path without top-k / top-p (GRPO samples at temperature 1 from
+the full distribution) is the kernel wing's (kernels/sampler.py, chosen by ops.sample): two Triton kernels instead of ~10 torch ones, the same
 exponential race in its Gumbel-max form (with U uniform, E = -log U ~ Exp(1), and argmax(logp - log E)
 = argmax(z + g) for z = logits / T and g = -log(-log U) a standard Gumbel draw), drawn from a per-step
 key held in a device tensor that each draw advances, so that a CUDA graph can capture sampling.
@@ -31,34 +31,13 @@ logprobs against a dense forward and the seeded draws inside the decode graph.
 """
 import torch
 
-import kernels
-
-
 # ----------------------------------------------------------------------------------------------
 # Sampling: exponential race, no host sync; explicit greedy branch
 
-def uses_kernels(params, shape, device):
-    """Whether sample() takes the Triton path for logits of this (B, V) shape and device."""
-    filtered = 0 < params.top_k < shape[1] or params.top_p < 1
-    return kernels.sampler_runs(filtered, shape, device)
-
-
-def sample(logits, params, generator=None, keys=None, out=None):
+def sample(logits, params, generator=None, keys=None):
     """logits (B, V) -> tokens (B,) long, logprobs (B,) fp32 under the sampling distribution.
     params: a rollout.SamplingParams (only temperature, top_k and top_p are read here).
-    keys: (B,) int64 on the logits' device, each row's random key (None: draw from `generator`);
-    out: (tokens, logprobs) tensors to write into."""
-    if uses_kernels(params, logits.shape, logits.device):
-        return kernels.sample(logits, params.temperature, generator, keys=keys, out=out)
-    tokens, logprobs = _sample_torch(logits, params, generator, keys)
-    if out is None:
-        return tokens, logprobs
-    out[0].copy_(tokens)
-    out[1].copy_(logprobs)
-    return out
-
-
-def _sample_torch(logits, params, generator, keys=None):
+    keys: (B,) int64 on the logits' device, each row's random key (None: draw from `generator`)."""
     logits = logits.float()
     if params.temperature == 0:
         tokens = logits.argmax(-1)

@@ -55,8 +55,8 @@ from tqdm import tqdm
 
 import aqn
 import grpo
-import kernels
 import lora
+import ops
 import plan
 import flags
 import report
@@ -201,7 +201,7 @@ def build_policy(args, device):
     # as many sequences at once as the largest decode graph takes: an over-sampled round decodes in one wave
     engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
                                gpu_memory_utilization=args.gpu_memory_utilization,
-                               max_num_seqs=rollout.Runner.BUCKETS[-1])
+                               max_num_seqs=rollout.MAX_GRAPH_BATCH)
 
     def fwd_bwd(ids, prompt_lens, comp_lens):  # the training pass on one micro-batch, for the memory probe
         completion_logprobs(model, ids, prompt_lens, comp_lens, args.temperature, args.logprob_chunk)[0].sum().backward()
@@ -337,7 +337,7 @@ def main(argv=None):
     log(f"loading {args.model} ({'random init, ' if args.random_init else ''}{args.quant}) on {device} ...")
     model, optimizer, scheduler, gcfg, acfg, engine, step_plan = build_policy(args, device)
     log(f"loaded in {time.perf_counter() - t0:.1f} s; {plan.describe(step_plan)}")
-    line, slow = kernels.describe(device)                  # which fast paths run here, and any that cannot
+    line, slow = ops.describe(device)                  # which fast paths run here, and any that cannot
     log(line)
     for w in slow:
         log(f"warning: {w}")

@@ -1,8 +1,9 @@
 """The kernel wing: every Triton kernel of qerl behind one seam, and "can this run here?".
 
-The trunk (nvfp4, marlin_kernel, model, lora, rollout, sampling) knows nothing of routes or launch
-shapes. It calls the functions below where a fast path may run, and its own torch reference
-otherwise; this package knows nothing of RL. What is here:
+The trunk reaches this package through one face, ops.py, whose every entry is a torch reference
+or the call below where it can run; the trunk knows nothing of routes or launch shapes, and this
+package knows nothing of RL and imports nothing of the trunk: it works on tensors, and on the
+trunk's objects only by their attributes (duck typing). What is here:
 
     available                 Triton imports and the kernels are defined (False: every predicate
                               below is False, and `import kernels` still works)
@@ -10,12 +11,12 @@ otherwise; this package knows nothing of RL. What is here:
     describe(device)          the start-up line: which fast paths run here, and what an off one costs
     interpreting()            Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)
 
-    FP4 x BF16 GEMM (gemm.py; marlin_kernel.nvfp4_matmul hands off here where gemm_runs(x))
+    FP4 x BF16 GEMM (gemm.py; ops.nvfp4_linear hands off here where gemm_runs(x))
         gemm_runs(x), nvfp4_matmul(x, packed, scale, global_scale, bias=None, interleaved=False),
         nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False), dequantize(...)
     the decoder's small ops (fused_ops.py)
         rms_norm, rope_fits, rope, embed_rope, silu_mul, lm_head_fits, lm_head
-    q/k/v and gate/up as one matmul (stacked.py): prepare(model, groups), project(parent, names, x, silu_mul)
+    q/k/v and gate/up as one matmul (stacked.py): project(stack, mods, x, silu_mul, refresh)
     LoRA (lora.py): lora_linear(x, base, A, B, scale)
     the training pass's small ops, forward and backward (compiled.py): compiled(fn, x)
     paged decode attention (paged_decode.py): store_kv, paged_attention, attention_counts
@@ -27,11 +28,10 @@ Tests: tests/test_kernels_*.py.
 """
 import torch
 
-from . import tuning                       # first: tuning imports shapes, which reads tuning at call time
+from . import tuning
 from . import launch
 from .compiled import compiled
 from .launch import interpreting
-from .stacked import prepare
 from .tuning import Tuning, current, using
 
 try:
@@ -142,10 +142,10 @@ def lm_head(hidden, head):
 # ----------------------------------------------------------------------------------------------
 # q/k/v and gate/up, LoRA
 
-def project(parent, names, x, silu_mul=False):
-    """[parent.<name>(x) for name in names] through the stacked matmul and the group's LoRA update
-    (or silu(gate)·up with silu_mul); see stacked.project."""
-    return stacked.project(parent, names, x, silu_mul)
+def project(stack, mods, x, silu_mul=False, refresh=True):
+    """[m(x) for m in mods] through the group's stacked matmul and LoRA update (or silu(gate)·up with
+    silu_mul), or None where one update cannot serve the group; see stacked.project."""
+    return stacked.project(stack, mods, x, silu_mul, refresh)
 
 
 def lora_linear(x, base, A, B, scale):

@@ -8,20 +8,23 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
   * up to tuning's lora_max_m rows (decode steps of up to 16 sequences) two Triton kernels do it,
     launched with PDL like the rest of the step:
 
-        shrink, program (r-tile i, k-split j):   hp[j, :, i] = x[:, K_j] · A[i, K_j]ᵀ          fp32
-        expand, program (n-tile):                h = bf16(Σ_j hp[j])        (M, R)
+        shrink, program (r-tile i, k-chunk j):   part[j, :, i] = x[:, K_j] · A[i, K_j]ᵀ        fp32
+                                                 the last of row i's chunks: hp[:, i] = Σ_j part[j]
+        expand, program (n-tile):                h = bf16(hp)               (M, R)
                                                  y[:, n] = y[:, n] + s · h · B[n, :]ᵀ       in place
 
     h is rounded to the activation dtype before the expand, as F.linear's output is on the torch
     path (training computes the same update that way), so the two paths differ only in summation
-    order. The K-split (at most 8 chunks of >= 1024) gives the shrink enough programs to stream A at
-    batch 1 without atomics: the expand sums the partials (deterministic).
-  * on an NVFP4 base at the rows where the GEMV or the swapped tiles compute y (not the fragment
-    kernel: early_shrink), the shrink runs before the base matmul (it reads x only), and the base
-    kernel adds the update itself as it stores y (fold_expand, gemm.folds_lora): no expand launch.
-    Beside the fragment kernel and on bf16 bases both kernels run after the base matmul; on an
-    NVFP4 base then without PDL (pdl_for: right after a kernel whose last programs sum its split-K
-    partials, a PDL launch is slower).
+    order. The shrink is latency, not bytes (A is a few hundred KB): each program takes one chunk
+    of tuning's lora_shrink_k in one load, issued before its programmatic-dependent-launch wait
+    (A is a weight: fp4_decode.pdl_start's rule), so the loads overlap the kernel before; the
+    chunk that finishes last sums the row tile's partials in chunk order (deterministic) into hp.
+  * on an NVFP4 base the shrink runs before the base matmul (early_shrink: it reads x only), and
+    where the GEMV or the swapped tiles compute y the base kernel adds the update itself as it
+    stores y (fold_expand, gemm.folds_lora): no expand launch; beside the fragment kernel (2 to 16
+    rows) the expand follows it. On a bf16 base both kernels follow cuBLAS. (Measured on an H200,
+    7B, train.py's adapters: the shrink first beside the fragment kernel too, and PDL after it,
+    decode 8 and 16 sequences 8-9% faster than both kernels after it without PDL; bench/ab.py.)
   * beyond lora_max_m rows (the GRPO batch) the shrink is F.linear, and where the NVFP4 matmul's
     register-A route splits K its reduce kernel adds s·h·Bᵀ (fold_in_reduce: qkv, o and down);
     elsewhere one addmm, in place on the fresh base output without autograd (a copy of y first
@@ -29,12 +32,12 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
 
 The adapters of a stacked group (q/k/v, gate/up: stacked.py) update together: their A's stacked
 (Σr, in) and their B's as one block-diagonal (Σ out, Σr), two kernels for the group. Those stacked
-copies are kept between calls, as lora.py (the trunk) keeps each adapter's cast copies: every call
-refreshes them in place, and a decode graph's capture reads them as they are (ops.refresh_casts),
-so a graphed decode step has no cast or copy kernels; rollout's prefill, which starts every
-generate() call, refreshes them (eagerly, or as a prefill graph whose capture recorded the copies).
+copies are kept between calls, as the trunk keeps each adapter's cast copies: every call refreshes
+them in place, and a decode graph's capture reads them as they are (the caller says which:
+`refresh`), so a graphed decode step has no cast or copy kernels; the prefill that starts every
+generate() call refreshes them (eagerly, or as a prefill graph whose capture recorded the copies).
 
-The adapters arrive by duck typing (the wing never imports lora.py): an adapter has base_layer,
+The adapters arrive by duck typing (the wing imports nothing of the trunk): an adapter has base_layer,
 lora_A (r, in) and lora_B (out, r) fp32, scaling, enabled, lora_dropout, training, r; an NVFP4
 base has weight_packed, weight_scale, weight_global_scale, bias, interleaved and in_features.
 
@@ -54,11 +57,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import ops               # the trunk's torch update (ops.add_update), read at call time: no import cycle
-
 from . import gemm, launch, tuning
-from .fp4_decode import pdl_start
-from .shapes import fragment_rows
+from .fp4_decode import _last_split, pdl_start
 
 ROWS = 16        # rows of x a shrink / expand program holds (one MMA tile): tuning's lora_max_m is at most this
 
@@ -70,19 +70,11 @@ def _nvfp4(base) -> bool:
     return hasattr(base, "weight_packed")
 
 
-def pdl_for(base) -> bool:
-    """Launch the two kernels with programmatic dependent launch after the base matmul? On a bf16
-    base, yes. Not on an NVFP4 base: at the rows the kernels take, the matmul before them sums its
-    own split-K partials (the GEMV, the fragment kernel at small M, the swapped tiles), and a PDL
-    launch right after such a kernel is slower than one without."""
-    return not _nvfp4(base)
-
-
-def early_shrink(base, rows: int) -> bool:
-    """Run the shrink before the base matmul (it reads x only) and both kernels with PDL? On an NVFP4
-    base where the GEMV or the swapped tiles compute it; beside the fragment kernel (shapes.
-    fragment_rows) it is slower, and that and bf16 bases keep pdl_for's order."""
-    return _nvfp4(base) and not fragment_rows(rows, base.in_features)
+def early_shrink(base) -> bool:
+    """Run the shrink before the base matmul (it reads x only)? On an NVFP4 base: its A loads then
+    overlap the matmul before it, and the matmul may fold the expand in (fold_expand). On a bf16 base
+    cuBLAS runs first and both kernels follow it (with PDL, as everywhere)."""
+    return _nvfp4(base)
 
 
 def fold_expand(base, x2) -> bool:
@@ -108,28 +100,37 @@ def fold_in_reduce(base, h, B) -> bool:
 # the kernels
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, hp_ptr, M, R, K, KC, stride_xm,
-                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, h_ptr, count_ptr, M, R, K, stride_xm,
+                        BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                         FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
-    """hp[j, m, r] = sum over k in chunk j (KC wide) of x[m, k] · A[r, k], for BR rows r."""
-    pdl_start(USE_PDL)
+    """h[0, m, r] = sum over k of x[m, k] · A[r, k] for BR rows r; program (i, j) takes the k-chunk j
+    (BK wide, one load). Each split stores its partial, and the one that counts last sums them in
+    split order (fp4_decode._last_split): deterministic, one launch."""
     i, j = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BM)
     offs_r = i * BR + tl.arange(0, BR)
-    offs_k = tl.arange(0, BK)
-    acc = tl.zeros((BM, BR), tl.float32)
-    for k0 in range(j * KC, tl.minimum(j * KC + KC, K), BK):
-        k = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)      # (BM, BK)
-        a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :],
-                    mask=(offs_r[:, None] < R) & (k[None, :] < K), other=0.0)      # (BR, BK)
-        if FP32_DOT:
-            acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(a))
-    tl.store(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], acc,
-             mask=(offs_m[:, None] < M) & (offs_r[None, :] < R))
+    k = j * BK + tl.arange(0, BK)
+    # A is a weight, written long before the kernel this one waits for: load it first (pdl_start's rule)
+    a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :],
+                mask=(offs_r[:, None] < R) & (k[None, :] < K), other=0.0)           # (BR, BK)
+    pdl_start(USE_PDL)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)          # (BM, BK)
+    if FP32_DOT:
+        acc = tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(a))                                                # (BM, BR) fp32
+    offs = offs_m[:, None] * R + offs_r[None, :]
+    mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
+    if SPLIT == 1:
+        tl.store(h_ptr + offs, acc, mask=mask)
+    else:
+        tl.store(part_ptr + j * M * R + offs, acc, mask=mask)
+        if _last_split(count_ptr, i, SPLIT):
+            h = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                h += tl.load(part_ptr + s * M * R + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(h_ptr + offs, h, mask=mask)
 
 
 @triton.jit
@@ -158,18 +159,18 @@ def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, M, N, R, stride_ym, scale,
     tl.store(ys, (y + scale * d).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def lora_delta_(x, A, B, y, scale, pdl=True):
+def lora_delta_(x, A, B, y, scale):
     """y += scale · (x Aᵀ) Bᵀ in place and return y: x (M, K), A (R, K), B (N, R), y (M, N), one
-    dtype, M <= lora_max_m. Two launches: shrink over min(8, K / 1024) chunks of K, then expand; with
-    programmatic dependent launch where the device has it, unless pdl=False (see pdl_for)."""
-    return lora_expand_(lora_shrink(x, A, B, pdl), B, y, scale, pdl)
+    dtype, M <= lora_max_m. Two launches: shrink over chunks of K (summed by its last chunk), then
+    expand, with programmatic dependent launch where the device has it."""
+    return lora_expand_(lora_shrink(x, A, B), B, y, scale)
 
 
-def lora_shrink(x, A, B, pdl=True):
-    """The first half of lora_delta_: -> hp (split, M, R) fp32, the K-chunk partials of x Aᵀ. It
-    reads x only, so it may run before the base matmul that y comes from (early_shrink)."""
+def lora_shrink(x, A, B):
+    """The first half of lora_delta_: -> hp (1, M, R) fp32, x Aᵀ summed over K. It reads x only, so it
+    may run before the base matmul that y comes from (early_shrink)."""
     t = tuning.current()
-    BR, BK, _ = t.lora_tiles
+    BR, BK = t.lora_rank_rows, t.lora_shrink_k
     M, K = x.shape
     R = A.shape[0]
     if not (M <= t.lora_max_m and A.shape[1] == K and B.shape[1] == R):
@@ -180,17 +181,17 @@ def lora_shrink(x, A, B, pdl=True):
     if x.stride(-1) != 1:
         x = x.contiguous()
     A = A.contiguous()
-    split = max(1, min(8, K // 1024))
-    kc = triton.cdiv(triton.cdiv(K, split), BK) * BK
-    split = triton.cdiv(K, kc)
-    hp = torch.empty(split, M, R, device=x.device, dtype=torch.float32)
-    _lora_shrink_kernel[(triton.cdiv(R, BR), split)](x, A, hp, M, R, K, kc, x.stride(0), BM=ROWS, BR=BR,
-                                                     BK=BK, FP32_DOT=launch.interpreting() or x.dtype == torch.float32,
-                                                     **_launch(x.device, pdl))
+    split, tiles = triton.cdiv(K, BK), triton.cdiv(R, BR)
+    hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
+    part = launch.partials(split, hp[0])                                       # (split, M, R), or hp itself
+    _lora_shrink_kernel[(tiles, split)](x, A, part, hp, launch.split_counts(x.device, tiles), M, R, K, x.stride(0),
+                                        BM=ROWS, BR=BR, BK=BK, SPLIT=split,
+                                        FP32_DOT=launch.interpreting() or x.dtype == torch.float32,
+                                        **launch.pdl_launch(x.device))
     return hp
 
 
-def lora_expand_(hp, B, y, scale, pdl=True):
+def lora_expand_(hp, B, y, scale):
     """The second half: y += scale · bf16(Σ hp) Bᵀ in place, y (M, N) with contiguous rows."""
     t = tuning.current()
     split, M, R = hp.shape
@@ -202,16 +203,12 @@ def lora_expand_(hp, B, y, scale, pdl=True):
         raise ValueError(f"lora_delta_ needs one dtype, got B {B.dtype}, y {y.dtype}")
     if y.stride(-1) != 1:
         raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
-    BN = t.lora_tiles[2]
+    BN = t.lora_expand_cols
     _lora_expand_kernel[(triton.cdiv(N, BN),)](hp, B.contiguous(), y, M, N, R, y.stride(0), scale, SPLIT=split,
                                                BM=ROWS, BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
                                                FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
-                                               **_launch(y.device, pdl))
+                                               **launch.pdl_launch(y.device))
     return y
-
-
-def _launch(device, pdl):
-    return launch.pdl_launch(device) if pdl else launch.NO_PDL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,28 +232,29 @@ def _decode_kernels(x2) -> bool:
 
 def _delta_kernels(x2, A, B, y, scale, base):
     """y + scale · (x Aᵀ) Bᵀ by the kernels, y a function computing the base output (given lora=,
-    the update to fold in): where early_shrink says so, x Aᵀ runs before it and both kernels take
-    PDL, and where fold_expand says so the base matmul adds the update itself (no expand kernel);
-    otherwise both run after it, with PDL as pdl_for(base) says."""
-    early = early_shrink(base, x2.shape[0])
-    pdl = early or pdl_for(base)
-    if early:
-        hp = lora_shrink(x2, A, B, pdl)
+    the update to fold in): where early_shrink says so, x Aᵀ runs before it, and where fold_expand
+    says so the base matmul adds the update itself (no expand kernel); otherwise both run after it."""
+    if early_shrink(base):
+        hp = lora_shrink(x2, A, B)
         if fold_expand(base, x2):
             return y(lora=(hp, B.contiguous(), float(scale)))
         y = y()
     else:
         y = y()
-        hp = lora_shrink(x2, A, B, pdl)
-    return lora_expand_(hp, B, y.reshape(-1, y.shape[-1]), scale, pdl).view(y.shape)
+        hp = lora_shrink(x2, A, B)
+    return lora_expand_(hp, B, y.reshape(-1, y.shape[-1]), scale).view(y.shape)
 
 
 def _update(y, h, B, scale, base):
     """y() + scale · h Bᵀ: folded into the base matmul's split-K reduce where fold_in_reduce says so
-    (no addmm launch), else the trunk's in-place addmm after it (ops.add_update)."""
+    (no addmm launch), else one addmm after it, in place on the fresh base output (no autograd here:
+    a copy of y first would cost more than the addmm)."""
+    h2 = h.reshape(-1, h.shape[-1])                                            # (rows, r)
     if fold_in_reduce(base, h, B):
-        return y(lora=(h.reshape(-1, h.shape[-1]), B.contiguous(), float(scale)))
-    return ops.add_update(y(), h, B, scale)
+        return y(lora=(h2, B.contiguous(), float(scale)))
+    y = y()
+    y.view(-1, y.shape[-1]).addmm_(h2, B.t(), alpha=scale)
+    return y
 
 
 def lora_linear(x, base, A, B, scale):
@@ -282,10 +280,10 @@ def group_applies(mods) -> bool:
         and (isinstance(m.lora_dropout, nn.Identity) or not m.training) for m in mods)
 
 
-def group_casts(holder, mods, x):
+def group_casts(holder, mods, x, refresh=True):
     """The group's A (Σr, in) and block-diagonal B (Σ out, Σr) in x's dtype, kept on holder (the
-    stack) between calls: refreshed in place by each call, except in a decode graph's capture
-    (ops.refresh_casts), which reads them as they are."""
+    stack's lora_casts) between calls: refreshed in place by each call, except where refresh is
+    False (a decode graph's capture, which reads them as they are)."""
     R, N, K = sum(m.r for m in mods), sum(m.out_features for m in mods), mods[0].in_features
     casts = getattr(holder, "lora_casts", None)
     if (casts is None or casts[0].dtype != x.dtype or casts[0].device != x.device
@@ -294,7 +292,7 @@ def group_casts(holder, mods, x):
             casts = holder.lora_casts = (torch.empty(R, K, dtype=x.dtype, device=x.device),
                                          torch.zeros(N, R, dtype=x.dtype, device=x.device))
     A, B = casts                                                               # (Σr, in), (Σout, Σr)
-    if ops.refresh_casts(x):
+    if refresh:
         r0 = n0 = 0
         for m in mods:
             A[r0:r0 + m.r].copy_(m.lora_A)
@@ -303,11 +301,11 @@ def group_casts(holder, mods, x):
     return A, B
 
 
-def group_update(holder, mods, x, y):
+def group_update(holder, mods, x, y, refresh=True):
     """y() + every adapter's update, for adapters mods (group_applies) that share the input x and
     whose base outputs are the column blocks of what y (the stacked matmul, given lora= to fold)
-    returns: one shrink and one expand (or fold) for the group."""
-    A, B = group_casts(holder, mods, x)
+    returns: one shrink and one expand (or fold) for the group; refresh: as group_casts."""
+    A, B = group_casts(holder, mods, x, refresh)
     first = mods[0]
     x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
     if _decode_kernels(x2):

@@ -6,6 +6,7 @@ a problem (M rows of x, an (N, K) weight, a device) into a grid:
     GemvConfig    the CUDA-core GEMV (one row of x)        bn rows a program, bk k a step, split
     MmaConfig     the mma.sync fragment kernel (M <= 16)   16·warps·tiles rows a program, split, windows
     TileConfig    the tile kernels (wgmma via tl.dot)      bm x bn x bk tiles, swapped (W·xᵀ) or not
+                  (in tuning.py, whose `medium` field is one: tuning imports nothing of the wing)
     WgmmaConfig   the register-A wgmma kernel (sm_90)      bt tokens x bn rows a program, ring stages
 
 Split-K. Decode products are memory-bound and have few output tiles, so a launch splits the
@@ -31,6 +32,7 @@ a pretend 132-SM H100 by hand.
 from dataclasses import dataclass, replace
 
 from . import launch, tuning
+from .tuning import TileConfig
 
 # ----------------------------------------------------------------------------------------------
 # constants: hardware and kernel facts
@@ -55,31 +57,6 @@ def next_power_of_2(n: int) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # the launch-shape dataclasses
-
-@dataclass(frozen=True)
-class TileConfig:
-    """One tile-kernel launch. bm/bn/bk: tile sizes along M, N, K; split: programs along the
-    reduction dim (0 = choose from the problem size); group: tiles swept together for L2 reuse; swap:
-    the forward computes (W·xᵀ)ᵀ with W from registers (small M) instead of x·Wᵀ (medium M)."""
-    bm: int
-    bn: int
-    bk: int
-    warps: int = 4
-    stages: int = 4
-    split: int = 0
-    group: int = 8
-    swap: bool = True
-
-    def __post_init__(self):
-        for field in ("bm", "bn", "bk"):
-            v = getattr(self, field)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"TileConfig.{field} must be a power of two >= 16, got {v}")
-        if self.warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"TileConfig.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
-        if self.stages < 1 or self.split < 0 or self.group < 1:
-            raise ValueError(f"TileConfig: stages >= 1, split >= 0, group >= 1 needed, got {self}")
-
 
 @dataclass(frozen=True)
 class GemvConfig:

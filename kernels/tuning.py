@@ -26,8 +26,36 @@ it names).
 import contextlib
 from dataclasses import dataclass, field, fields
 
-from .shapes import TileConfig
+# ----------------------------------------------------------------------------------------------
+# the tile kernels' launch shape: the type of `medium` below (shapes.py holds the other kernels')
 
+@dataclass(frozen=True)
+class TileConfig:
+    """One tile-kernel launch. bm/bn/bk: tile sizes along M, N, K; split: programs along the
+    reduction dim (0 = choose from the problem size); group: tiles swept together for L2 reuse; swap:
+    the forward computes (W·xᵀ)ᵀ with W from registers (small M) instead of x·Wᵀ (medium M)."""
+    bm: int
+    bn: int
+    bk: int
+    warps: int = 4
+    stages: int = 4
+    split: int = 0
+    group: int = 8
+    swap: bool = True
+
+    def __post_init__(self):
+        for field in ("bm", "bn", "bk"):
+            v = getattr(self, field)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig.{field} must be a power of two >= 16, got {v}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TileConfig.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+        if self.stages < 1 or self.split < 0 or self.group < 1:
+            raise ValueError(f"TileConfig: stages >= 1, split >= 0, group >= 1 needed, got {self}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the settings
 
 @dataclass(frozen=True)
 class Tuning:
@@ -88,7 +116,10 @@ class Tuning:
     # ---- LoRA on the rollout path (lora.py)
     lora_max_m: int = 16              # to this many rows the shrink / expand kernels (one MMA tile of rows)
                                       # do the update; beyond, F.linear and an addmm (or the reduce kernel)
-    lora_tiles: tuple = (16, 128, 64)  # (rank rows, k) a shrink program, output columns an expand program
+    lora_rank_rows: int = 16          # rank rows of A a shrink program takes (one MMA tile) ...
+    lora_shrink_k: int = 256          # ... and k, in one load before its PDL wait: K / this many programs a
+                                      # row tile stream A at once, and its last one sums their partials
+    lora_expand_cols: int = 64        # output columns an expand program updates
 
     # ---- the decoder's small ops (fused_ops.py)
     lm_head_max_rows: int = 2         # the lm_head GEMV to this many rows (at 3-4 the per-row accumulators
@@ -121,6 +152,10 @@ class Tuning:
                 raise ValueError(f"Tuning.{f.name} is a share of a wave, in [0, 1], got {v!r}")
         if self.lora_max_m > 16:
             raise ValueError(f"Tuning.lora_max_m: the LoRA kernels hold one 16-row tile, got {self.lora_max_m}")
+        for name in ("lora_rank_rows", "lora_shrink_k", "lora_expand_cols"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Tuning.{name}: a tile side, a power of two >= 16, got {v}")
         if self.lm_head_max_rows > len(self.lm_head_tiles) or self.lm_head_max_rows > 2:
             raise ValueError(f"Tuning.lm_head_max_rows: the lm_head GEMV takes 1 or 2 rows, one tile each, "
                              f"got {self.lm_head_max_rows} with {len(self.lm_head_tiles)} tiles")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import gemm, tuning
 from kernels import lora as kl
-from kernels.lora import lora_delta_, pdl_for
+from kernels.lora import lora_delta_
 
 
 def check_close(a, b, tol, what):
@@ -30,9 +30,10 @@ def _inputs(M, K, R, N, dtype, device="cpu", seed=0):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("M, K, R, N", [(1, 200, 8, 70), (5, 3000, 40, 129), (16, 1024, 96, 64), (3, 9000, 32, 40)])
 def test_lora_delta_matches_float64(M, K, R, N):
-    """fp32: K not a multiple of the 128-wide step, 1..8 K-chunks, R and N not multiples of the tiles;
-    y is a column slice of a wider output (the stacked q/k/v case): its columns change in place, the
-    neighbours' do not."""
+    """fp32: K not a multiple of the shrink's chunk, 1 to 36 chunks summed in the kernel, R and N not
+    multiples of the tiles; y is a column slice of a wider output (the stacked q/k/v case): its
+    columns change in place, the neighbours' do not. Again: the same bits (the chunks are summed in
+    order, and the last one left the counters at zero)."""
     x, A, B, y = _inputs(M, K, R, N, torch.float32)
     wide = torch.randn(M, N + 7)
     wide[:, 3:3 + N] = y
@@ -42,6 +43,9 @@ def test_lora_delta_matches_float64(M, K, R, N):
     assert out.data_ptr() == wide[:, 3:].data_ptr()
     torch.testing.assert_close(wide[:, 3:3 + N].double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + N:], before[:, 3 + N:])
+    again = before.clone()
+    lora_delta_(x, A, B, again[:, 3:3 + N], 0.5)
+    assert torch.equal(again, wide)
 
 
 @pytest.mark.interpreter
@@ -78,25 +82,16 @@ def test_lora_delta_rejects_what_it_cannot_do():
         lora_delta_(x, A, B, torch.zeros(16, 2).t(), 1.0)
 
 
-def test_pdl_for_skips_pdl_only_beside_the_nvfp4_kernels():
-    import nvfp4
-    q = nvfp4.NVFP4Linear(64, 32)
-    dense = torch.nn.Linear(64, 32)
-    assert not pdl_for(q) and pdl_for(dense)
-
-
-def test_early_shrink_only_beside_the_gemv_and_the_tiles():
-    """The shrink goes before the base matmul on an NVFP4 base at the rows where the GEMV (1) or
-    the swapped tiles (K not a multiple of 128) compute it, never beside the fragment kernel (2..16
-    where K is) or on a dense base; the base kernel then folds the expand in for bf16 rows."""
+def test_early_shrink_on_nvfp4_bases_and_where_the_expand_folds():
+    """The shrink goes before the base matmul on an NVFP4 base (any rows), never on a dense base; the
+    base kernel then folds the expand in for bf16 rows where the GEMV (1 row) or the swapped tiles
+    (K not a multiple of 128) compute it, not beside the fragment kernel."""
     import nvfp4
     q, dense = nvfp4.NVFP4Linear(128, 32), torch.nn.Linear(64, 32)
-    rows = range(1, tuning.current().lora_max_m + 1)
-    assert [m for m in rows if kl.early_shrink(q, m)] == [1]
-    assert all(kl.early_shrink(nvfp4.NVFP4Linear(64, 32), m) for m in rows)
-    assert not any(kl.early_shrink(dense, m) for m in rows)
+    assert kl.early_shrink(q) and kl.early_shrink(nvfp4.NVFP4Linear(64, 32)) and not kl.early_shrink(dense)
     assert kl.fold_expand(q, torch.zeros(1, 128, dtype=torch.bfloat16))
     assert not kl.fold_expand(q, torch.zeros(2, 128, dtype=torch.bfloat16))
+    assert kl.fold_expand(nvfp4.NVFP4Linear(64, 32), torch.zeros(2, 64, dtype=torch.bfloat16))
     assert not kl.fold_expand(q, torch.zeros(1, 128))                      # fp32 activations
 
 
@@ -141,7 +136,7 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
     holder = type("Holder", (), {"lora_casts": None})()
     calls = []
     real = kl.lora_expand_
-    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
         got_fwd = kernels.lora_linear(x, mods[0].base_layer, A0, B0, mods[0].scaling)   # base, then shrink, expand
         got_group = kl.group_update(holder, mods, x, lambda: y.clone())
@@ -150,7 +145,7 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
         want_group = kl.group_update(holder, mods, x, lambda: y.clone())
         A, B = _group_ab(mods, torch.bfloat16)
         exact = y.double() + mods[0].scaling * (x.double() @ A.double().t()) @ B.double().t()
-    assert calls == [True, True]                         # bf16 bases: with PDL (pdl_for)
+    assert calls == [1, 1]                               # bf16 bases: the expand kernel after cuBLAS
     for got, want in ((got_fwd, want_fwd), (got_group, want_group)):
         assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
     assert (got_group.double() - exact).abs().max() <= 2 * exact.abs().max() * 2 ** -8
@@ -161,28 +156,29 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
 def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, monkeypatch):
     """On an NVFP4 base the GEMV's row (1) gets the update from the base kernel itself (fold_expand:
     no expand launch), the fragment kernel's rows (2..16 here, K = 512) from the expand kernel; a
-    single adapter (lora_linear) and a q/k/v-like group over a StackedLinear give the torch path
+    single adapter (lora_linear) and a q/k/v-like group over a model.Stack give the torch path
     within bf16 rounding on every route."""
     import nvfp4
-    from kernels.stacked import StackedLinear
+    from kernels import stacked
+    from model import Stack
     torch.manual_seed(0)
     g = torch.tensor([448.0 * 6 / 0.2], device="cuda")                 # one global scale for the group
     bases = [nvfp4.NVFP4Linear.from_weight(torch.randn(n, 512, device="cuda", dtype=torch.bfloat16) * 0.05,
                                            torch.randn(n, device="cuda", dtype=torch.bfloat16), global_scale=g)
              for n in (512, 128, 128)]
     mods = _adapters(bases)
-    stack = StackedLinear(bases)
+    stack = Stack(bases)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     A0, B0 = (t.detach().bfloat16() for t in (mods[0].lora_A, mods[0].lora_B))
     calls = []
     real = kl.lora_expand_
-    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
         got_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
-        got_group = kl.group_update(stack, mods, x, lambda **kw: stack(x, **kw))
+        got_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
         monkeypatch.setattr(kl, "_decode_kernels", lambda x2: False)
         want_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
-        want_group = kl.group_update(stack, mods, x, lambda **kw: stack(x, **kw))
+        want_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
     assert len(calls) == (0 if rows == 1 else 2)
     for got, want in ((got_fwd, want_fwd), (got_group, want_group)):
         assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8

@@ -90,16 +90,16 @@ def test_sample_kernels_row_keys_and_out_buffers():
 
 @pytest.mark.gpu
 def test_gpu_sample_dispatches_to_the_kernels_and_matches_the_softmax(monkeypatch):
-    """On CUDA, sampling.sample() without top-k/top-p runs the kernels: 200,000 draws over 6 logits and
+    """On CUDA, ops.sample() without top-k/top-p runs the kernels: 200,000 draws over 6 logits and
     4,096 over a Qwen2.5-size vocabulary (bf16, 75 chunks of 2,048) follow softmax(z / T); logprobs vs
     float64."""
-    import sampling
+    import ops
     from rollout import SamplingParams
     calls = []
     monkeypatch.setattr(kernels, "sample", lambda *a, **k: calls.append(1) or sample(*a, **k))
     z = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0], device="cuda")
-    tok, lp = sampling.sample(z.expand(200_000, -1), SamplingParams(temperature=0.7, seed=0),
-                              torch.Generator(device="cuda").manual_seed(0))
+    tok, lp = ops.sample(z.expand(200_000, -1), SamplingParams(temperature=0.7, seed=0),
+                         torch.Generator(device="cuda").manual_seed(0))
     p = torch.softmax(z.double() / 0.7, -1)
     _draws_match(tok, p.cpu())
     torch.testing.assert_close(lp.double(), p.log()[tok], rtol=0, atol=1e-5)
@@ -107,7 +107,7 @@ def test_gpu_sample_dispatches_to_the_kernels_and_matches_the_softmax(monkeypatc
     big = torch.randn(152064, device="cuda", generator=g)
     big[[7, 60_000, 152_063]] = torch.tensor([12.0, 11.5, 11.0], device="cuda")
     big = big.bfloat16()
-    tok, lp = sampling.sample(big.expand(4096, -1), SamplingParams(temperature=1.0), g)
+    tok, lp = ops.sample(big.expand(4096, -1), SamplingParams(temperature=1.0), g)
     p = torch.softmax(big.double(), -1)
     top = torch.tensor([7, 60_000, 152_063], device="cuda")
     bucket = torch.where(tok[:, None] == top, torch.arange(3, device="cuda"), 3).min(1).values
@@ -138,8 +138,8 @@ def test_fill_tokens_kernel_matches_the_torch_ops():
     """fill_tokens (one Triton kernel, run here by the interpreter) on the view the graphs fill (meta
     (5, bucket) at the front of the flat static buffer) and on a strided slice (rows 512 apart): row
     i's token becomes prev[src] where src = meta[4, i] >= 0, every other entry, inside the view or
-    past it, stays; the same as rollout.Runner._fill_tokens' torch ops."""
-    import rollout
+    past it, stays; the same as ops.fill_tokens' torch ops (its path for CPU tensors)."""
+    import ops
     g = torch.Generator().manual_seed(int.from_bytes(random.randbytes(4), "little"))
     prev = torch.randint(0, 150000, (20,), generator=g)
     for view in (lambda t: t.view(-1)[:5 * 37].view(5, 37), lambda t: t[:, :37]):
@@ -150,7 +150,7 @@ def test_fill_tokens_kernel_matches_the_torch_ops():
             if view(want)[4, i] >= 0:
                 view(want)[0, i] = prev[view(want)[4, i]]
         ref = wide.clone()
-        rollout.Runner._fill_tokens(view(ref), prev)                    # the torch ops (CPU tensors)
+        ops.fill_tokens(view(ref), prev)                                # the torch ops (CPU tensors)
         got = wide.clone()
         fill_tokens(view(got), prev)
         assert torch.equal(ref, want) and torch.equal(got, want) and not torch.equal(want, wide)

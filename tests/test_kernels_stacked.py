@@ -1,6 +1,6 @@
-"""kernels/stacked.py: q/k/v and gate/up in one allocation and one matmul on the sampling path give
-the training forward's logits (one linear at a time, torch ops), with and without LoRA; the stack
-ends where a member moves; prepare stacks what the loader built.
+"""kernels/stacked.py with the trunk's model.Stack: q/k/v and gate/up in one allocation and one
+matmul on the sampling path give the training forward's logits (one linear at a time, torch ops),
+with and without LoRA; the stack ends where a member moves; the loader stacks every layer's groups.
 
 The models come from the trunk (checkpoint.load_model / build_model, lora.apply_lora); the sampling
 path is forced on the CPU by making kernels.runs true without autograd (the kernels then run in the
@@ -16,7 +16,7 @@ import kernels
 from checkpoint import GROUPS, build_model, load_model
 from conftest import batch, rel_err
 from kernels import lora as kl
-from kernels.stacked import StackedLinear
+from kernels import stacked
 
 
 @pytest.mark.interpreter
@@ -41,9 +41,8 @@ def test_stacked_projections_match_one_by_one(tiny_hf_dir, quant, monkeypatch):
         for m in lora_modules(model).values():
             m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.1)
     calls, groups = [], []
-    real_call, real_group = StackedLinear.__call__, kl.group_update
-    monkeypatch.setattr(StackedLinear, "__call__",
-                        lambda self, x, *a, **kw: calls.append(1) or real_call(self, x, *a, **kw))
+    real_call, real_group = stacked.matmul, kl.group_update
+    monkeypatch.setattr(stacked, "matmul", lambda stack, x, *a, **kw: calls.append(1) or real_call(stack, x, *a, **kw))
     monkeypatch.setattr(kl, "group_update", lambda *a: groups.append(1) or real_group(*a))
     # the sampling path on the CPU: Triton kernels in the interpreter (conftest)
     monkeypatch.setattr(kernels, "runs", lambda x: not torch.is_grad_enabled())
@@ -110,9 +109,10 @@ def test_adapters_the_group_update_cannot_serve_run_one_by_one(tiny_hf_dir, monk
     assert model.model.layers[0].self_attn.stacked is not None      # the stack stays
 
 
-def test_prepare_stacks_each_layers_groups():
-    """prepare(model, groups) gives every layer's q/k/v and gate/up a StackedLinear (on the CPU: no
-    interleave), each member a view of the stack's rows."""
+def test_the_loader_stacks_each_layers_groups():
+    """The loader (model.stack_groups) gives every layer's q/k/v and gate/up a Stack (on the CPU: no
+    interleave), each member a view of the stack's rows; stacking again leaves one per group."""
+    from model import stack_groups
     cfg = dict(architectures=["Qwen2ForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     model = build_model(cfg, quant="nvfp4", device="cpu", dtype=torch.float32, seed=0)
@@ -121,8 +121,12 @@ def test_prepare_stacks_each_layers_groups():
             parent = getattr(layer, attr)
             assert parent.stacked is not None and parent.stacked.holds([getattr(parent, n) for n in names])
             assert not getattr(parent, names[0]).interleaved
-    kernels.prepare(model, {})                       # no groups: the stacks stay as they are
-    assert model.model.layers[0].self_attn.stacked is not None
+            stack = parent.stacked
+            assert stack.linear.out_features == sum(getattr(parent, n).out_features for n in names)
+            assert getattr(parent, names[-1]).weight_packed.data_ptr() > stack.linear.weight_packed.data_ptr()
+    stack_groups(model)                              # members already stacked: a new stack over the same rows
+    attn = model.model.layers[0].self_attn
+    assert attn.stacked.holds([attn.q_proj, attn.k_proj, attn.v_proj])
 
 
 @pytest.mark.gpu

@@ -74,7 +74,7 @@ def test_fields_are_validated_by_name():
 
 def test_import_kernels_without_triton():
     """With triton unimportable, `import kernels` works, available is False and every predicate says
-    no; prepare still stacks (torch only)."""
+    no; the trunk imports too (ops, the seam, and the sampler behind it)."""
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, kernels\n"
             "assert kernels.available is False\n"
@@ -83,7 +83,9 @@ def test_import_kernels_without_triton():
             "assert not kernels.sampler_runs(False, (2, 4), 'cuda')\n"
             "assert not kernels.rope_fits(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))\n"
             "assert not kernels.lm_head_fits(x, torch.nn.Linear(4, 4, bias=False))\n"
-            "assert kernels.current().pdl and callable(kernels.prepare)\n")
+            "assert kernels.current().pdl\n"
+            "import ops, rollout\n"
+            "assert not ops.attention_kernels('cpu') and not ops.runs(x)\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]

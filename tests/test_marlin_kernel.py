@@ -142,58 +142,6 @@ def test_bad_inputs_raise_clear_errors():
 
 
 # ----------------------------------------------------------------------------------------------
-# the dispatch
-
-def test_nvfp4_matmul_runs_the_teaching_kernel_where_the_fast_path_cannot(monkeypatch, poisoned):
-    """kernels.gemm_runs False: nvfp4_matmul launches the teaching kernel, on the plain layout and
-    on nvfp4.interleave's (deinterleaved first: the same bits)."""
-    monkeypatch.setattr(kernels, "gemm_runs", lambda x: False)
-    launched = []
-    monkeypatch.setattr(mk, "_nvfp4_matmul_kernel", LaunchSpy(mk._nvfp4_matmul_kernel, launched))
-    gen = torch.Generator().manual_seed(7)
-    packed, scale, gs = random_weight(32, 256, gen)
-    pi, si = nvfp4.interleave(packed, scale)
-    assert not torch.equal(pi, packed)
-    bias = torch.randn(32, generator=gen).bfloat16().to(DEV)
-    for M in (1, 5):
-        x = torch.randn(M, 256, generator=gen).bfloat16().to(DEV)
-        y = mk.nvfp4_matmul(x, packed, scale, gs, bias)
-        assert torch.equal(mk.nvfp4_matmul(x, pi, si, gs, bias, interleaved=True), y), f"interleaved M={M}"
-        assert_rounded_once(y, *float64(x, packed, scale, gs, bias), f"dispatch M={M}")
-    assert len(launched) == 4 and all(k is launched[0][0] for k, _ in launched), launched
-
-
-def test_nvfp4_matmul_hands_off_to_the_fast_path(monkeypatch):
-    """kernels.gemm_runs True: both calls go to kernels with every argument, the teaching kernel idle."""
-    calls = []
-    monkeypatch.setattr(kernels, "gemm_runs", lambda x: True)
-    monkeypatch.setattr(kernels, "nvfp4_matmul", lambda *a, **kw: calls.append(("fwd", a, kw)) or "y")
-    monkeypatch.setattr(kernels, "nvfp4_matmul_dx", lambda *a, **kw: calls.append(("dx", a, kw)) or "dx")
-    monkeypatch.setattr(mk, "_nvfp4_matmul_kernel", None)            # launching it would fail
-    packed, scale, gs = random_weight(32, 128, torch.Generator().manual_seed(8))
-    x, dy, bias = (torch.randn(*shape).bfloat16().to(DEV) for shape in ((3, 128), (3, 32), (32,)))
-    assert mk.nvfp4_matmul(x, packed, scale, gs, bias, interleaved=True) == "y"
-    assert mk.nvfp4_matmul_dx(dy, packed, scale, gs, interleaved=True) == "dx"
-    (f, fa, fkw), (d, da, dkw) = calls
-    assert f == "fwd" and fa == (x, packed, scale, gs) and fkw == {"bias": bias, "interleaved": True}, calls[0]
-    assert d == "dx" and da == (dy, packed, scale, gs) and dkw == {"interleaved": True}, calls[1]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_nvfp4_matmul_dx_falls_back_to_the_dequantized_weight(dtype, monkeypatch):
-    """kernels.gemm_runs False: dx = dy · nvfp4.dequantize(W) in dy's dtype, either layout."""
-    monkeypatch.setattr(kernels, "gemm_runs", lambda x: False)
-    gen = torch.Generator().manual_seed(9)
-    packed, scale, gs = random_weight(48, 128, gen)
-    dy = torch.randn(6, 48, generator=gen).to(dtype).to(DEV)
-    dx = mk.nvfp4_matmul_dx(dy, packed, scale, gs)
-    assert dx.dtype == dtype and torch.equal(dx, dy @ nvfp4.dequantize(packed, scale, gs, dtype))
-    assert torch.equal(mk.nvfp4_matmul_dx(dy, *nvfp4.interleave(packed, scale), gs, interleaved=True), dx)
-    e = rel_err(dx, dy.double() @ mk.reference_dequantize(packed, scale, gs))
-    assert e < 1e-2, f"dx {dtype}: relative error {e:.2e} against float64"
-
-
-# ----------------------------------------------------------------------------------------------
 # GPU: the fast path against the teaching kernel on Qwen2.5-7B shapes
 
 @pytest.mark.gpu

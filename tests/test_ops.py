@@ -6,7 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+import kernels
+import marlin_kernel as mk
+import nvfp4
 import ops
+from nvfp4_cases import DEV, LaunchSpy, random_weight, rel_err
 from ops import add_update
 
 
@@ -109,3 +113,79 @@ def test_logprob_stats_and_grad_match_float64():
     grad = ops.logprob_grad(logits, logz, target, w, torch.float32)
     assert grad.dtype == torch.float32 and grad.shape == logits.shape
     check_close(grad, z.grad, 1e-6, "d/dlogits")
+
+
+# ----------------------------------------------------------------------------------------------
+# the NVFP4 matmul: the reference, the fast kernels, the teaching kernel
+
+
+def _layer(N, K, gen, bias=True, device=DEV):
+    """An NVFP4Linear on random codes and scales (plain layout), with a bf16 bias."""
+    layer = nvfp4.NVFP4Linear(K, N, bias=bias, device=device)
+    layer.weight_packed, layer.weight_scale, layer.weight_global_scale = random_weight(N, K, gen, device)
+    if bias:
+        layer.bias.data = torch.randn(N, generator=gen).bfloat16().to(device)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_linear_reference_is_the_dequantized_weight(dtype):
+    """Where no kernel runs (here: CPU tensors), y = x·W'ᵀ + b with W' = nvfp4.dequantize, in x's
+    dtype, and the gradient reaching x is dy·W' (float64 formula), for (B, T, K) inputs."""
+    gen = torch.Generator().manual_seed(3)
+    layer = _layer(48, 128, gen, device="cpu")
+    W = mk.reference_dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)   # float64
+    x = torch.randn(2, 3, 128, generator=gen).to(dtype).requires_grad_()
+    y = ops.nvfp4_linear(layer, x)
+    assert y.shape == (2, 3, 48) and y.dtype == dtype
+    assert rel_err(y, x.double() @ W.t() + layer.bias.double()) < 1e-2
+    dy = torch.randn(2, 3, 48, generator=gen).to(dtype)
+    y.backward(dy)
+    assert rel_err(x.grad, dy.double() @ W) < 1e-2
+
+
+def test_nvfp4_linear_hands_off_to_the_fast_kernels(monkeypatch):
+    """Where a kernel runs: the forward is kernels.nvfp4_matmul and the backward kernels.nvfp4_matmul_dx,
+    each with the layer's tensors and layout; the bias reaches the kernel in bf16."""
+    calls = []
+    monkeypatch.setattr(ops, "_fp4_kernel_runs", lambda x: True)
+    monkeypatch.setattr(kernels, "nvfp4_matmul", lambda *a, **kw: calls.append(("fwd", a, kw)) or a[0] @ a[0].new_ones(
+        a[0].shape[1], a[1].shape[0]))
+    monkeypatch.setattr(kernels, "nvfp4_matmul_dx", lambda *a, **kw: calls.append(("dx", a, kw)) or a[0].new_zeros(
+        a[0].shape[0], 2 * a[1].shape[1]))
+    layer = _layer(32, 128, torch.Generator().manual_seed(8), device="cpu")
+    layer.interleaved = True                     # only passed on: the stand-in kernels read nothing
+    x = torch.randn(3, 128).bfloat16().requires_grad_()
+    ops.nvfp4_linear(layer, x).sum().backward()
+    (f, fa, fkw), (d, da, dkw) = calls
+    assert f == "fwd" and fa[1:] == (layer.weight_packed, layer.weight_scale, layer.weight_global_scale, layer.bias)
+    assert fkw == {"interleaved": True} and torch.equal(fa[0], x.detach())
+    assert d == "dx" and da[1:] == (layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+    assert dkw == {"interleaved": True}
+
+
+@pytest.mark.interpreter
+def test_the_teaching_kernel_runs_on_request(monkeypatch, poisoned):
+    """QERL_MATMUL=teaching (ops.TEACHING): an NVFP4 layer's matmul launches marlin_kernel's kernel and
+    nothing of the wing's GEMM, gives the float64 product rounded once, and its gradient is dy·W'; the
+    loaders keep the plain layout (ops.interleaves), and an interleaved layer is refused by name."""
+    monkeypatch.setattr(ops, "TEACHING", True)
+    monkeypatch.setattr(ops, "_fp4_kernel_runs", lambda x: True)         # CPU tensors: the interpreter
+    monkeypatch.setattr(kernels, "nvfp4_matmul", None)                   # calling it would fail
+    launched = []
+    monkeypatch.setattr(mk, "_nvfp4_matmul_kernel", LaunchSpy(mk._nvfp4_matmul_kernel, launched))
+    gen = torch.Generator().manual_seed(7)
+    layer = _layer(32, 256, gen)
+    W = mk.reference_dequantize(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+    x = torch.randn(5, 256, generator=gen).bfloat16().to(DEV).requires_grad_()
+    y = ops.nvfp4_linear(layer, x)
+    assert len(launched) == 1
+    assert rel_err(y, x.double() @ W.t() + layer.bias.double()) < 1e-2
+    dy = torch.randn(5, 32, generator=gen).bfloat16().to(DEV)
+    y.backward(dy)
+    assert torch.equal(x.grad, dy @ nvfp4.dequantize(layer.weight_packed, layer.weight_scale,
+                                                     layer.weight_global_scale, torch.bfloat16))
+    assert not ops.interleaves(torch.empty(1, device="meta")) and not ops.interleaves(x)
+    layer.interleaved = True
+    with pytest.raises(ValueError, match="teaching"):
+        ops.nvfp4_linear(layer, x.detach())

@@ -313,7 +313,8 @@ def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora
                 for m in adapters:
                     m.lora_B.mul_(-1.5)             # an optimizer step, in place
         out = engine.generate(prompts, SamplingParams(max_tokens=40, n=4, seed=3, stop_token_ids=()))
-        assert bool(engine.runner.graphs) == graphs == bool(engine.runner.prefill_graphs)
+        assert bool(engine.runner.graphs and engine.runner.graphs.decode_graphs) == graphs == bool(
+            engine.runner.graphs and engine.runner.graphs.prefill_graphs)
         errs = []
         for p, comps in zip(prompts, out):
             for c in comps:
@@ -333,7 +334,7 @@ def test_gpu_prefill_graph_matches_the_eager_prefill(tiny_hf_dir):
     The graphs outlive a training step's free_cache and write into the newly allocated cache."""
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
     graphed, eager = LLMEngine(model), LLMEngine(model, cuda_graphs=False)
-    assert graphed.runner.prefill_cap >= 128 and not eager.runner.prefill_cap
+    assert graphed.runner.graphs.prefill_cap >= 128 and eager.runner.graphs is None
     params = SamplingParams(max_tokens=1, n=2, seed=5, stop_token_ids=())
     for lengths in ([5, 40, 17], [16, 16, 16, 16], [100], [30, 2, 7, 1, 9]):
         prompts = random_prompts(lengths, seed=len(lengths))
@@ -348,7 +349,7 @@ def test_gpu_prefill_graph_matches_the_eager_prefill(tiny_hf_dir):
                                            atol=2e-2, rtol=2e-2)
             graphed.free_cache(keep_warm=True)
             eager.free_cache(keep_warm=True)
-    assert {k[:2] for k in graphed.runner.prefill_graphs} == {(64, 4), (128, 1), (64, 8)}
+    assert {k[:2] for k in graphed.runner.graphs.prefill_graphs} == {(64, 4), (128, 1), (64, 8)}
 
 
 @pytest.mark.gpu
@@ -373,13 +374,13 @@ def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
 
     engine = LLMEngine(model)
     first = run(engine, 11)
-    assert {k[1] for k in engine.runner.graphs} == {1.0} and len(engine.runner.graphs) > 1
+    assert {k[1] for k in engine.runner.graphs.decode_graphs} == {1.0} and len(engine.runner.graphs.decode_graphs) > 1
     assert len({len(t) for t, _ in first}) > 1, "the sequences should stop at different steps"
     other = LLMEngine(model)
     assert run(other, 12) != first
     assert run(engine, 11) == first and run(other, 11) == first
-    assert set(engine.runner.graphs) <= {key for key, _ in engine.runner.warmed}
+    assert set(engine.runner.graphs.decode_graphs) <= {key for key, _ in engine.runner.graphs.warmed}
     engine.free_cache(keep_warm=True)    # as before every backward: captured again without the warm-up
-    assert not engine.runner.graphs and engine.runner.prefill_graphs and run(engine, 11) == first
+    assert not engine.runner.graphs.decode_graphs and engine.runner.graphs.prefill_graphs and run(engine, 11) == first
     nucleus = run(engine, 11, top_p=0.9)
-    assert None in {k[1] for k in engine.runner.graphs} and run(engine, 11, top_p=0.9) == nucleus
+    assert None in {k[1] for k in engine.runner.graphs.decode_graphs} and run(engine, 11, top_p=0.9) == nucleus
