@@ -59,7 +59,7 @@ models. Test: python -m pytest tests/test_grpo.py
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -76,25 +76,46 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 @dataclass
 class GRPOConfig:
-    """Objective settings. epsilon_high=None resolves to 0.28 for dapo, to epsilon otherwise."""
-    loss_type: str = "dapo"              # grpo | bnpo | dr_grpo | dapo
-    epsilon: float = 0.2                 # ε_low: ratio clipped below at 1 - ε_low
-    epsilon_high: float | None = None    # ε_high: ratio clipped above at 1 + ε_high
-    beta: float = 0.0                    # k3 KL coefficient (reference = base model, adapter off)
-    scale_rewards: str = "group"         # group | batch | none
-    updates_per_rollout: int = 1         # μ: optimizer steps per generation batch
-    max_completion_len: int = 1024       # L_max: sampler cap; dr_grpo's constant normaliser
-    overlong_cache_len: int = 0          # L_cache of DAPO's overlong shaping (0 = off)
-    mask_truncated: bool = False         # overlong filtering: truncated completions get no loss
-    is_mode: str | None = None           # importance-sampling correction (IS_MODES); None = none
-    is_max: float | None = 3.0           # C_max of the correction (None: no upper bound)
-    is_min: float | None = None          # C_min of the correction (None: no lower bound)
-    dynamic_sampling: bool = True        # DAPO: drop zero-variance groups and sample more
-    dynamic_sampling_threshold: float = 0.5  # ... only when this share of a step's first round has zero variance
-    max_sampling_rounds: int = 10        # rounds (and batches' worth of prompts) a step before giving up
-    dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal"
+    """Objective settings, each flag's default and help (flags.py builds train.py's command line from the
+    fields; "flag" names the flag where it differs from the field). epsilon_high=None resolves to 0.28
+    for dapo, to epsilon otherwise."""
+    group_size: int = field(default=8, metadata={"help": "completions per prompt (G)"})
+    loss_type: str = field(default="dapo", metadata={"help": "token aggregation (grpo.py)", "choices": LOSS_TYPES})
+    epsilon: float = field(default=0.2, metadata={"help": "clip range ε (low side)"})     # ρ clipped below at 1 - ε
+    epsilon_high: float | None = field(default=None, metadata={
+        "help": "clip ε high side (default: 0.28 for dapo, else --epsilon)"})             # ρ clipped above at 1 + ε_high
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the adapter-disabled model"})   # k3 KL
+    scale_rewards: str = field(default="group", metadata={"help": "advantage scaling", "choices": SCALE_REWARDS})
+    updates_per_rollout: int = field(default=1, metadata={"help": "optimizer steps per generation batch (μ)"})
+    max_completion_len: int = field(default=1024, metadata={    # L_max: the sampler's cap; dr_grpo's normaliser
+        "flag": "max_new_tokens", "help": "completion length limit"})
+    overlong_cache_len: int = field(default=0, metadata={      # L_cache of DAPO's overlong shaping
+        "flag": "overlong_cache", "help": "DAPO overlong shaping window (0 = off)"})
+    mask_truncated: bool = field(default=False, metadata={
+        "help": "overlong filtering: no loss on truncated completions"})
+    is_mode: str | None = field(default=None, metadata={       # one of IS_MODES, or None: no correction
+        "flag": "importance_sampling", "choices": IS_MODES,
+        "help": "correct for the sampler's log-probs differing from the trainer's (TRL's modes; default: none)"})
+    is_max: float | None = field(default=3.0, metadata={       # None: no upper bound
+        "flag": "importance_sampling_max", "help": "C_max of the correction"})
+    is_min: float | None = field(default=None, metadata={      # None: no lower bound
+        "flag": "importance_sampling_min", "help": "C_min of the correction (default: none)"})
+    dynamic_sampling: bool = field(default=True, metadata={
+        "help": "drop groups whose rewards are all equal (they carry no gradient) and sample more prompts, "
+                "within --max-sampling-rounds rounds and as many batches of prompts a step (DAPO); it pays "
+                "where the base model rarely solves the task (docs/usage.md)"})
+    dynamic_sampling_threshold: float = field(default=0.5, metadata={
+        "help": "refill a step only when at least this share of its first round's groups has no reward "
+                "spread (0: every step, DAPO's rule)"})
+    max_sampling_rounds: int = field(default=10, metadata={
+        "help": "dynamic sampling's budget a step: at most this many rounds, and this many times "
+                "--prompts-per-step prompts (verl's DAPO gives up after 10 generation batches)"})
+    dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal" (no flag)
 
     def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"GRPOConfig.group_size must be >= 2 (advantages compare samples of one prompt), "
+                             f"got {self.group_size}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"GRPOConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.scale_rewards not in SCALE_REWARDS:

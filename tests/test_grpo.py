@@ -34,7 +34,7 @@ def test_config_defaults_and_epsilon_high_resolution():
     (dict(max_completion_len=8, overlong_cache_len=8), "overlong_cache_len"), (dict(is_mode="token"), "is_mode"), (dict(is_max=0.0), "is_max"),
     (dict(is_min=2.0, is_max=1.0), "is_min"),
     (dict(max_sampling_rounds=0), "max_sampling_rounds"), (dict(dynamic_sampling_tol=-1.0), "dynamic_sampling_tol"),
-    (dict(dynamic_sampling_threshold=1.5), "dynamic_sampling_threshold"),
+    (dict(dynamic_sampling_threshold=1.5), "dynamic_sampling_threshold"), (dict(group_size=1), "group_size"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
