@@ -47,7 +47,7 @@ after the restore fails loudly instead of silently using the clean weights.
 import math
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -63,10 +63,15 @@ NOISY_NORMS = ("input_layernorm", "post_attention_layernorm")  # the per-layer n
 
 @dataclass
 class AQNConfig:
-    sigma_start: float = 1e-2   # σ of stage 1
-    sigma_end: float = 5e-4     # σ of the last stage
-    stages: int = 10            # K: stage 0 is noise-free, stages 1..K-1 decay geometrically
-    rollout_only: bool = False  # True: noise during sampling only (the reference code's choice)
+    """The noise schedule. Each field is a train.py flag (flags.py builds the command line from the
+    fields; "flag" names it where it differs from the field)."""
+    enabled: bool = field(default=True, metadata={"flag": "aqn", "help": "noise on the RMSNorm weights"})
+    sigma_start: float = field(default=1e-2, metadata={"help": "σ of the first noisy stage"})   # stage 1
+    sigma_end: float = field(default=5e-4, metadata={"help": "σ of the last stage"})            # stage K-1
+    stages: int = field(default=10, metadata={       # K: stage 0 is noise-free, 1..K-1 decay geometrically
+        "flag": "aqn_stages", "help": "stages K over --max-steps (stage 0 is noise-free)"})
+    rollout_only: bool = field(default=False, metadata={   # the reference code's choice
+        "flag": "aqn_rollout_only", "help": "noise in rollout only (the reference code)"})
 
     def __post_init__(self):
         for name in ("sigma_start", "sigma_end"):
@@ -75,8 +80,9 @@ class AQNConfig:
                 raise ValueError(f"AQNConfig.{name} must be a positive finite number, got {v!r}")
         if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"AQNConfig.stages must be an int >= 2, got {self.stages!r}")
-        if not isinstance(self.rollout_only, bool):
-            raise TypeError(f"AQNConfig.rollout_only must be a bool, got {self.rollout_only!r}")
+        for name in ("enabled", "rollout_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"AQNConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,11 +90,14 @@ class AQNConfig:
 
 
 def sigma_at(step: int, total_steps: int, cfg: AQNConfig) -> float:
-    """σ for optimizer step `step` (0-based) of `total_steps`; 0.0 in stage 0."""
+    """σ for optimizer step `step` (0-based) of `total_steps`; 0.0 in stage 0, and at every step where
+    AQN is off (cfg.enabled False: the quantization noise alone)."""
     if total_steps < 1:
         raise ValueError(f"sigma_at: total_steps must be >= 1, got {total_steps}")
     if step < 0:
         raise ValueError(f"sigma_at: step must be >= 0, got {step}")
+    if not cfg.enabled:
+        return 0.0
     K = cfg.stages
     # floor(step / (total_steps / K)) in exact integer arithmetic (no float rounding at stage edges),
     # clamped so that step == total_steps (and beyond) stays in the last stage.

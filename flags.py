@@ -1,6 +1,12 @@
 """train.py's command line: every flag with its help and default, a config file, --resume, and the
 checks that run before anything loads.
 
+Every flag is a field of a config dataclass, which holds its default and its help text:
+lora.LoRAConfig (--lora-*), aqn.AQNConfig (--aqn, --sigma-*, --aqn-*), grpo.GRPOConfig (the objective,
+dynamic sampling, --group-size, --max-new-tokens, --updates-per-rollout) and TrainConfig here (the run,
+model, data, reward, sampling, optimization and records). build_parser lays them out in --help's
+SECTIONS, and to_config(args, cls) turns the parsed flags back into the dataclass train.py builds on.
+
 Three sources, in rising precedence: the defaults, a --config file (JSON, or YAML with PyYAML; its
 keys are the flag names, with dashes or underscores; a key that is no flag is refused by name), and the
 command line. --resume RUN_DIR (or --resume with --output-dir) reads the run's run_config.json: every
@@ -19,15 +25,20 @@ Test: tests/test_flags.py (help, --config, --resume); tests/test_integrity.py (e
 refused at parse time, by name).
 """
 import argparse
+import dataclasses
 import difflib
 import importlib.util
 import json
 import math
 import os
+import typing
+from dataclasses import dataclass, field
 
 import torch
 
+import aqn
 import grpo
+import lora
 import reward_funcs
 import tasks
 from checkpoint import random_init_config
@@ -71,7 +82,7 @@ REPORTERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trac
 
 
 # ----------------------------------------------------------------------------------------------
-# the parser
+# the flags: fields of the config dataclasses
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -91,129 +102,174 @@ class Append(argparse.Action):
                                        else []) + [values])
 
 
+@dataclass
+class TrainConfig:
+    """The flags train.py reads itself (args.<field>): the run, the model, the data, the reward, sampling,
+    optimization and the records. With the fields of lora.LoRAConfig, aqn.AQNConfig and grpo.GRPOConfig
+    they are the whole command line: a field's metadata holds its help and, where the type does not say
+    it all, argparse's choices, metavar, type, action or nargs. The values come checked by check()
+    (FLAG_RANGES and the rules between flags), whose messages name the flags."""
+    # ---- run
+    config: str | None = field(default=None, metadata={"metavar": "FILE", "help": (
+        "JSON or YAML file of flags (keys: flag names); the command line overrides it (default: none)")})
+    resume: bool | str = field(default=False, metadata={"nargs": "?", "const": True, "metavar": "RUN_DIR", "help": (
+        "continue RUN_DIR (or --output-dir) from its newest checkpoint, with its recorded flags")})
+    output_dir: str = field(default="runs/qerl", metadata={"help": "the run directory (run_dir.py)"})
+    seed: int = field(default=0, metadata={"help": "seeds data order, adapter init, AQN noise and sampling"})
+    # ---- model
+    model: str | None = field(default=None, metadata={
+        "help": "Hugging Face hub id or local checkpoint directory (required)"})
+    random_init: bool = field(default=False, metadata={"help": (
+        "random weights of --model's shape (checkpoint.SHAPES: qwen2.5-7b|14b|32b, qwen3-8b|32b; "
+        "or a dir with config.json): benchmarks")})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer hub id or directory (default: --model)"})
+    quant: str = field(default="nvfp4", metadata={"choices": ("nvfp4", "bf16"),
+                                                  "help": "base weights: 4-bit NVFP4 or bf16"})
+    dtype: str = field(default="bfloat16", metadata={"choices": ("bfloat16", "float32"),
+                                                     "help": "activations and adapters"})
+    device: str | None = field(default=None, metadata={
+        "help": "default: cuda if available, else cpu (torchrun: cuda:LOCAL_RANK)"})
+    # ---- data
+    dataset: str = field(default="gsm8k", metadata={"help": (
+        "gsm8k | math500 | addition | multiplication | a Hub dataset id | a .jsonl/.csv/.parquet file | a directory "
+        "(<split>.<ext> files or a datasets.save_to_disk directory)")})
+    dataset_config: str | None = field(default=None, metadata={"help": (
+        "the Hub dataset's configuration, e.g. main for openai/gsm8k (default: its only or default one)")})
+    dataset_split: str = field(default="train", metadata={"help": "the training split"})
+    eval_dataset: str | None = field(default=None, metadata={
+        "help": "evaluation dataset, as --dataset (default: --dataset)"})
+    eval_dataset_config: str | None = field(default=None, metadata={
+        "help": "its Hub configuration (default: --dataset-config when --eval-dataset is not given)"})
+    eval_split: str = field(default="test", metadata={"help": "the evaluation split"})
+    prompt_column: str | None = field(default=None, metadata={"help": (
+        f"column holding the prompt, a string or a list of messages (default: the first of "
+        f"{', '.join(tasks.PROMPT_COLUMNS)})")})
+    answer_column: str | None = field(default=None, metadata={
+        "help": "column holding the gold answer (default: answer, if present)"})
+    eval_limit: int = field(default=500, metadata={"help": "evaluation questions (0 = no evaluation)"})
+    max_prompt_len: int = field(default=512, metadata={"help": "longer prompts are dropped (counted)"})
+    system_prompt: str = field(default=tasks.SYSTEM_PROMPT, metadata={
+        "help": "put before every prompt without a system message of its own ('' for none)"})
+    chat_template_kwargs: dict | None = field(default=None, metadata={
+        "type": tasks.parse_chat_template_kwargs, "metavar": "JSON",
+        "help": """extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Qwen3); """
+                "default: none"})
+    # ---- reward
+    reward: list[str] = field(default_factory=lambda: [reward_funcs.BUILTIN], metadata={
+        "action": Append, "metavar": "NAME|MODULE:FN", "help": (
+            "a reward term, repeatable: 'correctness' (the gold answer's guarded check) or "
+            "module:function called as TRL's reward_funcs (reward_funcs.py)")})
+    reward_weights: list[float] | None = field(default=None, metadata={
+        "type": reward_funcs.parse_weights, "metavar": "W1,W2,...",
+        "help": "one weight per --reward (default: 1 each)"})
+    format_weight: float = field(default=0.0, metadata={
+        "help": "added to correctness for a complete \\boxed{} answer"})
+    reward_timeout: float = field(default=reward_funcs.TIMEOUT_S, metadata={
+        "help": "seconds a user reward function may take on one batch before the run stops"})
+    # ---- rollout
+    prompts_per_step: int = field(default=16, metadata={"help": "prompts per optimizer step (all ranks)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass"})
+    gpu_memory_utilization: float = field(default=0.5, metadata={"help": "share of free memory for the KV cache"})
+    # ---- optimization
+    lr: float = field(default=1e-5, metadata={"help": "AdamW learning rate"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm"})
+    micro_batch: int | None = field(default=None, metadata={
+        "help": "completions per training forward (default: as many as free GPU memory holds, plan.py)"})
+    logprob_chunk: int = field(default=1024, metadata={"help": "tokens per lm_head chunk"})
+    grad_checkpointing: bool | None = field(default=None, metadata={
+        "help": "recompute each layer in the backward (default: only where memory needs it, plan.py)"})
+    max_steps: int = field(default=200, metadata={"help": "the run's length (sets the AQN schedule)"})
+    stop_at: int | None = field(default=None, metadata={
+        "help": "checkpoint and exit after this step (default: --max-steps)"})
+    # ---- evaluation, checkpoints and records
+    eval_every: int = field(default=0, metadata={"help": "steps between evaluations (0 = only at the end)"})
+    eval_max_new_tokens: int | None = field(default=None, metadata={"help": "default: --max-new-tokens"})
+    save_every: int = field(default=50, metadata={"help": "steps between checkpoints"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept (oldest removed)"})
+    log_every: int = field(default=10, metadata={"help": "steps between progress lines (0 = the bar only)"})
+    log_completions: int = field(default=4, metadata={
+        "help": "completions of each step written to completions.jsonl (prompt, completion, reward)"})
+    report_to: str = field(default="none", metadata={"choices": tuple(REPORTERS),
+                                                     "help": "also send the metrics there"})
+
+
+CONFIGS = (TrainConfig, lora.LoRAConfig, aqn.AQNConfig, grpo.GRPOConfig)
+
+# --help's sections and the place of each flag in them (each flag's default, type and help: its field).
+SECTIONS = {
+    "run": ("config", "resume", "output_dir", "seed"),
+    "model": ("model", "random_init", "tokenizer", "quant", "dtype", "device"),
+    "data": ("dataset", "dataset_config", "dataset_split", "eval_dataset", "eval_dataset_config", "eval_split",
+             "prompt_column", "answer_column", "eval_limit", "max_prompt_len", "system_prompt", "chat_template_kwargs"),
+    "reward": ("reward", "reward_weights", "format_weight", "reward_timeout"),
+    "LoRA": ("lora_rank", "lora_alpha", "lora_dropout"),
+    "AQN (adaptive quantization noise)": ("aqn", "sigma_start", "sigma_end", "aqn_stages", "aqn_rollout_only"),
+    "rollout": ("group_size", "prompts_per_step", "max_new_tokens", "temperature", "top_p", "gpu_memory_utilization"),
+    "objective": ("loss_type", "epsilon", "epsilon_high", "beta", "scale_rewards", "dynamic_sampling",
+                  "dynamic_sampling_threshold", "max_sampling_rounds", "overlong_cache", "mask_truncated",
+                  "importance_sampling", "importance_sampling_max", "importance_sampling_min"),
+    "optimization": ("lr", "warmup_steps", "weight_decay", "max_grad_norm", "updates_per_rollout", "micro_batch",
+                     "logprob_chunk", "grad_checkpointing", "max_steps", "stop_at"),
+    "evaluation, checkpoints and records": ("eval_every", "eval_max_new_tokens", "save_every", "keep_checkpoints",
+                                            "log_every", "log_completions", "report_to"),
+}
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    """The flag's dest (--kebab-case on the command line): metadata["flag"], else the field's name."""
+    return f.metadata.get("flag", f.name)
+
+
+# dest -> (the field that declares the flag, its type): every field with a help text is a flag.
+FLAGS = {flag_name(f): (f, typing.get_type_hints(cls)[f.name])
+         for cls in CONFIGS for f in dataclasses.fields(cls) if "help" in f.metadata}
+
+
+def add_flags(g, names) -> None:
+    """Add the flags `names` (dests) to the parser or group g, as their fields declare them. The type is
+    the field's where the metadata names no type, action or nargs: int and float parse as such, a bool
+    is --flag (store_true) where it defaults to False, else --flag / --no-flag."""
+    for name in names:
+        f, hint = FLAGS[name]
+        kw = {k: v for k, v in f.metadata.items() if k != "flag"}
+        kw["default"] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if "choices" in kw:
+            kw["choices"] = list(kw["choices"])
+        base = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+        if not kw.keys() & {"type", "action", "nargs"}:
+            if base is bool:
+                kw["action"] = "store_true" if kw["default"] is False else argparse.BooleanOptionalAction
+            elif base in (int, float):
+                kw["type"] = base
+        g.add_argument("--" + name.replace("_", "-"), **kw)
+
+
 def add_precision_flags(g) -> None:
     """--quant and --dtype: how the base weights are stored and what the activations are (train.py, eval.py)."""
-    g.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4", help="base weights: 4-bit NVFP4 or bf16")
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="activations and adapters")
+    add_flags(g, ("quant", "dtype"))
 
 
 def add_column_flags(g) -> None:
     """--prompt-column and --answer-column: which dataset columns hold the prompt and the gold answer."""
-    g.add_argument("--prompt-column", default=None,
-                   help=f"column holding the prompt, a string or a list of messages (default: the first of "
-                        f"{', '.join(tasks.PROMPT_COLUMNS)})")
-    g.add_argument("--answer-column", default=None, help="column holding the gold answer (default: answer, if present)")
+    add_flags(g, ("prompt_column", "answer_column"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="GRPO/DAPO post-training with NVFP4 weights, LoRA and AQN (QeRL)",
                                 usage="%(prog)s --model MODEL [--dataset DATASET] [flags] (--help lists them)",
                                 formatter_class=HelpFormatter)
-    g = p.add_argument_group("run")
-    g.add_argument("--config", default=None, metavar="FILE",
-                   help="JSON or YAML file of flags (keys: flag names); the command line overrides it (default: none)")
-    g.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
-                   help="continue RUN_DIR (or --output-dir) from its newest checkpoint, with its recorded flags")
-    g.add_argument("--output-dir", default="runs/qerl", help="the run directory (run_dir.py)")
-    g.add_argument("--seed", type=int, default=0, help="seeds data order, adapter init, AQN noise and sampling")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="Hugging Face hub id or local checkpoint directory (required)")
-    g.add_argument("--random-init", action="store_true",
-                   help="random weights of --model's shape (checkpoint.SHAPES: qwen2.5-7b|14b|32b, qwen3-8b|32b; "
-                        "or a dir with config.json): benchmarks")
-    g.add_argument("--tokenizer", default=None, help="tokenizer hub id or directory (default: --model)")
-    add_precision_flags(g)
-    g.add_argument("--device", default=None, help="default: cuda if available, else cpu (torchrun: cuda:LOCAL_RANK)")
-    g = p.add_argument_group("data")
-    g.add_argument("--dataset", default="gsm8k",
-                   help="gsm8k | math500 | addition | multiplication | a Hub dataset id | a .jsonl/.csv/.parquet file | a directory "
-                        "(<split>.<ext> files or a datasets.save_to_disk directory)")
-    g.add_argument("--dataset-config", default=None, help="the Hub dataset's configuration, e.g. main for openai/gsm8k (default: its only or default one)")
-    g.add_argument("--dataset-split", default="train", help="the training split")
-    g.add_argument("--eval-dataset", default=None, help="evaluation dataset, as --dataset (default: --dataset)")
-    g.add_argument("--eval-dataset-config", default=None,
-                   help="its Hub configuration (default: --dataset-config when --eval-dataset is not given)")
-    g.add_argument("--eval-split", default="test", help="the evaluation split")
-    add_column_flags(g)
-    g.add_argument("--eval-limit", type=int, default=500, help="evaluation questions (0 = no evaluation)")
-    g.add_argument("--max-prompt-len", type=int, default=512, help="longer prompts are dropped (counted)")
-    g.add_argument("--system-prompt", default=tasks.SYSTEM_PROMPT,
-                   help="put before every prompt without a system message of its own ('' for none)")
-    g.add_argument("--chat-template-kwargs", type=tasks.parse_chat_template_kwargs, default=None, metavar="JSON",
-                   help="""extra chat-template variables, a JSON object: '{"enable_thinking": false}' (Qwen3); """
-                        "default: none")
-    g = p.add_argument_group("reward")
-    g.add_argument("--reward", action=Append, default=[reward_funcs.BUILTIN], metavar="NAME|MODULE:FN",
-                   help="a reward term, repeatable: 'correctness' (the gold answer's guarded check) or "
-                        "module:function called as TRL's reward_funcs (reward_funcs.py)")
-    g.add_argument("--reward-weights", type=reward_funcs.parse_weights, default=None, metavar="W1,W2,...",
-                   help="one weight per --reward (default: 1 each)")
-    g.add_argument("--format-weight", type=float, default=0.0,
-                   help="added to correctness for a complete \\boxed{} answer")
-    g.add_argument("--reward-timeout", type=float, default=reward_funcs.TIMEOUT_S,
-                   help="seconds a user reward function may take on one batch before the run stops")
-    g = p.add_argument_group("LoRA")
-    g.add_argument("--lora-rank", type=int, default=32, help="adapter rank r")
-    g.add_argument("--lora-alpha", type=float, default=64.0, help="adapter scale α (the update is α/r · BA)")
-    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapter's input")
-    g = p.add_argument_group("AQN (adaptive quantization noise)")
-    g.add_argument("--aqn", action=argparse.BooleanOptionalAction, default=True, help="noise on the RMSNorm weights")
-    g.add_argument("--sigma-start", type=float, default=1e-2, help="σ of the first noisy stage")
-    g.add_argument("--sigma-end", type=float, default=5e-4, help="σ of the last stage")
-    g.add_argument("--aqn-stages", type=int, default=10, help="stages K over --max-steps (stage 0 is noise-free)")
-    g.add_argument("--aqn-rollout-only", action="store_true", help="noise in rollout only (the reference code)")
-    g = p.add_argument_group("rollout")
-    g.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    g.add_argument("--prompts-per-step", type=int, default=16, help="prompts per optimizer step (all ranks)")
-    g.add_argument("--max-new-tokens", type=int, default=1024, help="completion length limit")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="share of free memory for the KV cache")
-    g = p.add_argument_group("objective")
-    g.add_argument("--loss-type", choices=list(grpo.LOSS_TYPES), default="dapo", help="token aggregation (grpo.py)")
-    g.add_argument("--epsilon", type=float, default=0.2, help="clip range ε (low side)")
-    g.add_argument("--epsilon-high", type=float, default=None, help="clip ε high side (default: 0.28 for dapo, else --epsilon)")
-    g.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the adapter-disabled model")
-    g.add_argument("--scale-rewards", choices=list(grpo.SCALE_REWARDS), default="group", help="advantage scaling")
-    g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=True,
-                   help="drop groups whose rewards are all equal (they carry no gradient) and sample more prompts, "
-                        "within --max-sampling-rounds rounds and as many batches of prompts a step (DAPO); it pays "
-                        "where the base model rarely solves the task (docs/usage.md)")
-    g.add_argument("--dynamic-sampling-threshold", type=float, default=0.5,
-                   help="refill a step only when at least this share of its first round's groups has no reward "
-                        "spread (0: every step, DAPO's rule)")
-    g.add_argument("--max-sampling-rounds", type=int, default=10,
-                   help="dynamic sampling's budget a step: at most this many rounds, and this many times "
-                        "--prompts-per-step prompts (verl's DAPO gives up after 10 generation batches)")
-    g.add_argument("--overlong-cache", type=int, default=0, help="DAPO overlong shaping window (0 = off)")
-    g.add_argument("--mask-truncated", action="store_true", help="overlong filtering: no loss on truncated completions")
-    g.add_argument("--importance-sampling", choices=list(grpo.IS_MODES), default=None,
-                   help="correct for the sampler's log-probs differing from the trainer's (TRL's modes; default: none)")
-    g.add_argument("--importance-sampling-max", type=float, default=3.0, help="C_max of the correction")
-    g.add_argument("--importance-sampling-min", type=float, default=None, help="C_min of the correction (default: none)")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate")
-    g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    g.add_argument("--updates-per-rollout", type=int, default=1, help="optimizer steps per generation batch (μ)")
-    g.add_argument("--micro-batch", type=int, default=None,
-                   help="completions per training forward (default: as many as free GPU memory holds, plan.py)")
-    g.add_argument("--logprob-chunk", type=int, default=1024, help="tokens per lm_head chunk")
-    g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute each layer in the backward (default: only where memory needs it, plan.py)")
-    g.add_argument("--max-steps", type=int, default=200, help="the run's length (sets the AQN schedule)")
-    g.add_argument("--stop-at", type=int, default=None, help="checkpoint and exit after this step (default: --max-steps)")
-    g = p.add_argument_group("evaluation, checkpoints and records")
-    g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0 = only at the end)")
-    g.add_argument("--eval-max-new-tokens", type=int, default=None, help="default: --max-new-tokens")
-    g.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (oldest removed)")
-    g.add_argument("--log-every", type=int, default=10, help="steps between progress lines (0 = the bar only)")
-    g.add_argument("--log-completions", type=int, default=4,
-                   help="completions of each step written to completions.jsonl (prompt, completion, reward)")
-    g.add_argument("--report-to", choices=list(REPORTERS), default="none", help="also send the metrics there")
+    for title, names in SECTIONS.items():
+        add_flags(p.add_argument_group(title), names)
     return p
+
+
+def to_config(args, cls):
+    """The config dataclass cls (lora.LoRAConfig, aqn.AQNConfig, grpo.GRPOConfig) of the parsed flags
+    args: each field that is a flag takes the flag's value, the others keep their defaults."""
+    return cls(**{f.name: getattr(args, flag_name(f)) for f in dataclasses.fields(cls) if "help" in f.metadata})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,11 +39,12 @@ Aggregation over the masked (B, T) token grid, the four definitions TRL's GRPOTr
     dr_grpo  sum / (B · max_completion_len)                  (a constant: no length bias)
     dapo     sum / num_items, num_items = active completion tokens of the WHOLE generation batch
 
-Only dapo's normaliser is global, so only dapo's micro-batched gradients *sum* exactly to the
-gradient of one big batch (the caller counts num_items once, before the first micro-batch).
-grpo/bnpo/dr_grpo return the micro-batch value: divide by the number of micro-batches when
-accumulating, as TRL does; for bnpo this is still not the big-batch token mean when micro-batches
-hold different numbers of tokens. With several data-parallel ranks whose gradients are averaged,
+Only dapo's normaliser is global, so dapo's micro-batched gradients *sum* to the gradient of one
+big batch as they are (the caller counts num_items once, before the first micro-batch). grpo, bnpo
+and dr_grpo return the micro-batch's value, and `micro_batch_weight` scales it to its share of the
+whole batch: rows / batch rows for the sequence means of grpo and dr_grpo (then the sum is exact),
+1 / micro-batches for bnpo, as TRL does (not the big-batch token mean when micro-batches hold
+different numbers of tokens). With several data-parallel ranks whose gradients are averaged,
 pass num_items / world_size (TRL's convention); train.py sums the gradients instead and passes
 the global num_items, which is the same update.
 
@@ -59,7 +60,7 @@ models. Test: python -m pytest tests/test_grpo.py
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -76,25 +77,46 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 @dataclass
 class GRPOConfig:
-    """Objective settings. epsilon_high=None resolves to 0.28 for dapo, to epsilon otherwise."""
-    loss_type: str = "dapo"              # grpo | bnpo | dr_grpo | dapo
-    epsilon: float = 0.2                 # ε_low: ratio clipped below at 1 - ε_low
-    epsilon_high: float | None = None    # ε_high: ratio clipped above at 1 + ε_high
-    beta: float = 0.0                    # k3 KL coefficient (reference = base model, adapter off)
-    scale_rewards: str = "group"         # group | batch | none
-    updates_per_rollout: int = 1         # μ: optimizer steps per generation batch
-    max_completion_len: int = 1024       # L_max: sampler cap; dr_grpo's constant normaliser
-    overlong_cache_len: int = 0          # L_cache of DAPO's overlong shaping (0 = off)
-    mask_truncated: bool = False         # overlong filtering: truncated completions get no loss
-    is_mode: str | None = None           # importance-sampling correction (IS_MODES); None = none
-    is_max: float | None = 3.0           # C_max of the correction (None: no upper bound)
-    is_min: float | None = None          # C_min of the correction (None: no lower bound)
-    dynamic_sampling: bool = True        # DAPO: drop zero-variance groups and sample more
-    dynamic_sampling_threshold: float = 0.5  # ... only when this share of a step's first round has zero variance
-    max_sampling_rounds: int = 10        # rounds (and batches' worth of prompts) a step before giving up
-    dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal"
+    """Objective settings, each flag's default and help (flags.py builds train.py's command line from the
+    fields; "flag" names the flag where it differs from the field). epsilon_high=None resolves to 0.28
+    for dapo, to epsilon otherwise."""
+    group_size: int = field(default=8, metadata={"help": "completions per prompt (G)"})
+    loss_type: str = field(default="dapo", metadata={"help": "token aggregation (grpo.py)", "choices": LOSS_TYPES})
+    epsilon: float = field(default=0.2, metadata={"help": "clip range ε (low side)"})     # ρ clipped below at 1 - ε
+    epsilon_high: float | None = field(default=None, metadata={                          # ... above at 1 + ε_high
+        "help": "clip ε high side (default: 0.28 for dapo, else --epsilon)"})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the adapter-disabled model"})   # k3 KL
+    scale_rewards: str = field(default="group", metadata={"help": "advantage scaling", "choices": SCALE_REWARDS})
+    updates_per_rollout: int = field(default=1, metadata={"help": "optimizer steps per generation batch (μ)"})
+    max_completion_len: int = field(default=1024, metadata={    # L_max: the sampler's cap; dr_grpo's normaliser
+        "flag": "max_new_tokens", "help": "completion length limit"})
+    overlong_cache_len: int = field(default=0, metadata={      # L_cache of DAPO's overlong shaping
+        "flag": "overlong_cache", "help": "DAPO overlong shaping window (0 = off)"})
+    mask_truncated: bool = field(default=False, metadata={
+        "help": "overlong filtering: no loss on truncated completions"})
+    is_mode: str | None = field(default=None, metadata={       # one of IS_MODES, or None: no correction
+        "flag": "importance_sampling", "choices": IS_MODES,
+        "help": "correct for the sampler's log-probs differing from the trainer's (TRL's modes; default: none)"})
+    is_max: float | None = field(default=3.0, metadata={       # None: no upper bound
+        "flag": "importance_sampling_max", "help": "C_max of the correction"})
+    is_min: float | None = field(default=None, metadata={      # None: no lower bound
+        "flag": "importance_sampling_min", "help": "C_min of the correction (default: none)"})
+    dynamic_sampling: bool = field(default=True, metadata={
+        "help": "drop groups whose rewards are all equal (they carry no gradient) and sample more prompts, "
+                "within --max-sampling-rounds rounds and as many batches of prompts a step (DAPO); it pays "
+                "where the base model rarely solves the task (docs/usage.md)"})
+    dynamic_sampling_threshold: float = field(default=0.5, metadata={
+        "help": "refill a step only when at least this share of its first round's groups has no reward "
+                "spread (0: every step, DAPO's rule)"})
+    max_sampling_rounds: int = field(default=10, metadata={
+        "help": "dynamic sampling's budget a step: at most this many rounds, and this many times "
+                "--prompts-per-step prompts (verl's DAPO gives up after 10 generation batches)"})
+    dynamic_sampling_tol: float = 1e-6   # rewards within this spread count as "all equal" (no flag)
 
     def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"GRPOConfig.group_size must be >= 2 (advantages compare samples of one prompt), "
+                             f"got {self.group_size}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"GRPOConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.scale_rewards not in SCALE_REWARDS:
@@ -234,6 +256,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cfg: GRPOConfig,
+    *,
     ref_logp: torch.Tensor | None = None,
     sampler_logp: torch.Tensor | None = None,
     num_items: int | float | torch.Tensor | None = None,
@@ -278,8 +301,7 @@ def policy_loss(
     log_ratio = torch.where(on, logp - old, zero)          # (B, T)
     ratio = torch.exp(log_ratio)                           # (B, T)
     A = advantages.float()[:, None]                        # (B, 1)
-    eps_low, eps_high = cfg.epsilon, cfg.epsilon_high
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    clipped = torch.clamp(ratio, 1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)
     per_token = -torch.min(ratio * A, clipped * A)         # (B, T)
 
     metrics: dict[str, torch.Tensor] = {}
@@ -300,32 +322,60 @@ def policy_loss(
         if cfg.beta > 0:
             per_token = per_token + cfg.beta * kl
 
-    # ---- aggregation
-    tok = per_token * m                                    # (B, T), exactly 0 off the mask
-    if cfg.loss_type == "grpo":
-        loss = (tok.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif cfg.loss_type == "bnpo":
-        loss = tok.sum() / m.sum().clamp(min=1.0)
-    elif cfg.loss_type == "dr_grpo":
-        loss = tok.sum() / (B * cfg.max_completion_len)
-    else:  # dapo
-        if num_items is None:
-            num_items = m.sum().clamp(min=1.0)
-        elif isinstance(num_items, (int, float)) and num_items <= 0:  # a tensor is not checked: no sync
-            raise ValueError(f"num_items must be > 0, got {num_items}")
-        loss = tok.sum() / num_items
-
-    # ---- metrics (TRL's names): fraction of tokens where the clip is active and cuts the gradient
-    ratio_d = ratio.detach()
-    low = (ratio_d < 1.0 - eps_low) & (A < 0)              # (B, T)
-    high = (ratio_d > 1.0 + eps_high) & (A > 0)            # (B, T)
-    metrics["clip_ratio/low_mean"] = _masked_mean(low.float(), m)
-    metrics["clip_ratio/high_mean"] = _masked_mean(high.float(), m)
-    metrics["clip_ratio/region_mean"] = _masked_mean((low | high).float(), m)
+    loss = aggregate(per_token * m, m, cfg, num_items)     # per_token * m: exactly 0 off the mask
+    metrics.update(clip_metrics(ratio.detach(), A, m, cfg))
     if entropy is not None:
         metrics["entropy"] = _masked_mean(torch.where(on, entropy.float(), zero), m)
     metrics["num_tokens"] = m.sum().detach()
     return loss, metrics
+
+
+def clip_metrics(ratio: torch.Tensor, A: torch.Tensor, m: torch.Tensor, cfg: GRPOConfig) -> dict[str, torch.Tensor]:
+    """TRL's clip metrics: the share of tokens (mask m (B, T)) where the clip is active and cuts the
+    gradient, below (ratio (B, T) < 1 - ε with A (B, 1) < 0), above (> 1 + ε_high with A > 0), either."""
+    low = (ratio < 1.0 - cfg.epsilon) & (A < 0)            # (B, T)
+    high = (ratio > 1.0 + cfg.epsilon_high) & (A > 0)      # (B, T)
+    return {"clip_ratio/low_mean": _masked_mean(low.float(), m),
+            "clip_ratio/high_mean": _masked_mean(high.float(), m),
+            "clip_ratio/region_mean": _masked_mean((low | high).float(), m)}
+
+
+# -----------------------------------------------------------------------------
+# aggregation, and what a micro-batch's loss weighs in the whole batch
+
+def aggregate(tok: torch.Tensor, m: torch.Tensor, cfg: GRPOConfig,
+              num_items: int | float | torch.Tensor | None) -> torch.Tensor:
+    """The loss of the per-token terms tok (B, T), 0 off the mask m (B, T), per cfg.loss_type (the
+    module docstring's table). num_items: dapo's normaliser, as policy_loss takes it."""
+    B = tok.shape[0]
+    if cfg.loss_type == "grpo":
+        return (tok.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if cfg.loss_type == "bnpo":
+        return tok.sum() / m.sum().clamp(min=1.0)
+    if cfg.loss_type == "dr_grpo":
+        return tok.sum() / (B * cfg.max_completion_len)
+    if num_items is None:  # dapo
+        num_items = m.sum().clamp(min=1.0)
+    elif isinstance(num_items, (int, float)) and num_items <= 0:  # a tensor is not checked: no sync
+        raise ValueError(f"num_items must be > 0, got {num_items}")
+    return tok.sum() / num_items
+
+
+def micro_batch_weight(cfg: GRPOConfig, rows: int, batch_rows: int, micro_batches: int) -> float:
+    """What one micro-batch's loss is multiplied by, so that the micro-batches' gradients add up to the
+    gradient of the whole generation batch. rows: the micro-batch's completions; batch_rows: the whole
+    batch's and micro_batches: its number of micro-batches, both over all ranks.
+
+        dapo     1                    its normaliser, num_items, is already the whole batch's
+        bnpo     1 / micro_batches    a token mean per micro-batch: exact when they hold equal token counts
+        grpo     rows / batch_rows    means over sequences: each micro-batch weighs its share of them
+        dr_grpo  rows / batch_rows
+    """
+    if cfg.loss_type == "dapo":
+        return 1.0
+    if cfg.loss_type == "bnpo":
+        return 1.0 / micro_batches
+    return rows / batch_rows
 
 
 # -----------------------------------------------------------------------------
@@ -377,6 +427,7 @@ def fill_batch(
     target_groups: int,
     group_size: int,
     max_rounds: int,
+    *,
     tol: float = 1e-6,
     threshold: float = 0.0,
     keep_rate: float = 1.0,

@@ -87,8 +87,8 @@ def completion_logprobs(model, input_ids, prompt_lens, comp_lens, temperature: f
 
 
 def collate(groups: list, pad_id: int, device) -> dict:
-    """groups: [(example, prompt_ids, [Completion × G], rewards)] -> padded tensors for the training forward."""
-    rows = [(p, c) for _, p, comps, _ in groups for c in comps]
+    """groups: [train.Group] (prompt_ids, G completions each) -> padded tensors for the training forward."""
+    rows = [(g.prompt_ids, c) for g in groups for c in g.completions]
     T = max(len(p) + len(c.token_ids) for p, c in rows)
     L = max(len(c.token_ids) for _, c in rows)
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)

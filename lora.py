@@ -50,7 +50,7 @@ import math
 import os
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -72,9 +72,13 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 @dataclass
 class LoRAConfig:
-    r: int = 32                                  # rank
-    alpha: float = 64                            # scaling numerator
-    dropout: float = 0.0                         # dropout on the adapter input (train mode only)
+    """The adapters' shape and scale. A field with a help text is a train.py flag (flags.py builds the
+    command line from it; "flag" names it)."""
+    r: int = field(default=32, metadata={"flag": "lora_rank", "help": "adapter rank r"})
+    alpha: float = field(default=64.0, metadata={                    # the scaling's numerator
+        "flag": "lora_alpha", "help": "adapter scale α (the update is α/r · BA)"})
+    dropout: float = field(default=0.0, metadata={                   # in train mode only
+        "flag": "lora_dropout", "help": "dropout on the adapter's input"})
     target_modules: tuple = DEFAULT_TARGETS      # module names matched as a suffix of the path
     use_rslora: bool = False                     # scaling alpha/sqrt(r) instead of alpha/r
 

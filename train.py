@@ -21,11 +21,14 @@ There is one model in memory: the sampler and the trainer are the same modules, 
 weight sync, and the only sampler/trainer mismatch is the numerics of decode vs dense attention
 (logged as `sampling/sampling_logp_difference/mean`). The KV cache is released before backward.
 
-The loop reads as its stages: `rollout_step` (sample and score the generation batch), `train_step`
-(advantages, the training forward and backward in micro-batches, AdamW), then log, evaluate and
-checkpoint. Everything that can be refused (flags, datasets, reward functions) is, before the model
-loads. Around the loop: flags.py (the flags, --config, --resume), run_data.py (the checked datasets,
-prompts and reward functions), report.py (the progress line, sampled completions, trackers),
+build_policy turns the flags into a `Policy`: the model with its adapters, AdamW and its schedule, the
+grpo.GRPOConfig and aqn.AQNConfig of the flags, the sampler and the step plan. Each step
+(`optimizer_step`) reads as the method's stages: the AQN noise of its stage, `rollout_step` (sample and
+score the generation batch: `Group`s, one prompt with its G completions and their rewards), `train_step`
+(advantages, the training forward and backward in micro-batches, AdamW); `train_loop` then logs,
+evaluates and checkpoints. Everything that can be refused (flags, datasets, reward functions) is, before
+the model loads. Around the loop: flags.py (the flags, --config, --resume), run_data.py (the checked
+datasets, prompts and reward functions), report.py (the progress line, sampled completions, trackers),
 logprobs.py (the batch as training tensors, the chunked log-probs), plan.py (how a step uses the GPU's
 memory: micro-batch sizes, recomputation, what stays resident), run_dir.py (run_config.json,
 metrics.jsonl, plots.png, crash-safe checkpoints that --resume continues from) and distributed.py
@@ -42,6 +45,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 
 # The KV cache is freed before each backward and re-allocated for the next rollout: with the
 # default allocator those differently sized blocks fragment the reserved memory (32B: 62.7 GiB
@@ -66,6 +70,7 @@ import rollout
 from checkpoint import build_model, load_model, load_tokenizer, random_init_config
 from run_data import encode, load_data
 from data import one_line
+from eval import evaluate  # eval.py imports nothing from here
 from flags import parse_args
 from logprobs import collate, completion_logprobs, micro_batches
 from distributed import all_reduce_grads, dist_setup, gather, rank_world
@@ -87,10 +92,6 @@ def step_seed(seed: int, step: int, stream: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-# ----------------------------------------------------------------------------------------------
-# the run
-
-
 def clock(device) -> float:
     """Wall time after the device's queued work is done (honest step-time splits on CUDA)."""
     if torch.device(device).type == "cuda":
@@ -98,126 +99,47 @@ def clock(device) -> float:
     return time.perf_counter()
 
 
-def train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args, device,
-               step_plan: plan.StepPlan | None = None) -> dict:
-    """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics.
-    groups, scores (their rewards, (P·G,)): the whole generation batch; each rank trains on its slice.
-    step_plan (plan.py): micro-batch sizes and dense weights; default: args.micro_batch completions."""
-    step_plan = step_plan or plan.StepPlan(args.micro_batch, None, model.gradient_checkpointing, False, 0, "")
-    t0 = clock(device)
-    times = {"time/logprob_pass": 0.0, "time/forward_backward": 0.0, "time/optimizer": 0.0}
-    batch = collate(groups, pad_id, device)
-    adv = grpo.advantages(scores, args.group_size, gcfg.scale_rewards).to(device)          # (B,)
-    L = int(batch["comp_lens"].max())
-    mask = grpo.completion_mask(batch["comp_lens"], L, batch["truncated"] if gcfg.mask_truncated else None)
-    batch["adv"], batch["mask"] = adv, mask
-    B, num_items = adv.shape[0], mask.sum().clamp(min=1)  # DAPO: active tokens of the whole batch (all ranks)
-    rank, world = rank_world()
-    lo, hi = (len(groups) * r // world * args.group_size for r in (rank, rank + 1))       # this rank's groups
-    batch = {k: v[lo:hi] for k, v in batch.items()}
-    spans = plan.micro_batches((batch["prompt_lens"] + batch["comp_lens"]).tolist(), step_plan)
-    n_mb = len(spans)
-    train_noise = {} if acfg.rollout_only else noise
-    sums, count, skipped = {}, 0, 0
-
-    def logprobs_no_grad(out: dict):  # once per rollout, in eval mode (no dropout)
-        with torch.no_grad():
-            for s, mb in micro_batches(batch, spans):
-                out[s] = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
-                                             args.temperature, args.logprob_chunk)[0]
-        return out
-
-    model.eval()
-    ref = {}
-    if gcfg.beta > 0:  # the reference policy: the base model, adapters off, no AQN noise
-        with lora.adapters_disabled(model):
-            logprobs_no_grad(ref)
-    with aqn.noise_applied(model, train_noise), plan.dense_weights(model, step_plan.dense_weights):
-        old = logprobs_no_grad({}) if gcfg.updates_per_rollout > 1 else {}  # the policy that sampled
-        model.train()
-        t1 = clock(device)
-        times["time/logprob_pass"] = t1 - t0
-        for _ in range(gcfg.updates_per_rollout):
-            optimizer.zero_grad(set_to_none=True)
-            for s, mb in micro_batches(batch, spans):
-                Lm = mb["sampler_logp"].shape[1]
-                logp, ent = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
-                                                args.temperature, args.logprob_chunk)
-                loss, met = grpo.policy_loss(logp, old.get(s), mb["adv"], mb["mask"][:, :Lm], gcfg,
-                                             ref_logp=ref.get(s), sampler_logp=mb["sampler_logp"],
-                                             num_items=num_items, entropy=ent)
-                # Every loss type but dapo normalises inside the micro-batch; reweight to the global batch.
-                w = {"dapo": 1.0, "bnpo": 1.0 / (n_mb * world)}.get(gcfg.loss_type, mb["adv"].shape[0] / B)
-                (loss * w).backward()
-                met = {METRIC_NAMES.get(k, k): v for k, v in met.items() if k != "num_tokens"}
-                for k, v in {"loss": loss.detach() * w, **met}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * (1.0 if k == "loss" else mb["adv"].shape[0] / B)
-            t2 = clock(device)
-            times["time/forward_backward"] += t2 - t1
-            all_reduce_grads(lora.lora_parameters(model))  # then every rank holds the same gradient
-            grad_norm = torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), args.max_grad_norm)
-            if torch.isfinite(grad_norm):
-                optimizer.step()
-            else:  # never write NaN/Inf into the adapters: skip the update and say so
-                skipped += 1
-            scheduler.step()
-            count += 1
-            t1 = clock(device)
-            times["time/optimizer"] += t1 - t2
-    model.eval()
-    keys = sorted(sums)  # each rank's metrics are its share of the global mean: sum them
-    out = {k: sum(part) / count for k, part in zip(keys, zip(*gather([sums[k] for k in keys])))}
-    out.update({"grad_norm": float(grad_norm), "learning_rate": scheduler.get_last_lr()[0],
-                "num_tokens": int(mask.sum()), "skipped_nonfinite_updates": skipped, "micro_batches": n_mb,
-                "time/train": clock(device) - t0, **times})
-    return out
+def log(line: str) -> None:
+    """A line above the progress bar, from rank 0 only."""
+    if rank_world()[0] == 0:
+        tqdm.write(line)
 
 
-def build_policy(args, device):
-    """The flags -> (model with LoRA, AdamW, schedule, GRPOConfig, AQNConfig, sampler, step plan):
-    everything a step needs. bench/step.py builds its policy here too, so it measures the step this file
-    runs. The plan (plan.py) measures what a token of the training pass costs on this device."""
-    dtype = getattr(torch, args.dtype)
-    if args.random_init:
-        model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype, seed=args.seed)
-    else:
-        model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
-    lora.apply_lora(model, lora.LoRAConfig(r=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout),
-                    generator=torch.Generator().manual_seed(args.seed))
-    params = lora.lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    gcfg = grpo.GRPOConfig(loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                           beta=args.beta, scale_rewards=args.scale_rewards,
-                           updates_per_rollout=args.updates_per_rollout, max_completion_len=args.max_new_tokens,
-                           overlong_cache_len=args.overlong_cache, mask_truncated=args.mask_truncated,
-                           is_mode=args.importance_sampling, is_max=args.importance_sampling_max,
-                           is_min=args.importance_sampling_min, dynamic_sampling=args.dynamic_sampling,
-                           dynamic_sampling_threshold=args.dynamic_sampling_threshold,
-                           max_sampling_rounds=args.max_sampling_rounds)
-    acfg = aqn.AQNConfig(sigma_start=args.sigma_start, sigma_end=args.sigma_end, stages=args.aqn_stages,
-                         rollout_only=args.aqn_rollout_only)
-    eval_new = args.eval_max_new_tokens or args.max_new_tokens
-    # as many sequences at once as the largest decode graph takes: an over-sampled round decodes in one wave
-    engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
-                               gpu_memory_utilization=args.gpu_memory_utilization,
-                               max_num_seqs=rollout.MAX_GRAPH_BATCH)
+# ----------------------------------------------------------------------------------------------
+# what a step works on
 
-    def fwd_bwd(ids, prompt_lens, comp_lens):  # the training pass on one micro-batch, for the memory probe
-        completion_logprobs(model, ids, prompt_lens, comp_lens, args.temperature, args.logprob_chunk)[0].sum().backward()
-    model.train()
-    step_plan = plan.make_plan(model, fwd_bwd, args.max_prompt_len + args.max_new_tokens, args.micro_batch,
-                               args.grad_checkpointing, sum(p.numel() for p in params), device)
-    model.eval()
-    return model, optimizer, scheduler, gcfg, acfg, engine, step_plan
+
+@dataclass
+class Group:
+    """One prompt and its G completions: the unit that advantages and dynamic sampling compare within."""
+    example: object               # the tasks.Example the prompt came from (None for synthetic prompts)
+    prompt_ids: list[int]
+    completions: list             # G rollout.Completion: token ids, the sampler's log-probs, finish reason
+    rewards: torch.Tensor         # (G,) float32: the weighted reward terms + DAPO overlong shaping
+
+
+@dataclass
+class Policy:
+    """The policy being trained and everything a step needs to sample from it and update it (build_policy)."""
+    model: torch.nn.Module        # the frozen base (NVFP4 or bf16) with trainable LoRA adapters
+    optimizer: torch.optim.Optimizer                  # AdamW over the adapters
+    scheduler: torch.optim.lr_scheduler.LRScheduler   # linear warm-up, then constant
+    grpo_cfg: grpo.GRPOConfig     # the objective, group size and dynamic sampling
+    aqn_cfg: aqn.AQNConfig        # the noise schedule
+    engine: rollout.LLMEngine     # the sampler over the same modules: no weight sync
+    step_plan: plan.StepPlan      # micro-batches, recomputation, what stays resident (plan.py)
+    device: torch.device
 
 
 class PromptStream:
-    """The training prompts in a per-epoch seeded order. `position` counts the prompts taken so far:
-    a checkpoint stores it, so a resumed run takes the prompts the uninterrupted run would have."""
+    """The training prompts in a per-epoch seeded order and the reward terms that score their completions.
+    `position` counts the prompts taken so far and `keep_rate` is the share of informative groups the last
+    step drew (1.0 before the first; it sizes dynamic sampling's rounds): a checkpoint stores both, so a
+    resumed run takes the prompts, and sizes its rounds, as the uninterrupted run would have."""
 
-    def __init__(self, examples: list, ids: list, seed: int, position: int = 0):
-        self.examples, self.ids, self.seed, self.position = examples, ids, seed, position
+    def __init__(self, examples: list, ids: list, funcs: list, seed: int):
+        self.examples, self.ids, self.funcs, self.seed = examples, ids, funcs, seed
+        self.position, self.keep_rate = 0, 1.0
 
     @functools.lru_cache(maxsize=2)
     def _order(self, epoch: int) -> list:
@@ -230,33 +152,72 @@ class PromptStream:
         return [self._order(i // len(self.examples))[i % len(self.examples)] for i in range(start, self.position)]
 
 
-def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep_cache_bytes: int = 0,
-                 keep_rate: float = 1.0):
+# ----------------------------------------------------------------------------------------------
+# the policy
+
+
+def build_policy(args, device) -> Policy:
+    """The flags -> the Policy: the model with LoRA adapters, AdamW, the schedule, the objective's and the
+    noise's configs, the sampler and the step plan. bench/step.py builds its policy here too, so it measures
+    the step this file runs. The plan (plan.py) measures what a token of the training pass costs on this
+    device."""
+    gcfg, acfg = flags.to_config(args, grpo.GRPOConfig), flags.to_config(args, aqn.AQNConfig)
+    dtype = getattr(torch, args.dtype)
+    if args.random_init:
+        model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype, seed=args.seed)
+    else:
+        model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
+    lora.apply_lora(model, flags.to_config(args, lora.LoRAConfig), generator=torch.Generator().manual_seed(args.seed))
+    params = lora.lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    eval_new = args.eval_max_new_tokens or args.max_new_tokens
+    # as many sequences at once as the largest decode graph takes: an over-sampled round decodes in one wave
+    engine = rollout.LLMEngine(model, max_model_len=args.max_prompt_len + max(args.max_new_tokens, eval_new),
+                               gpu_memory_utilization=args.gpu_memory_utilization,
+                               max_num_seqs=rollout.MAX_GRAPH_BATCH)
+
+    def fwd_bwd(ids, prompt_lens, comp_lens):  # the training pass on one micro-batch, for the memory probe
+        completion_logprobs(model, ids, prompt_lens, comp_lens, args.temperature, args.logprob_chunk)[0].sum().backward()
+    model.train()
+    step_plan = plan.make_plan(model, fwd_bwd, args.max_prompt_len + args.max_new_tokens, args.micro_batch,
+                               args.grad_checkpointing, sum(p.numel() for p in params), device)
+    model.eval()
+    return Policy(model, optimizer, scheduler, gcfg, acfg, engine, step_plan, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# the two stages of a step: rollout_step, train_step
+
+
+def rollout_step(step: int, policy: Policy, stream: PromptStream, noise: dict, tokenizer, args):
     """The step's generation batch: P prompts × G samples from the policy under the AQN noise, each
     completion scored (reward_funcs.score: the weighted reward terms, + DAPO overlong shaping). With
     dynamic sampling, groups whose G rewards are all equal are dropped and more prompts sampled
     (grpo.fill_batch): each round takes the next n prompts of the stream, n sized by grpo.round_size from
-    the share of informative groups (for the first round keep_rate, the previous step's: 1.0 at the first
-    step; for a refill this step's so far), so that one round usually fills the batch. Each rank samples
-    every world-th of a round's prompts (n need not divide by world); every rank returns the whole batch,
-    and computes the next rate from the gathered rewards, so all size their rounds alike. The KV cache
-    (and the CUDA graphs that point into it) stays for the next step where it takes at most
-    keep_cache_bytes, else it is freed for the training pass. -> (groups [(example, prompt ids,
-    completions, rewards)], scores: their rewards (P·G,), metrics, this rank's samples [{prompt,
-    completion, reward, terms}], the next step's keep_rate)."""
+    the share of informative groups (for the first round stream.keep_rate, the previous step's: 1.0 at the
+    first step; for a refill this step's so far), so that one round usually fills the batch; the stream
+    then keeps this step's rate for the next. Each rank samples every world-th of a round's prompts (n
+    need not divide by world); every rank returns the whole batch, and computes the next rate from the
+    gathered rewards, so all size their rounds alike. The KV cache (and the CUDA graphs that point into
+    it) stays for the next step where it takes at most the step plan's keep_cache_bytes, else it is
+    freed for the training pass. -> (groups [Group], metrics, this rank's samples [{prompt, completion,
+    reward, terms}])."""
     rank, world = rank_world()
     per_rank = f"/rank{rank}" if world > 1 else ""   # the ranks' own streams (AQN noise is the same on all)
+    gcfg, G = policy.grpo_cfg, policy.grpo_cfg.group_size
     stats, completions, samples, term_sums = rewards.RewardStats(), [], [], {}
 
     def sample_prompts(r, idx):  # round r on this rank's prompts -> (their rewards (len(idx)·G,), groups)
         sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                                    n=args.group_size, seed=step_seed(args.seed, step, f"sample{r}{per_rank}"))
-        with aqn.noise_applied(engine.model, noise):
-            comps = engine.generate([stream.ids[i] for i in idx], sp)
+                                    n=G, seed=step_seed(args.seed, step, f"sample{r}{per_rank}"))
+        with aqn.noise_applied(policy.model, noise):
+            comps = policy.engine.generate([stream.ids[i] for i in idx], sp)
         flat = [c for cs in comps for c in cs]                                    # prompt-major, G per prompt
         texts = tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
         examples = [stream.examples[i] for i, cs in zip(idx, comps) for _ in cs]
-        totals, terms = reward_funcs.score(funcs, examples, texts, stats, completion_ids=[c.token_ids for c in flat],
+        totals, terms = reward_funcs.score(stream.funcs, examples, texts, stats,
+                                           completion_ids=[c.token_ids for c in flat],
                                            timeout_s=args.reward_timeout, format_weight=args.format_weight)
         rs = torch.tensor(totals, dtype=torch.float32)                            # (len(idx)·G,)
         shaped = rs
@@ -270,142 +231,217 @@ def rollout_step(step, engine, tokenizer, stream, noise, args, gcfg, funcs, keep
         samples.extend({"prompt": e.prompt, "answer": e.answer, "completion": t, "reward": round(float(v), 6),
                         **{f"rewards/{name}": values[j] for name, values in terms.items()}}
                        for j, (e, t, v) in enumerate(zip(examples, texts, shaped)))
-        G = args.group_size
-        return rs, [(stream.examples[i], stream.ids[i], cs, shaped[k * G:(k + 1) * G]) for k, (i, cs) in
-                    enumerate(zip(idx, comps))]
+        return rs, [Group(stream.examples[i], stream.ids[i], cs, shaped[k * G:(k + 1) * G])
+                    for k, (i, cs) in enumerate(zip(idx, comps))]
 
     def sample_round(r, n):  # this rank's share of the next n prompts; returns every rank's groups
         idx = stream.take(n)[rank::world]
         parts = gather(sample_prompts(r, idx) if idx else (torch.zeros(0), []))   # n < world: a rank may get none
         groups = [g for _, gs in parts for g in gs]
-        completions.extend(c for g in groups for c in g[2])
+        completions.extend(c for g in groups for c in g.completions)
         return torch.cat([r for r, _ in parts]), groups
 
     t0 = time.perf_counter()
     rounds, prompts, sizing = 1, args.prompts_per_step, {}
     if gcfg.dynamic_sampling:
-        filled = grpo.fill_batch(sample_round, args.prompts_per_step, args.group_size, gcfg.max_sampling_rounds,
-                                 gcfg.dynamic_sampling_tol, gcfg.dynamic_sampling_threshold, keep_rate)
+        filled = grpo.fill_batch(sample_round, args.prompts_per_step, G, gcfg.max_sampling_rounds,
+                                 tol=gcfg.dynamic_sampling_tol, threshold=gcfg.dynamic_sampling_threshold,
+                                 keep_rate=stream.keep_rate)
         groups, rounds, prompts = filled.groups, filled.rounds, filled.sampled_groups
-        sizing, keep_rate = {"sampling/keep_rate": keep_rate}, filled.keep_rate   # this step's (logged); the next's
+        sizing, stream.keep_rate = {"sampling/keep_rate": stream.keep_rate}, filled.keep_rate  # this step's; the next's
     else:
         groups = sample_round(0, prompts)[1]
-    scores = torch.cat([g[3] for g in groups]).float() if groups else torch.zeros(0)    # (P·G,)
-    if engine.cache_bytes() > keep_cache_bytes:
-        engine.free_cache(keep_warm=True)  # the KV cache goes before the backward pass needs the memory
+    if policy.engine.cache_bytes() > policy.step_plan.keep_cache_bytes:
+        policy.engine.free_cache(keep_warm=True)  # the KV cache goes before the backward pass needs the memory
     t_rollout = time.perf_counter() - t0
     new_tokens = sum(len(c.token_ids) for c in completions)   # of all ranks
+    metrics = {"time/rollout": t_rollout, "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
+               "sampling/prompts": prompts, **sizing, **reward_metrics(stats, term_sums, completions)}
+    return groups, metrics, samples
+
+
+def reward_metrics(stats: rewards.RewardStats, term_sums: dict, completions: list) -> dict:
+    """A rollout's reward records over all ranks: the reward functions' errors and timeouts, each term's mean
+    over the completions it scored, the completions' mean length and the share cut at the length limit.
+    stats and term_sums ({term: (sum, count)}) are this rank's; completions are every rank's."""
     errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
     term_means = {}
     for part in gather(term_sums):
         for name, (total, count) in part.items():
             t, c = term_means.get(name, (0.0, 0))
             term_means[name] = (t + total, c + count)
-    metrics = {
-        "time/rollout": t_rollout, "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
-        "sampling/prompts": prompts, **sizing, "reward_errors": errors, "reward_timeouts": timeouts,
-        **{f"rewards/{name}/mean": total / count for name, (total, count) in term_means.items() if count},
-        "completions/mean_length": new_tokens / len(completions),
-        "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}
-    return groups, scores, metrics, samples, keep_rate
+    return {"reward_errors": errors, "reward_timeouts": timeouts,
+            **{f"rewards/{name}/mean": total / count for name, (total, count) in term_means.items() if count},
+            "completions/mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
+            "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, device = dist_setup(args.device)
-    log = tqdm.write if rank == 0 else lambda *a, **k: None   # lines that keep the progress bar below them
-    log(json.dumps(vars(args), indent=None))
-    from eval import evaluate  # eval.py imports nothing from here
-    resume_from = prepare_output_dir(args, write=rank == 0)
-    if world > 1:
-        torch.distributed.barrier()  # every rank has checked the directory before rank 0 writes to it
+def training_batch(groups: list[Group], gcfg: grpo.GRPOConfig, pad_id: int, device) -> tuple[dict, torch.Tensor, int]:
+    """The generation batch as training tensors (logprobs.collate) with each completion's advantage `adv`
+    (B,) and loss `mask` (B, L), cut to this rank's groups. -> (this rank's rows, the whole batch's active
+    completion tokens (all ranks: dapo's num_items), B: the whole batch's completions)."""
+    batch = collate(groups, pad_id, device)
+    scores = torch.cat([g.rewards for g in groups])                                        # (B,)
+    adv = grpo.advantages(scores, gcfg.group_size, gcfg.scale_rewards).to(device)          # (B,)
+    L = int(batch["comp_lens"].max())
+    mask = grpo.completion_mask(batch["comp_lens"], L, batch["truncated"] if gcfg.mask_truncated else None)
+    batch["adv"], batch["mask"] = adv, mask
+    rank, world = rank_world()
+    lo, hi = (len(groups) * r // world * gcfg.group_size for r in (rank, rank + 1))       # this rank's groups
+    return {k: v[lo:hi] for k, v in batch.items()}, mask.sum(), adv.shape[0]
 
-    # ---- data, rewards, tokenizer, model, adapters, optimizer
+
+def logprobs_no_grad(model, batch: dict, spans: list, args) -> dict:
+    """{micro-batch start: log π (rows, L)} without a graph, once per rollout in eval mode (no dropout): the
+    reference policy's (β > 0) or the policy that sampled (μ > 1)."""
+    with torch.no_grad():
+        return {s: completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
+                                       args.temperature, args.logprob_chunk)[0]
+                for s, mb in micro_batches(batch, spans)}
+
+
+def train_step(policy: Policy, groups: list[Group], noise: dict, pad_id: int, args) -> dict:
+    """Advantages, μ updates over micro-batches, AdamW steps. Returns the step's training metrics.
+    groups: the whole generation batch (every rank's, as rollout_step returns it); each rank trains on its
+    slice, in the micro-batches of the policy's step plan."""
+    model, optimizer, gcfg, device = policy.model, policy.optimizer, policy.grpo_cfg, policy.device
+    t0 = clock(device)
+    times = {"time/logprob_pass": 0.0, "time/forward_backward": 0.0, "time/optimizer": 0.0}
+    batch, tokens, B = training_batch(groups, gcfg, pad_id, device)
+    num_items = tokens.clamp(min=1)  # DAPO: active tokens of the whole batch (all ranks)
+    spans = plan.micro_batches((batch["prompt_lens"] + batch["comp_lens"]).tolist(), policy.step_plan)
+    n_mb, world = len(spans), rank_world()[1]
+    train_noise = {} if policy.aqn_cfg.rollout_only else noise
+    sums, count, skipped, ref = {}, 0, 0, {}
+    model.eval()
+    if gcfg.beta > 0:  # the reference policy: the base model, adapters off, no AQN noise
+        with lora.adapters_disabled(model):
+            ref = logprobs_no_grad(model, batch, spans, args)
+    with aqn.noise_applied(model, train_noise), plan.dense_weights(model, policy.step_plan.dense_weights):
+        old = logprobs_no_grad(model, batch, spans, args) if gcfg.updates_per_rollout > 1 else {}  # the sampler's
+        model.train()
+        t1 = clock(device)
+        times["time/logprob_pass"] = t1 - t0
+        for _ in range(gcfg.updates_per_rollout):
+            optimizer.zero_grad(set_to_none=True)
+            for s, mb in micro_batches(batch, spans):
+                Lm, rows = mb["sampler_logp"].shape[1], mb["adv"].shape[0]
+                logp, ent = completion_logprobs(model, mb["input_ids"], mb["prompt_lens"], mb["comp_lens"],
+                                                args.temperature, args.logprob_chunk)
+                loss, met = grpo.policy_loss(logp, old.get(s), mb["adv"], mb["mask"][:, :Lm], gcfg,
+                                             ref_logp=ref.get(s), sampler_logp=mb["sampler_logp"],
+                                             num_items=num_items, entropy=ent)
+                w = grpo.micro_batch_weight(gcfg, rows, B, n_mb * world)   # its share of the whole batch
+                (loss * w).backward()
+                met = {METRIC_NAMES.get(k, k): v for k, v in met.items() if k != "num_tokens"}
+                for k, v in {"loss": loss.detach() * w, **met}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * (1.0 if k == "loss" else rows / B)
+            t2 = clock(device)
+            times["time/forward_backward"] += t2 - t1
+            all_reduce_grads(lora.lora_parameters(model))  # then every rank holds the same gradient
+            grad_norm = torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), args.max_grad_norm)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:  # never write NaN/Inf into the adapters: skip the update and say so
+                skipped += 1
+            policy.scheduler.step()
+            count += 1
+            t1 = clock(device)
+            times["time/optimizer"] += t1 - t2
+    model.eval()
+    keys = sorted(sums)  # each rank's metrics are its share of the global mean: sum them
+    out = {k: sum(part) / count for k, part in zip(keys, zip(*gather([sums[k] for k in keys])))}
+    out.update({"grad_norm": float(grad_norm), "learning_rate": policy.scheduler.get_last_lr()[0],
+                "num_tokens": int(tokens), "skipped_nonfinite_updates": skipped, "micro_batches": n_mb,
+                "time/train": clock(device) - t0, **times})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the run
+
+
+def optimizer_step(step: int, policy: Policy, stream: PromptStream, tokenizer, args) -> tuple[dict, list]:
+    """One step of the method: the AQN noise of the step's stage, rollout_step, train_step (skipped when
+    dynamic sampling kept fewer groups than there are ranks) -> (its metrics, this rank's samples)."""
+    world = rank_world()[1]
+    per_rank = f"/rank{rank_world()[0]}" if world > 1 else ""
+    torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
+    sigma = aqn.sigma_at(step, args.max_steps, policy.aqn_cfg)
+    noise = aqn.sample_noise(policy.model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
+    try:
+        groups, rollout_metrics, samples = rollout_step(step, policy, stream, noise, tokenizer, args)
+    except reward_funcs.RewardError as e:  # the user's reward function: its own line, no traceback
+        raise SystemExit(f"error: at step {step}: {e}") from None
+    m = {"aqn/sigma": sigma, **rollout_metrics}
+    if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
+        return {**m, "skipped": True}, samples
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    m.update(train_step(policy, groups, noise, pad_id, args))
+    scores = torch.cat([g.rewards for g in groups])                                     # (P·G,)
+    rg = scores.view(-1, policy.grpo_cfg.group_size)                                    # (P, G)
+    m.update({"reward": scores.mean().item(), "reward_std": rg.std(1).mean().item(),
+              "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
+    return m, samples
+
+
+def evaluate_policy(policy: Policy, tokenizer, eval_set: list, args) -> dict:
+    """Greedy accuracy on eval_set, each rank answering every world-th question."""
+    rank, world = rank_world()
+    params = rollout.SamplingParams(temperature=0.0, max_tokens=args.eval_max_new_tokens or args.max_new_tokens)
+    _, recs = evaluate(policy.engine, tokenizer, eval_set[rank::world], params, system_prompt=args.system_prompt,
+                       chat_template_kwargs=args.chat_template_kwargs, progress=rank == 0)
+    hits = gather((sum(sum(r["scores"]) for r in recs), sum(len(r["scores"]) for r in recs)))
+    return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
+
+
+def load_prompts(args) -> tuple:
+    """The datasets, the reward functions and the tokenizer, each refused with one line where it cannot be
+    used -> (tokenizer, the PromptStream of the training prompts that fit, the encoded eval examples)."""
+    progress = rank_world()[0] == 0
     train_set, eval_set, funcs = load_data(args, log)
     try:
         tokenizer = load_tokenizer(args.tokenizer or args.model)
     except (OSError, ValueError) as e:  # a Hub id that cannot be fetched (offline), a directory without one
         raise SystemExit(f"error: --{'tokenizer' if args.tokenizer else 'model'}: {one_line(e)}; pass a local "
                          f"directory, or set HF_HUB_OFFLINE=1 to use a cached copy") from None
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_set, train_ids = encode(train_set, tokenizer, args, "train", log, progress=rank == 0)
+    train_set, train_ids = encode(train_set, tokenizer, args, "train", log, progress=progress)
     if not train_set:
         raise SystemExit(f"error: no training prompt of {args.dataset} fits --max-prompt-len {args.max_prompt_len}")
-    eval_set = encode(eval_set, tokenizer, args, "eval", log, progress=rank == 0)[0]
+    eval_set = encode(eval_set, tokenizer, args, "eval", log, progress=progress)[0]
+    return tokenizer, PromptStream(train_set, train_ids, funcs, args.seed), eval_set
 
-    t0 = time.perf_counter()
-    log(f"loading {args.model} ({'random init, ' if args.random_init else ''}{args.quant}) on {device} ...")
-    model, optimizer, scheduler, gcfg, acfg, engine, step_plan = build_policy(args, device)
-    log(f"loaded in {time.perf_counter() - t0:.1f} s; {plan.describe(step_plan)}")
-    line, slow = ops.describe(device)                  # which fast paths run here, and any that cannot
-    log(line)
-    for w in slow:
-        log(f"warning: {w}")
-    eval_new = args.eval_max_new_tokens or args.max_new_tokens
-    if rank == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # it exists once it can start
-        write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps({**vars(args), "world_size": world,
-                                                                          "step_plan": step_plan.as_dict()}, indent=2))
 
-    # keep_rate: the share of informative groups the last step drew, which sizes dynamic sampling's rounds
-    start, stream, keep_rate = 0, PromptStream(train_set, train_ids, args.seed), 1.0
-    if resume_from:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, args.model)
-        start, stream.position, keep_rate = state["step"], state["data_pos"], state["keep_rate"]
-        log(f"resumed from {resume_from} at step {start}")
-    if rank == 0:
-        for name in (METRICS, COMPLETIONS):
-            truncate_rows(args.output_dir, name, start)
-
-    def run_eval():  # each rank answers every world-th question
-        params_eval = rollout.SamplingParams(temperature=0.0, max_tokens=eval_new)
-        _, recs = evaluate(engine, tokenizer, eval_set[rank::world], params_eval, system_prompt=args.system_prompt,
-                           chat_template_kwargs=args.chat_template_kwargs, progress=rank == 0)
-        hits = gather((sum(sum(r["scores"]) for r in recs), sum(len(r["scores"]) for r in recs)))
-        return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
-
-    # ---- the loop: noise, rollout + reward, train, log / eval / checkpoint
+def train_loop(args, policy: Policy, stream: PromptStream, tokenizer, eval_set: list, start: int):
+    """Steps start .. --max-steps (or --stop-at): each optimizer_step, then evaluate, record (rank 0) and
+    checkpoint. -> the last evaluation (updates, accuracy), or None."""
+    rank, world = rank_world()
     tracker = report.Tracker(args.report_to if rank == 0 else "none", args.output_dir, vars(args))
     initial, last_eval = {}, None
     if eval_set and args.eval_every and start == 0:  # the starting point of the learning curve
-        initial = {"eval/accuracy_initial": run_eval()["eval/accuracy"]}
+        initial = {"eval/accuracy_initial": evaluate_policy(policy, tokenizer, eval_set, args)["eval/accuracy"]}
         log(f"eval accuracy before training: {initial['eval/accuracy_initial']:.4f} ({len(eval_set)} questions)")
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="train", disable=rank > 0)
-    per_rank = f"/rank{rank}" if world > 1 else ""
     try:
         for step in bar:
             t_step = time.perf_counter()
-            torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
-            sigma = aqn.sigma_at(step, args.max_steps, acfg) if args.aqn else 0.0
-            noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
-            try:
-                groups, scores, rollout_metrics, samples, keep_rate = rollout_step(
-                    step, engine, tokenizer, stream, noise, args, gcfg, funcs, step_plan.keep_cache_bytes, keep_rate)
-            except reward_funcs.RewardError as e:  # the user's reward function: its own line, no traceback
-                raise SystemExit(f"error: at step {step}: {e}") from None
-            m = {"step": step, **(initial if step == 0 else {}), "aqn/sigma": sigma, **rollout_metrics}
-            if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
-                m.update(skipped=True)
-            else:
-                m.update(train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, scores, pad_id, args,
-                                    device, step_plan))
-                rg = scores.view(-1, args.group_size)
-                m.update({"reward": scores.mean().item(), "reward_std": rg.std(1).mean().item(),
-                          "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
+            m, samples = optimizer_step(step, policy, stream, tokenizer, args)
+            m = {"step": step, **(initial if step == 0 else {}), **m}
             if eval_set and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
-                m.update(run_eval(), **{"eval/updates": step + 1})
+                m.update(evaluate_policy(policy, tokenizer, eval_set, args), **{"eval/updates": step + 1})
                 last_eval = (step + 1, m["eval/accuracy"])
             m["step_time"] = time.perf_counter() - t_step
-            if device.type == "cuda":
-                m["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-                torch.cuda.reset_peak_memory_stats(device)
+            if policy.device.type == "cuda":
+                m["memory/peak_gib"] = torch.cuda.max_memory_allocated(policy.device) / 2 ** 30
+                torch.cuda.reset_peak_memory_stats(policy.device)
             stop = step + 1 == args.max_steps or step + 1 == args.stop_at
             if rank == 0:
                 report.record(args, m, samples, tracker, stop)
-            bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{sigma:.1e}",
+            bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{m['aqn/sigma']:.1e}",
                             zero_std=f"{m.get('frac_reward_zero_std', float('nan')):.2f}")   # groups without signal
             if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
-                save_checkpoint(args.output_dir, step + 1, model, optimizer, scheduler, stream.position, args.model,
-                                args.keep_checkpoints, keep_rate)
+                save_checkpoint(args.output_dir, step + 1, policy.model, policy.optimizer, policy.scheduler,
+                                stream.position, args.model, args.keep_checkpoints, stream.keep_rate)
             if world > 1:
                 torch.distributed.barrier()  # rank 0 has finished the checkpoint before any rank goes on
             if stop:
@@ -413,6 +449,41 @@ def main(argv=None):
     finally:
         bar.close()
         tracker.close()
+    return last_eval
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, device = dist_setup(args.device)
+    log(json.dumps(vars(args), indent=None))
+    resume_from = prepare_output_dir(args, write=rank == 0)
+    if world > 1:
+        torch.distributed.barrier()  # every rank has checked the directory before rank 0 writes to it
+
+    # ---- data, rewards, tokenizer, then the policy: model, adapters, optimizer, sampler
+    tokenizer, stream, eval_set = load_prompts(args)
+    t0 = time.perf_counter()
+    log(f"loading {args.model} ({'random init, ' if args.random_init else ''}{args.quant}) on {device} ...")
+    policy = build_policy(args, device)
+    log(f"loaded in {time.perf_counter() - t0:.1f} s; {plan.describe(policy.step_plan)}")
+    line, slow = ops.describe(device)                  # which fast paths run here, and any that cannot
+    log(line)
+    for w in slow:
+        log(f"warning: {w}")
+    if rank == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # it exists once it can start
+        record = {**vars(args), "world_size": world, "step_plan": policy.step_plan.as_dict()}
+        write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps(record, indent=2))
+    start = 0
+    if resume_from:
+        state = load_checkpoint(resume_from, policy.model, policy.optimizer, policy.scheduler, args.model)
+        start, stream.position, stream.keep_rate = state["step"], state["data_pos"], state["keep_rate"]
+        log(f"resumed from {resume_from} at step {start}")
+    if rank == 0:
+        for name in (METRICS, COMPLETIONS):
+            truncate_rows(args.output_dir, name, start)
+
+    # ---- the loop: noise, rollout + reward, train, log / eval / checkpoint
+    last_eval = train_loop(args, policy, stream, tokenizer, eval_set, start)
     if rank == 0:
         plot_metrics(args.output_dir)
         unlock_run_dir(args.output_dir)  # the OS would at exit; a second run in this process may follow

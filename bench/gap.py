@@ -44,7 +44,7 @@ from kernels import tuning  # noqa: E402
 from checkpoint import load_model, load_tokenizer  # noqa: E402
 from flags import parse_args  # noqa: E402
 from model import RMSNorm  # noqa: E402
-from train import build_policy  # noqa: E402
+from train import Group, build_policy  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -66,7 +66,7 @@ def sample(engine, tokenizer, examples, group: int, max_new: int, seed: int):
     prompts = [tasks.encode_prompt(tokenizer, e.prompt) for e in examples]
     params = rollout.SamplingParams(temperature=1.0, max_tokens=max_new, n=group, seed=seed)
     comps = engine.generate(prompts, params)
-    return [(e, p, c, None) for e, p, c in zip(examples, prompts, comps)]
+    return [Group(e, p, c, None) for e, p, c in zip(examples, prompts, comps)]   # no rewards: none are used
 
 
 def reference(path: str, policy, device):
@@ -135,7 +135,8 @@ def measure(args, quant: str, device) -> dict:
     targs = parse_args(["--model", args.model, "--quant", quant, "--dtype", args.dtype, "--no-aqn",
                         "--max-new-tokens", str(args.max_new_tokens),
                         "--group-size", str(args.group), "--prompts-per-step", str(args.prompts)])
-    model, _, _, _, _, engine, step_plan = build_policy(targs, device)
+    policy = build_policy(targs, device)
+    model, engine, step_plan = policy.model, policy.engine, policy.step_plan
     tokenizer = load_tokenizer(args.model)
     examples = tasks.load_task(args.dataset, "train")[:args.prompts]
     ref = reference(args.model, model, device)

@@ -107,11 +107,11 @@ def memory(device, key: str) -> float | None:
 
 def grpo_step(policy, args, device, prompts, step: int, new_tokens: int) -> dict:
     """train.py's step on the given prompts, random rewards and forced-length completions."""
-    model, optimizer, scheduler, gcfg, acfg, engine, step_plan = policy
-    sigma = aqn.sigma_at(step, args.max_steps, acfg)
+    model, engine, G = policy.model, policy.engine, policy.grpo_cfg.group_size
+    sigma = aqn.sigma_at(step, args.max_steps, policy.aqn_cfg)
     noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(train.step_seed(args.seed, step, "aqn")))
     sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=new_tokens,
-                                n=args.group_size, seed=train.step_seed(args.seed, step, "sample"), stop_token_ids=())
+                                n=G, seed=train.step_seed(args.seed, step, "sample"), stop_token_ids=())
     mem = {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -119,17 +119,16 @@ def grpo_step(policy, args, device, prompts, step: int, new_tokens: int) -> dict
     with aqn.noise_applied(model, noise):
         comps = engine.generate(prompts, sp)                                   # [P][G] Completion
     kv = dict(kv_blocks=engine.stats["num_blocks"], preemptions=engine.stats["preemptions"])
-    if engine.cache_bytes() > step_plan.keep_cache_bytes:                   # as train.rollout_step does
+    if engine.cache_bytes() > policy.step_plan.keep_cache_bytes:            # as train.rollout_step does
         engine.free_cache(keep_warm=True)
     t_rollout = train.clock(device) - t0
     if device.type == "cuda":
         mem = {"rollout_peak_gib": memory(device, "max_memory_allocated"),
                "rollout_reserved_gib": memory(device, "max_memory_reserved")}
         torch.cuda.reset_peak_memory_stats(device)
-    G = args.group_size
     rewards = torch.rand(len(prompts) * G, generator=torch.Generator().manual_seed(step))   # (P·G,)
-    groups = [(None, p, cs, rewards[i * G:(i + 1) * G]) for i, (p, cs) in enumerate(zip(prompts, comps))]
-    m = train.train_step(model, optimizer, scheduler, gcfg, acfg, noise, groups, rewards, 0, args, device, step_plan)
+    groups = [train.Group(None, p, cs, rewards[i * G:(i + 1) * G]) for i, (p, cs) in enumerate(zip(prompts, comps))]
+    m = train.train_step(policy, groups, noise, 0, args)
     step_s = train.clock(device) - t0
     lens = [len(c.token_ids) for cs in comps for c in cs]
     out = dict(step_s=step_s, rollout_s=t_rollout, logprob_pass_s=m["time/logprob_pass"],
@@ -178,8 +177,8 @@ def run_config(spec: dict) -> dict:
         print(f"     built in {rec['build_s']:.1f} s", flush=True)
         rec["train_flags"] = {k: getattr(args, k) for k in ("lora_rank", "lora_alpha", "loss_type", "logprob_chunk",
                                                             "aqn", "gpu_memory_utilization", "temperature")}
-        rec["step_plan"] = policy[-1].as_dict()
-        print(f"     {train.plan.describe(policy[-1])}", flush=True)
+        rec["step_plan"] = policy.step_plan.as_dict()
+        print(f"     {train.plan.describe(policy.step_plan)}", flush=True)
         prompts = torch.randint(0, cfg["vocab_size"], (spec["prompts"], spec["prompt_len"]),
                                 generator=torch.Generator().manual_seed(args.seed)).tolist()
         step = args.max_steps // args.aqn_stages                 # the first noisy AQN stage

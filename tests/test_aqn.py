@@ -63,12 +63,14 @@ def test_schedule_defaults_every_stage():
 def test_schedule_edges_and_validation():
     cfg = AQNConfig(stages=2)
     assert sigma_at(0, 10, cfg) == 0.0 and sigma_at(5, 10, cfg) == cfg.sigma_start
+    assert all(sigma_at(step, 10, AQNConfig(enabled=False)) == 0.0 for step in range(10)), "--no-aqn: no added noise"
     with pytest.raises(ValueError, match="total_steps"):
         sigma_at(0, 0, AQNConfig())
     with pytest.raises(ValueError, match="step"):
         sigma_at(-1, 10, AQNConfig())
     for kwargs, field in [(dict(sigma_start=0), "sigma_start"), (dict(sigma_end=-1e-3), "sigma_end"),
-                          (dict(stages=1), "stages"), (dict(rollout_only="yes"), "rollout_only")]:
+                          (dict(stages=1), "stages"), (dict(rollout_only="yes"), "rollout_only"),
+                          (dict(enabled=1), "enabled")]:
         with pytest.raises((ValueError, TypeError), match=field):
             AQNConfig(**kwargs)
 

@@ -4,14 +4,18 @@ command line, --resume taking the run's recorded flags and refusing, by name, an
 The run_config.json files here are written by the test (the values a run would record), so what
 --resume must take back is known without train.py.
 """
+import dataclasses
 import json
 import os
 import time
 
 import pytest
 
+import aqn
 import eval as qeval
 import flags
+import grpo
+import lora
 import reward_funcs
 import tasks
 from flags import parse_args
@@ -37,6 +41,33 @@ def test_every_flag_has_help_and_shows_its_default(build):
         else:  # None stands for a rule, which the help states
             assert "default" in action.help or "(required)" in action.help, \
                 f"{name}: default None but the help does not say what happens"
+
+
+def test_every_config_field_with_help_is_one_flag_of_one_section():
+    """The command line is the config dataclasses' fields: each field with a help text is a flag, laid out
+    once in --help's SECTIONS, and its default is the flag's."""
+    placed = [name for names in flags.SECTIONS.values() for name in names]
+    assert sorted(placed) == sorted(flags.FLAGS) and len(set(placed)) == len(placed), \
+        sorted(set(placed) ^ set(flags.FLAGS))
+    defaults = vars(flags.build_parser().parse_args([]))
+    assert list(defaults) == placed, "the parser's flags in --help's order"
+    for name, (f, _) in flags.FLAGS.items():
+        want = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        assert defaults[name] == want and type(defaults[name]) is type(want), (name, defaults[name], want)
+
+
+def test_to_config_builds_each_config_from_the_flags():
+    args = parse_args(["--model", "m", "--lora-rank", "8", "--lora-alpha", "16", "--no-aqn", "--aqn-stages", "4",
+                       "--group-size", "4", "--max-new-tokens", "64", "--overlong-cache", "8", "--loss-type", "bnpo",
+                       "--importance-sampling", "token_mask", "--importance-sampling-min", "0.5"])
+    assert flags.to_config(args, lora.LoRAConfig) == lora.LoRAConfig(r=8, alpha=16.0)
+    assert flags.to_config(args, aqn.AQNConfig) == aqn.AQNConfig(enabled=False, stages=4)
+    assert flags.to_config(args, grpo.GRPOConfig) == grpo.GRPOConfig(
+        group_size=4, max_completion_len=64, overlong_cache_len=8, loss_type="bnpo", is_mode="token_mask", is_min=0.5)
+    # with no flag given, each config is its own defaults
+    plain = parse_args(["--model", "m"])
+    for cls in (lora.LoRAConfig, aqn.AQNConfig, grpo.GRPOConfig):
+        assert flags.to_config(plain, cls) == cls(), cls.__name__
 
 
 def test_defaults_are_the_documented_ones():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from grpo import (GRPOConfig, advantages, completion_mask, dynamic_sampling_filter, fill_batch,
-                  overlong_penalty, policy_loss, round_size)
+                  micro_batch_weight, overlong_penalty, policy_loss, round_size)
 
 E = math.exp
 NAN, INF = float("nan"), float("inf")
@@ -34,7 +34,7 @@ def test_config_defaults_and_epsilon_high_resolution():
     (dict(max_completion_len=8, overlong_cache_len=8), "overlong_cache_len"), (dict(is_mode="token"), "is_mode"), (dict(is_max=0.0), "is_max"),
     (dict(is_min=2.0, is_max=1.0), "is_min"),
     (dict(max_sampling_rounds=0), "max_sampling_rounds"), (dict(dynamic_sampling_tol=-1.0), "dynamic_sampling_tol"),
-    (dict(dynamic_sampling_threshold=1.5), "dynamic_sampling_threshold"),
+    (dict(dynamic_sampling_threshold=1.5), "dynamic_sampling_threshold"), (dict(group_size=1), "group_size"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -296,6 +296,26 @@ def test_other_losses_under_micro_batching():
     # grpo vs dapo on the same batch: per-token weights 1/(B·L_i) vs 1/N differ when lengths differ
     n = int(_toy_batch()[3].sum())
     assert _maxdiff(big, _grad("dapo", [slice(0, 6)], num_items=n)) > 1e-3
+
+
+def test_micro_batch_weight_turns_micro_batches_into_the_big_batch():
+    """Unequal micro-batches (1 and 5 sequences of 6) weighted by micro_batch_weight: grpo's and dr_grpo's
+    sum is the big batch's gradient, dapo's needs no weight; bnpo weighs each micro-batch alike."""
+    logp, old, adv, mask = _toy_batch()
+    n = int(mask.sum())
+    for loss_type in ("grpo", "dr_grpo", "dapo"):
+        cfg = GRPOConfig(loss_type=loss_type, max_completion_len=7)
+        grads = []
+        for slices in ([slice(0, 6)], [slice(0, 1), slice(1, 6)]):
+            x = logp.detach().clone().requires_grad_(True)
+            for s in slices:
+                w = micro_batch_weight(cfg, s.stop - s.start, 6, len(slices))
+                (policy_loss(x[s], old[s], adv[s], mask[s], cfg, num_items=n)[0] * w).backward()
+            grads.append(x.grad)
+        assert _maxdiff(*grads) < 1e-7, f"{loss_type}: max |Δgrad| {_maxdiff(*grads):.3g}"
+    assert micro_batch_weight(GRPOConfig(loss_type="dapo"), 1, 6, 2) == 1.0
+    assert micro_batch_weight(GRPOConfig(loss_type="bnpo"), 1, 6, 4) == 0.25
+    assert micro_batch_weight(GRPOConfig(loss_type="grpo"), 1, 6, 4) == 1 / 6
 
 
 # -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ The tiny model is a random 2-layer Llama written by transformers, with the real 
 (so chat templates and decoding are the real thing). References: a dense full-vocab log-softmax
 for the chunked log-probs; one big batch for the micro-batched gradient.
 """
+import dataclasses
 import json
 import os
 import random
@@ -48,7 +49,8 @@ def tiny_model(smollm2_tokenizer, tmp_path_factory):
 
 
 def make_groups(n_groups: int, seed: int) -> list:
-    """n_groups fake rollout groups of G = 4 random completions (lengths 2..5, the last one truncated)."""
+    """n_groups fake rollout groups of G = 4 random completions (lengths 2..5, the last one truncated),
+    without rewards (with_rewards gives them theirs)."""
     from rollout import Completion
     torch.manual_seed(seed)
     groups = []
@@ -56,8 +58,23 @@ def make_groups(n_groups: int, seed: int) -> list:
         prompt = torch.randint(0, 49152, (4 + g,)).tolist()
         comps = [Completion(g, i, torch.randint(0, 49152, (2 + i,)).tolist(), [-1.0] * (2 + i),
                             "length" if i == 3 else "stop") for i in range(4)]
-        groups.append((None, prompt, comps, None))
+        groups.append(train.Group(None, prompt, comps, None))
     return groups
+
+
+def with_rewards(groups: list, rewards) -> list:
+    """The groups, each with its G = 4 of rewards (P·G,)."""
+    return [dataclasses.replace(g, rewards=rewards[4 * i:4 * (i + 1)]) for i, g in enumerate(groups)]
+
+
+def tiny_policy(model, optimizer, gcfg, micro_batch: int, device="cpu") -> train.Policy:
+    """A train.Policy around a test's model and optimizer: a constant schedule, default AQN, no sampler,
+    micro-batches of micro_batch completions."""
+    import aqn
+    import plan
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    step_plan = plan.StepPlan(micro_batch, None, False, False, 0, "pinned by the test")
+    return train.Policy(model, optimizer, sched, gcfg, aqn.AQNConfig(), None, step_plan, torch.device(device))
 
 
 def adapted_model(model_dir: str, quant: str = "nvfp4", seed: int = 0):
@@ -73,17 +90,16 @@ def lora_update(model_dir: str, groups: list, rewards, loss_type: str, micro_bat
                 device="cpu") -> tuple[list, dict]:
     """One train_step (SGD, lr 1, no clipping) from a fixed adapter: (parameter change = gradient, metrics)."""
     import argparse
-    import aqn
     import grpo
     torch.manual_seed(3)
     model = adapted_model(model_dir, quant="bf16").to(device)
     params = lora.lora_parameters(model)
     opt = torch.optim.SGD(params, lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     before = [p.detach().clone() for p in params]
-    args = argparse.Namespace(group_size=4, micro_batch=micro_batch, temperature=1.0, logprob_chunk=5, max_grad_norm=1e9)
-    gcfg = grpo.GRPOConfig(loss_type=loss_type, max_completion_len=8)
-    met = train.train_step(model, opt, sched, gcfg, aqn.AQNConfig(), {}, groups, rewards, 0, args, device)
+    args = argparse.Namespace(temperature=1.0, logprob_chunk=5, max_grad_norm=1e9)
+    gcfg = grpo.GRPOConfig(group_size=4, loss_type=loss_type, max_completion_len=8)
+    policy = tiny_policy(model, opt, gcfg, micro_batch, device)
+    met = train.train_step(policy, with_rewards(groups, rewards), {}, 0, args)
     return [(b - p.detach()).cpu() for b, p in zip(before, params)], met
 
 
@@ -359,13 +375,11 @@ def test_train_step_with_kl_reference_and_two_updates(tiny_model):
     model, groups = adapted_model(tiny_model, seed=4), make_groups(1, seed=4)
     params = lora.lora_parameters(model)
     before = [p.detach().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    args = argparse.Namespace(group_size=4, micro_batch=2, temperature=1.0, logprob_chunk=4, max_grad_norm=1.0)
-    gcfg = grpo.GRPOConfig(loss_type="grpo", beta=0.1, updates_per_rollout=2, max_completion_len=5)
+    args = argparse.Namespace(temperature=1.0, logprob_chunk=4, max_grad_norm=1.0)
+    gcfg = grpo.GRPOConfig(group_size=4, loss_type="grpo", beta=0.1, updates_per_rollout=2, max_completion_len=5)
+    policy = tiny_policy(model, torch.optim.AdamW(params, lr=1e-3), gcfg, micro_batch=2)
     noise = aqn.sample_noise(model, 1e-2, torch.Generator().manual_seed(0))
-    out = train.train_step(model, opt, sched, gcfg, aqn.AQNConfig(), noise, groups,
-                           torch.tensor([1.0, 0.0, 0.0, 1.0]), 0, args, "cpu")
+    out = train.train_step(policy, with_rewards(groups, torch.tensor([1.0, 0.0, 0.0, 1.0])), noise, 0, args)
     assert out["kl"] > 0 and all(map(lambda v: v == v, out.values())), out   # no NaN anywhere
-    assert sched.last_epoch == 2, "one schedule step per optimizer step"
+    assert policy.scheduler.last_epoch == 2, "one schedule step per optimizer step"
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
