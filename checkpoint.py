@@ -11,8 +11,9 @@ A checkpoint is a directory that transformers (and vLLM, and compressed-tensors)
 
 Finding one. `resolve` turns a Hub id into a local snapshot (huggingface_hub fetches only the json,
 safetensors and tokenizer files: HUB_FILES) and leaves a directory as it is. `checkpoint_files` maps
-each tensor key to the file that holds it, from the index or from the single file's header. Pickle
-weights (.bin, .pt) are refused rather than loaded: unpickling runs arbitrary code.
+each tensor key to the file that holds it, from the index (whose shard names must stay inside the
+directory) or from the single file's header; a damaged safetensors file is a ValueError naming it.
+Pickle weights (.bin, .pt) are refused rather than loaded: unpickling runs arbitrary code.
 
 Loading (`load_model`). The module tree is built on the meta device (no memory), every checkpoint key
 and shape is checked against it from the safetensors headers alone, then tensors stream one at a
@@ -48,7 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import nvfp4
@@ -78,18 +79,33 @@ def resolve(name_or_path: str) -> str:
 
 
 def checkpoint_files(path: str) -> dict[str, str]:
-    """{tensor key: safetensors file} from model.safetensors.index.json or model.safetensors."""
+    """{tensor key: safetensors file} from model.safetensors.index.json or model.safetensors. The
+    index's shard names must stay inside the directory (plain relative names, no '..'): an index never
+    makes us read a file elsewhere. (A shard may be a link, as in the Hub cache's snapshots.)"""
     index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-        absent = sorted({file for file in weight_map.values() if not os.path.exists(file)})
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of file names")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is unreadable ({type(e).__name__}: {e})") from None
+        outside = sorted({v for v in weight_map.values()
+                          if os.path.isabs(v) or os.path.normpath(v).split(os.sep)[0] in ("..", "")})
+        if outside:
+            raise ValueError(f"{index} names shard files outside {path}: {outside[:4]}")
+        weight_map = {k: os.path.join(path, v) for k, v in weight_map.items()}
+        absent = sorted({file for file in weight_map.values() if not os.path.isfile(file)})
         if absent:
             raise FileNotFoundError(f"{index} lists files that do not exist: {absent}")
         return weight_map
     if os.path.exists(single):
-        with safe_open(single, framework="pt") as f:
-            return {k: single for k in f.keys()}
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {k: single for k in f.keys()}
+        except SafetensorError as e:
+            raise ValueError(f"{single} is a damaged safetensors file ({e})") from None
     if any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in os.listdir(path)):
         raise ValueError(f"{path} has only pickle weights (.bin/.pt): qerl never unpickles checkpoints "
                          "(that can run arbitrary code); convert them to safetensors first")
@@ -217,9 +233,12 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
     by_file, shapes = {}, {}
     for key, file in checkpoint_files(path).items():
         by_file.setdefault(file, []).append(key)
-    for file, keys in by_file.items():  # headers only: nothing is read yet
-        with safe_open(file, framework="pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
+    try:
+        for file, keys in by_file.items():  # headers only: nothing is read yet
+            with safe_open(file, framework="pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
+    except SafetensorError as e:  # a damaged header, or an index key the shard does not hold
+        raise ValueError(f"{file}: a damaged safetensors file, or one without the keys its index lists ({e})") from None
     plan = _plan(model, shapes)
     pending = {}  # a group's first linear -> {linear: bf16 weight}: quantized once the group is read
     for file, keys in by_file.items():
@@ -227,7 +246,10 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
             for key in keys:
                 if plan[key] == "skip":
                     continue
-                t = f.get_tensor(key)
+                try:
+                    t = f.get_tensor(key)
+                except SafetensorError as e:
+                    raise ValueError(f"{file}: {key} cannot be read ({e})") from None
                 # a NaN/Inf makes the sum non-finite; the exact test runs only then (isfinite is slow on CPU)
                 if t.is_floating_point() and t.element_size() > 1 and not torch.isfinite(t.sum()) \
                         and not torch.isfinite(t).all():

@@ -117,9 +117,18 @@ def _library_rows(load, what: str) -> list[dict]:
     try:
         ds = load(datasets)
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DatasetError(f"{what}: {first}") from None
+        raise DatasetError(f"{what}: {root_cause(e)}") from None
     return ds.to_list()
+
+
+def root_cause(e: BaseException) -> str:
+    """The first line of the innermost exception e was raised from: `datasets` wraps a parser's error
+    (pandas: "Error tokenizing data. C error: Expected 2 fields in line 3, saw 3") in its own, which
+    says only "An error occurred while generating the dataset"."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def file_rows(path: str, split: str) -> list[tuple[dict, str]]:

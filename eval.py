@@ -15,6 +15,13 @@ The prompt is the one the model was trained on: for an adapter inside a train.py
 
 Greedy by default (--temperature 0); with --samples k > 1 and a temperature, the figure is the
 mean accuracy over k samples per question (an estimate of pass@1).
+
+What is checked before the model loads: --adapter by its manifest, as --resume checks a checkpoint
+(run_dir.verify_adapter: a train.py checkpoint without one is refused; a PEFT adapter from elsewhere
+has none, and the loader's checks alone apply to it), --model's config.json and tokenizer
+(tasks.model_problem, tasks.tokenizer_problem), the chat template on the first question, the data, and
+--output. An unreadable run_config.json beside the adapter is refused unless --system-prompt is given:
+the prompt the adapter was trained on would be unknown. Each refusal is one line.
 """
 import argparse
 import json
@@ -32,7 +39,7 @@ import tasks
 from checkpoint import load_model, load_tokenizer
 from data import one_line
 from flags import HelpFormatter, add_column_flags, add_precision_flags
-from run_dir import RUN_CONFIG
+from run_dir import MANIFEST, RUN_CONFIG, verify_adapter
 
 # ----------------------------------------------------------------------------------------------
 
@@ -67,18 +74,22 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256, system_
     return metrics, records
 
 
-def run_prompt(adapter: str | None) -> dict:
+def run_prompt(adapter: str | None) -> dict | str:
     """The prompt settings (system_prompt, chat_template_kwargs) of the train.py run an adapter was saved
-    in (its parent directory's run_config.json), or {} for an adapter outside a run."""
+    in (its parent directory's run_config.json), {} for an adapter outside a run, or, as a string, why
+    the run's settings cannot be read (the prompt the adapter was trained on is then unknown)."""
     path = os.path.join(os.path.dirname(os.path.abspath(adapter)), RUN_CONFIG) if adapter else None
-    if not path or not os.path.isfile(path):
+    if not path or not os.path.exists(path):
         return {}
     try:
         with open(path, encoding="utf-8") as f:
             run = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
-    return {k: run[k] for k in ("system_prompt", "chat_template_kwargs") if isinstance(run, dict) and k in run}
+    except (OSError, ValueError) as e:   # ValueError: bad JSON or bad UTF-8
+        return f"{path} is unreadable ({type(e).__name__}: {e})"
+    if not isinstance(run, dict) or not isinstance(run.get("system_prompt", ""), str) \
+            or not isinstance(run.get("chat_template_kwargs") or {}, dict):
+        return f"{path} does not hold the run's prompt settings as train.py writes them"
+    return {k: run[k] for k in ("system_prompt", "chat_template_kwargs") if k in run}
 
 
 def output_problem(path: str) -> str | None:
@@ -94,12 +105,6 @@ def output_problem(path: str) -> str | None:
     except OSError as e:
         return f"cannot write in {parent} ({e.strerror or e})"
     return None
-
-
-def adapter_problem(path: str) -> str | None:
-    """Why --adapter is not a PEFT adapter directory (else None)."""
-    missing = [f for f in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS) if not os.path.isfile(os.path.join(path, f))]
-    return f"{path} has no {' or '.join(missing)}" if missing else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,6 +144,11 @@ def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     run = run_prompt(args.adapter)
+    if isinstance(run, str):
+        if args.system_prompt is None:
+            p.error(f"--adapter: {run}, so the prompt it was trained with is unknown: restore it, or pass "
+                    f"--system-prompt (and --chat-template-kwargs if the run set them)")
+        run = {}
     for key in ("system_prompt", "chat_template_kwargs"):
         if getattr(args, key) is None and key in run:
             setattr(args, key, run[key])
@@ -161,8 +171,8 @@ def main(argv=None):
     # Everything that can be checked without the model is, before it loads (so is --output).
     columns = tasks.Columns(args.prompt_column, args.answer_column)
     problems = {"--dataset": tasks.source_problem(args.dataset, args.split, args.dataset_config, columns),
-                "--model": tasks.local_path_missing(args.model) and f"{args.model} does not exist",
-                "--adapter": args.adapter and adapter_problem(args.adapter),
+                "--model": tasks.model_problem(args.model) or tasks.tokenizer_problem(args.model),
+                "--adapter": args.adapter and verify_adapter(args.adapter),
                 "--output": args.output and output_problem(args.output)}
     for flag, problem in problems.items():
         if problem:
@@ -183,11 +193,16 @@ def main(argv=None):
     print(f"{args.dataset} [{args.split}]: {len(examples)} questions; loading {args.model} ({args.quant}) ...")
     try:
         tokenizer = load_tokenizer(args.model)
+        tasks.build_prompt(tokenizer, examples[0].prompt, args.system_prompt, args.chat_template_kwargs)
         model = load_model(args.model, quant=args.quant, device=device, dtype=getattr(torch, args.dtype))
-    except OSError as e:  # a Hub id that cannot be fetched (offline)
-        raise SystemExit(f"error: --model: {one_line(e)}; pass a local directory, or set "
-                         f"HF_HUB_OFFLINE=1 to use a cached copy") from None
+    except tasks.PromptError as e:
+        raise SystemExit(f"error: --model: {e}") from None
+    except (OSError, ValueError) as e:  # a Hub id that cannot be fetched (offline), a damaged checkpoint
+        raise SystemExit(f"error: --model: {tasks.load_problem(args.model, e)}") from None
     if args.adapter:
+        note = "its manifest verifies" if os.path.exists(os.path.join(args.adapter, MANIFEST)) else \
+            f"no {MANIFEST}, so its files are not checksummed (a PEFT adapter from elsewhere)"
+        print(f"--adapter {args.adapter}: {note}")
         try:
             lora.load_adapter(model, args.adapter, args.model)
         except (ValueError, FileNotFoundError) as e:  # another base or shape, NaN or Inf in it
@@ -196,8 +211,11 @@ def main(argv=None):
     engine = rollout.LLMEngine(model, max_model_len=args.max_model_len)
     params = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, n=args.samples,
                                     max_tokens=args.max_new_tokens, seed=args.seed)
-    metrics, records = evaluate(engine, tokenizer, examples, params, system_prompt=args.system_prompt,
-                                chat_template_kwargs=args.chat_template_kwargs, progress=True)
+    try:
+        metrics, records = evaluate(engine, tokenizer, examples, params, system_prompt=args.system_prompt,
+                                    chat_template_kwargs=args.chat_template_kwargs, progress=True)
+    except tasks.PromptError as e:  # a template that fails on a later prompt than the first
+        raise SystemExit(f"error: --model: {e}") from None
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
         with open(f"{args.output}.tmp", "w") as f:

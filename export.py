@@ -21,19 +21,31 @@ Serving and evaluating them:
     python eval.py --model exported/nvfp4 --adapter exported/adapter --dataset gsm8k   # base + adapter
 
 --formats picks a subset. The base is loaded as the run trained on it (--quant, default NVFP4), on
-the CPU unless --device says otherwise; nothing is written under an existing file's name without
---overwrite. Test: tests/test_export.py (each export loaded by transformers / PEFT against our model).
+the CPU unless --device says otherwise.
+
+What is checked. --adapter is verified as --resume verifies a checkpoint (run_dir.verify_adapter: its
+manifest's sizes and sha256; a train.py checkpoint without a manifest is refused), and --model's
+config.json and tokenizer are looked at, before anything loads; every refusal is one line. The exports
+are written under <out>/.tmp-export-<pid>/ and each takes its place only once all are complete, so a
+failed export leaves the previous ones as they were; an existing one is replaced only with
+--overwrite. The exported adapter carries a manifest of its own, so eval.py verifies it too.
+
+Test: tests/test_export.py (each export loaded by transformers / PEFT against our model; refusals;
+a failed --overwrite keeps the previous exports); tests/test_probes.py (corrupted adapters).
 """
 import argparse
 import json
 import os
 import shutil
+import tempfile
 
 import torch
 
 import lora
+import tasks
 from checkpoint import load_model, load_tokenizer, save_pretrained
 from model import Transformer
+from run_dir import verify_adapter, write_manifest
 
 FORMATS = ("adapter", "merged", "nvfp4")
 
@@ -52,6 +64,43 @@ def export_merged(model, directory: str) -> None:
     save_pretrained(dense, directory)
 
 
+def out_problem(out: str) -> str | None:
+    """Why --out cannot receive the exports (else None), found before the base loads: it is a file, or
+    it cannot be made or written to (probed with a temporary file)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"{out} is a file, not a directory"
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        return f"cannot write in {out} ({e.strerror or e})"
+    return None
+
+
+def write_exports(args, formats: list[str], staging: str) -> None:
+    """Each format into staging/<format>, each with the tokenizer; the adapter with a manifest."""
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = load_model(args.model, quant=args.quant, device=args.device, dtype=torch.bfloat16)
+    except (OSError, ValueError) as e:  # offline, a damaged checkpoint
+        raise SystemExit(f"error: --model: {tasks.load_problem(args.model, e)}") from None
+    if "nvfp4" in formats:                                 # the base first, while it has no adapters
+        save_pretrained(model, os.path.join(staging, "nvfp4"))
+    try:
+        lora.load_adapter(model, args.adapter, args.model)
+    except (ValueError, FileNotFoundError) as e:  # another base or shape, NaN or Inf in it
+        raise SystemExit(f"error: --adapter: {e}") from None
+    if "adapter" in formats:
+        lora.save_adapter(model, os.path.join(staging, "adapter"), args.model)
+    if "merged" in formats:
+        export_merged(model, os.path.join(staging, "merged"))
+    for f in formats:
+        tokenizer.save_pretrained(os.path.join(staging, f))
+    if "adapter" in formats:   # so that eval.py --adapter <out>/adapter verifies it, as a checkpoint
+        write_manifest(os.path.join(staging, "adapter"))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Export a run's adapter, a merged bf16 model and the NVFP4 base")
     p.add_argument("--model", required=True, help="the base the run trained: a Hub id or a local checkpoint dir")
@@ -60,7 +109,8 @@ def main(argv=None):
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
     p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4", help="the base format the run trained on")
     p.add_argument("--device", default="cpu", help="where to load the base (cpu needs the bf16 model's RAM)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing exports in --out")
+    p.add_argument("--overwrite", action="store_true", help="replace existing exports in --out (once the new "
+                                                             "ones are complete)")
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in formats if f not in FORMATS]
@@ -71,27 +121,24 @@ def main(argv=None):
     for f in formats:
         if os.path.exists(os.path.join(args.out, f)) and not args.overwrite:
             p.error(f"{os.path.join(args.out, f)} exists: pass --overwrite or choose another --out")
-    if not os.path.isfile(os.path.join(args.adapter, lora.ADAPTER_CONFIG)):
-        p.error(f"--adapter {args.adapter}: no {lora.ADAPTER_CONFIG} there (a train.py checkpoint-<step>/ holds one)")
+    problems = {"--adapter": verify_adapter(args.adapter),
+                "--model": tasks.model_problem(args.model) or tasks.tokenizer_problem(args.model),
+                "--out": out_problem(args.out)}
+    for flag, problem in problems.items():
+        if problem:
+            p.error(f"{flag}: {problem}")
 
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, quant=args.quant, device=args.device, dtype=torch.bfloat16)
-    written = []
-    for f in formats:                                      # the base first, while it has no adapters
-        shutil.rmtree(os.path.join(args.out, f), ignore_errors=True)
-    if "nvfp4" in formats:
-        save_pretrained(model, os.path.join(args.out, "nvfp4"))
-        written.append("nvfp4")
-    lora.load_adapter(model, args.adapter, args.model)
-    if "adapter" in formats:
-        lora.save_adapter(model, os.path.join(args.out, "adapter"), args.model)
-        written.append("adapter")
-    if "merged" in formats:
-        export_merged(model, os.path.join(args.out, "merged"))
-        written.append("merged")
-    for f in written:
-        tokenizer.save_pretrained(os.path.join(args.out, f))
-    print(json.dumps({f: os.path.join(args.out, f) for f in written}))
+    staging = os.path.join(args.out, f".tmp-export-{os.getpid()}")
+    try:
+        write_exports(args, formats, staging)
+        for f in formats:   # each complete export takes its place; a previous one goes only now
+            final, old = os.path.join(args.out, f), os.path.join(staging, f".old-{f}")
+            if os.path.exists(final):
+                os.replace(final, old)
+            os.replace(os.path.join(staging, f), final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(json.dumps({f: os.path.join(args.out, f) for f in formats}))
 
 
 if __name__ == "__main__":

@@ -313,8 +313,13 @@ def _read_adapter_config(dir: str) -> tuple[LoRAConfig, dict]:
     path = os.path.join(dir, ADAPTER_CONFIG)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"load_adapter: {path} not found")
-    with open(path) as f:
-        c = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            c = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise ValueError(f"load_adapter: {path} is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"load_adapter: {path} holds a JSON {type(c).__name__}, not an object")
     if c.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"load_adapter: {path} has peft_type {c.get('peft_type')!r}, only LORA is supported")
     for key, ok in [("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"), ("lora_bias", False)]:
@@ -328,9 +333,15 @@ def _read_adapter_config(dir: str) -> tuple[LoRAConfig, dict]:
     targets = c.get("target_modules")
     if not isinstance(targets, list):
         raise ValueError(f"load_adapter: {path} has target_modules={targets!r}; only a list of names is supported")
+    alpha = c.get("lora_alpha", 8)
+    if isinstance(alpha, float) and not math.isfinite(alpha):
+        raise ValueError(f"load_adapter: {path} has lora_alpha={alpha}, not a finite number")
     # PEFT's defaults (r 8, alpha 8, dropout 0) where a field is absent.
-    return LoRAConfig(r=c.get("r", 8), alpha=c.get("lora_alpha", 8), dropout=c.get("lora_dropout", 0.0),
-                      target_modules=tuple(targets), use_rslora=c.get("use_rslora", False)), c
+    try:
+        return LoRAConfig(r=c.get("r", 8), alpha=alpha, dropout=c.get("lora_dropout", 0.0),
+                          target_modules=tuple(targets), use_rslora=c.get("use_rslora", False)), c
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"load_adapter: {path}: {e}") from None
 
 
 def load_adapter(model: nn.Module, dir: str, base_model_name_or_path: str | None = None) -> nn.Module:
@@ -350,10 +361,22 @@ def load_adapter(model: nn.Module, dir: str, base_model_name_or_path: str | None
     wpath = os.path.join(dir, ADAPTER_WEIGHTS)
     if not os.path.isfile(wpath):
         raise FileNotFoundError(f"load_adapter: {wpath} not found (only safetensors adapters are read)")
-    tensors = load_file(wpath)
+    try:
+        tensors = load_file(wpath)
+    except Exception as e:  # safetensors' SafetensorError (a damaged header, a cut file), OSError
+        raise ValueError(f"load_adapter: {wpath} is not a readable safetensors file ({type(e).__name__}: {e})") from None
     bad = [k for k in tensors if not k.startswith(KEY_PREFIX) or not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if bad:
         raise ValueError(f"load_adapter: {wpath} holds tensors this LoRA does not know: {bad[:4]}")
+    bad = [k for k, t in tensors.items() if not t.is_floating_point() or t.dim() != 2]
+    if bad:
+        t = tensors[bad[0]]
+        raise ValueError(f"load_adapter: {wpath}: {bad[0]} is a {t.dim()}-D {t.dtype} tensor, not a 2-D float matrix")
+    ranks = sorted({t.shape[0] for k, t in tensors.items() if k.endswith(".lora_A.weight")})
+    if not ranks:
+        raise ValueError(f"load_adapter: {wpath} holds no lora_A tensors")
+    if ranks != [cfg.r]:  # before apply_lora allocates adapters of the config's rank
+        raise ValueError(f"load_adapter: {dir}/{ADAPTER_CONFIG} says r={cfg.r}, the tensors of {wpath} have rank {ranks}")
     bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:  # a diverged run's adapter: refused, rather than evaluated as 0% or trained on
         raise ValueError(f"load_adapter: {wpath}: {bad[0]} holds NaN or Inf ({len(bad)} tensor(s) do)")

@@ -1,10 +1,16 @@
 r"""Reward functions: the built-in correctness check and the user's own, weighted and summed.
 
-    python train.py ... --reward correctness --reward my_rewards:brevity --reward-weights 1.0,0.2
+    python train.py ... --reward correctness --reward my_rewards.py:brevity --reward-weights 1.0,0.2
 
 A reward term is `correctness` (rewards.reward: the guarded check of the gold answer, numeric or
-math-verify, plus --format-weight for a complete \boxed{}) or `module:function`, a function importable
-from the current directory or the Python path, called the way TRL's GRPOTrainer calls its reward_funcs:
+math-verify, plus --format-weight for a complete \boxed{}) or a function of the user's, named as
+
+    path/to/file.py:function     a file, found where the path says (relative to the current directory)
+    package.module:function      a module on the Python path (PYTHONPATH, installed packages)
+
+Nothing else is searched: the current directory is not added to the Python path, so a module that
+merely sits where train.py is started (say, inside a run directory) is never imported by accident.
+The function is called the way TRL's GRPOTrainer calls its reward_funcs:
 
     fn(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list[float | None]
 
@@ -15,87 +21,407 @@ dataset comes by its own name, one value per completion. A function gets the key
 of them if it takes **kwargs). None is "no opinion": the term is left out of that completion's sum.
 A completion's reward is Σ_i weight_i · r_i over the terms (--reward-weights, default all 1).
 
+The worker. Each user function runs in a process of its own (`Worker`), started when the spec is
+loaded: the module is imported there, never in the training process, and each batch goes there and
+back over a private pipe pair (rewards.Child: the arguments pickled by us, the values back as one JSON
+line, so this process never unpickles what user code made). The function's module-level state lives
+in the worker from call to call, as it would in-process. What a process boundary buys:
+  - a deadline that always holds: past --reward-timeout the worker is killed (SIGKILL), which stops
+    C code holding the GIL too, where an in-process timer cannot;
+  - sys.exit, os._exit, a segfault or the out-of-memory killer end the worker, not the run, and
+    become a RewardError naming the function; a thread the function leaves running dies with it;
+  - a module that blocks or exits while importing is named at parse time (a note after
+    IMPORT_NOTE_S, an error at the timeout) instead of hanging flag parsing without a word.
+It costs the pickling of the batch and a pipe round trip per call: for a trivial function on 64
+completions, 0.5 ms at 200 tokens each, 3 ms at 1000, 12 ms at 4000 on a 2-core CPU (in-process: under
+a µs; tests/test_reward_funcs.py measures the first), nothing beside a training step of seconds. A
+reward model on the GPU loads in the worker's own CUDA context. The worker guards against accidents,
+not malice: it runs as the same user, with the same rights.
+
 The guard. The built-in check scores 0, and counts, whatever goes wrong with a completion (rewards.py).
 A user function is the user's code: its failure stops the run with one line that names it, rather than
-train on zeros. That is an exception (and the file and line where it was raised), a call longer than
---reward-timeout, a result of the wrong length, or an entry that is neither a finite number nor None.
-The deadline is rewards.deadline's SIGALRM timer in the main thread, which interrupts Python code; C
-code that holds the GIL cannot be interrupted, and its overrun is reported when the call returns. A
-function runs in the training process, not in a worker (it may hold a reward model on the GPU, and its
-arguments need not be serializable). Functions are imported at parse time and their parameters checked
-against the dataset's columns before the model loads (`check`).
+train on zeros. That is an exception (and the file and line where it was raised), an exit or crash of
+its worker, a call longer than --reward-timeout, a result that is not a list (or tuple, or 1-D array)
+of one entry per completion, or an entry that is neither a finite number within ±MAX_ABS_REWARD nor
+None. Functions are loaded at parse time and their parameters checked against the dataset's columns
+before the model loads (`check`). Over a run, `RewardWatch` says on screen when a term has returned
+None for every completion, or every completion got the same reward, for many steps in a row: the
+policy learns nothing then, and nothing else would say so.
 
-Test: tests/test_reward_funcs.py; tests/test_train.py (a custom reward and a conversational dataset
-through one training step).
+Provenance. `record` gives, for each user function, the file that holds it and that file's sha256,
+computed without running it; a resumed run compares them with `source_changes` before importing
+anything, so a spec that now resolves to another file (another directory, another PYTHONPATH) or to
+an edited one is refused. A file inside a run directory (any directory up the tree holding a
+run_config.json) is never loaded: a run directory is data, and anyone may have written it.
+
+Test: tests/test_reward_funcs.py; tests/test_probes.py (hostile reward functions and run directories);
+tests/test_train.py (a custom reward and a conversational dataset through one training step).
 """
 from __future__ import annotations
 
+import atexit
+import hashlib
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
+import json
 import math
 import os
+import pickle
 import sys
 import time
 import traceback
 from dataclasses import dataclass
-from numbers import Real
-from typing import Callable
 
 import rewards
 
 BUILTIN = "correctness"
 RESERVED = ("prompts", "completions", "completion_ids")   # the arguments every function may take
-TIMEOUT_S = 120.0                                         # --reward-timeout's default: one call on a batch
+TIMEOUT_S = 120.0        # --reward-timeout's default: one call on a batch; also a module's import
+IMPORT_NOTE_S = 5.0      # an import still running after this is announced on stderr
+# The largest |reward| taken. Advantages are computed in float32, whose spacing at 1e6 is 1/16: past
+# it two rewards 0.1 apart may become equal, and a group's spread is lost. Real rewards are O(1) to
+# O(100); a value past 1e6 is a sentinel (-1e9 for "invalid"), a float max or an unscaled count.
+MAX_ABS_REWARD = 1e6
+PATIENCE = 5             # RewardWatch: steps in a row without signal before it says so
 
 
 class RewardError(Exception):
-    """A user reward function failed: it raised, overran, or returned something that is not one
-    finite number (or None) per completion. The message names the function; train.py stops on it."""
+    """A user reward function failed: it raised, exited, crashed, overran, or returned something that is
+    not one finite number (or None) per completion. The message names the function; train.py stops on it."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a user function's code is: the file (absolute), its sha256, and how to import it."""
+    spec: str
+    module: str | None     # dotted module name on the Python path; None for a file spec
+    file: str
+    attr: str              # the function (a dotted attribute path inside the module)
+    sha256: str
 
 
 @dataclass(frozen=True)
 class RewardFunc:
-    """One term of the reward: spec as given to --reward, fn None for the built-in correctness check."""
+    """One term of the reward. source None is the built-in correctness check; name is the term's name
+    in the metrics (rewards/<name>/mean), TRL's: the function's __name__; params the function's
+    (name, kind, has a default) as the worker's inspect.signature saw them (None: it has none)."""
     spec: str
-    fn: Callable | None
     weight: float = 1.0
+    source: Source | None = None
+    name: str = BUILTIN
+    params: tuple | None = None
 
-    @property
-    def name(self) -> str:
-        """The term's name in the metrics (rewards/<name>/mean), TRL's: the function's __name__."""
-        return BUILTIN if self.fn is None else getattr(self.fn, "__name__", self.spec)
+
+# ----------------------------------------------------------------------------------------------
+# finding a function's file, without running any of it
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def search_path() -> list[str]:
+    """sys.path without '', the entry `python -c` and the REPL put first to mean "the current directory"."""
+    return [p for p in sys.path if p]
+
+
+def _module_file(module: str, spec: str) -> str:
+    """The file of a dotted module name, found by the import system's finders (sys.meta_path over
+    search_path()) one package at a time, without executing any package's __init__."""
+    search, parts, found = None, module.split("."), None
+    for i in range(len(parts)):
+        name = ".".join(parts[:i + 1])
+        for finder in sys.meta_path:   # a top-level name: PathFinder looks in search_path(), not in ''
+            path = search_path() if search is None and finder is importlib.machinery.PathFinder else search
+            found = finder.find_spec(name, path) if hasattr(finder, "find_spec") else None
+            if found is not None:
+                break
+        if found is None:
+            where = "the Python path" if i == 0 else f"package {'.'.join(parts[:i])}"
+            raise ValueError(f"{spec!r}: no module {name!r} on {where} (the current directory is not searched: "
+                             f"name a file, e.g. ./{parts[-1]}.py:function, or add its directory to PYTHONPATH)")
+        if i < len(parts) - 1:
+            search = found.submodule_search_locations
+            if not search:
+                raise ValueError(f"{spec!r}: {name} is a module, not a package holding {parts[i + 1]!r}")
+    if not found.has_location or not found.origin or not os.path.isfile(found.origin):
+        raise ValueError(f"{spec!r}: {module} is not a file of its own (built into Python, or a directory "
+                         f"without __init__.py)")
+    return found.origin
+
+
+def _run_dir_above(path: str) -> str | None:
+    """The nearest directory holding path (or above it) that holds a run_config.json: a run directory."""
+    from run_dir import RUN_CONFIG   # here, not at the top: a worker never imports run_dir (nor torch)
+    d = os.path.dirname(path)
+    while True:
+        if os.path.isfile(os.path.join(d, RUN_CONFIG)):
+            return d
+        if os.path.dirname(d) == d:
+            return None
+        d = os.path.dirname(d)
+
+
+def resolve(spec: str) -> Source:
+    """The Source of a 'module:function' or 'file.py:function' spec; ValueError naming what is wrong."""
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr or not all(p.isidentifier() for p in attr.split(".")):
+        raise ValueError(f"{spec!r}: want '{BUILTIN}', 'module:function' (e.g. my_rewards:brevity) or "
+                         f"'path/to/file.py:function'")
+    if target.endswith(".py") or os.sep in target:
+        module, file = None, os.path.abspath(os.path.expanduser(target))
+        if not os.path.isfile(file):
+            raise ValueError(f"{spec!r}: no file {file}")
+    elif all(p.isidentifier() for p in target.split(".")):
+        module, file = target, os.path.abspath(_module_file(target, spec))
+    else:
+        raise ValueError(f"{spec!r}: {target!r} is neither a module name nor a .py file")
+    run = _run_dir_above(os.path.realpath(file))
+    if run is not None:
+        raise ValueError(f"{spec!r}: {file} is inside {run}, a run directory (it holds a run_config.json): "
+                         f"code is never loaded from a run directory, which anyone may have written; keep "
+                         f"reward functions elsewhere")
+    return Source(spec, module, file, attr, _sha256(file))
+
+
+def record(funcs: list[RewardFunc]) -> list[dict]:
+    """What run_config.json keeps of the user functions: [{spec, file, sha256}] (the built-in has none)."""
+    return [{"spec": f.source.spec, "file": f.source.file, "sha256": f.source.sha256} for f in funcs if f.source]
+
+
+def source_changes(recorded: list[dict]) -> list[str]:
+    """For a resumed run: why each recorded function (record's rows) no longer resolves to the file the
+    run used, unchanged; [] when all do. Nothing is imported."""
+    problems = []
+    for row in recorded:
+        spec = row.get("spec") if isinstance(row, dict) else None
+        if not isinstance(spec, str) or not {"file", "sha256"} <= set(row):
+            problems.append(f"a recorded reward source {row!r} is not a {{spec, file, sha256}} record")
+            continue
+        try:
+            now = resolve(spec)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if now.file != row["file"]:
+            problems.append(f"--reward {spec} resolves to {now.file}, not to {row['file']}, the file the run used")
+        elif now.sha256 != row["sha256"]:
+            problems.append(f"--reward {spec}: {now.file} has changed since the run started (sha256 {now.sha256[:12]}, "
+                            f"recorded {row['sha256'][:12]})")
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# the worker
+
+
+class Worker:
+    """One user module in a process of its own (the module docstring), its functions called by name:
+    `describe` says a function's name and parameters, `call` runs it on a batch, `close` ends the
+    process. The functions of one module share its state, as they would in-process. A worker whose
+    call failed is gone; the next load starts another."""
+
+    def __init__(self, source: Source, timeout_s: float):
+        job = json.dumps({"path": search_path(), "module": source.module, "file": source.file})
+        self.child = rewards.Child(f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                                   f"import reward_funcs; reward_funcs._serve()", (job,), quiet=False)
+        what = f"{source.spec!r}: importing {source.file}"
+        line = self.child.read_line(time.monotonic() + min(IMPORT_NOTE_S, timeout_s))
+        if line is None and self.child.usable() and timeout_s > IMPORT_NOTE_S:
+            print(f"reward {source.spec}: still importing {source.file} after {IMPORT_NOTE_S:g} s "
+                  f"(waiting up to {timeout_s:g} s)", file=sys.stderr, flush=True)
+            line = self.child.read_line(time.monotonic() + timeout_s - IMPORT_NOTE_S)
+        if line is None:
+            if self.child.usable():
+                self.close()
+                raise ValueError(f"{what} took more than {timeout_s:g} s (does it block at import?)")
+            raise ValueError(f"{what} ended its worker process ({self.child.exit_status()}) (does the module "
+                             f"exit or crash at import?)")
+        reply = json.loads(line)
+        if "error" in reply:
+            self.close()
+            raise ValueError(f"{what} failed: {reply['error']}")
+
+    def _ask(self, request: tuple, timeout_s: float | None, spec: str) -> dict:
+        """Send one request, return its JSON reply; RewardError if the worker overran, exited or crashed."""
+        try:
+            payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise RewardError(f"reward {spec}: the batch's arguments cannot be sent to its worker "
+                              f"({type(e).__name__}: {e})") from None
+        t0 = time.monotonic()
+        deadline = t0 + (math.inf if timeout_s is None else timeout_s)
+        sent = self.child.send(len(payload).to_bytes(8, "little") + payload, deadline)
+        line = self.child.read_line(deadline) if sent else None
+        if line is not None:
+            return json.loads(line)
+        if self.child.usable():
+            self.close()
+            raise RewardError(f"reward {spec} took more than --reward-timeout {timeout_s:g} s on {request[2]} "
+                              f"completions ({time.monotonic() - t0:.1f} s): stopped")
+        raise RewardError(f"reward {spec} ended its worker process during a call ({self.child.exit_status()}): "
+                          f"a reward function must return its values, not exit or crash")
+
+    def describe(self, attr: str, timeout_s: float, spec: str) -> tuple[str, tuple | None]:
+        """(the function's __name__, its parameters as (name, kind, has a default), or None when it has
+        no signature); ValueError when the module has no such function."""
+        try:
+            reply = self._ask((attr, None, 0), timeout_s, spec)
+        except RewardError as e:
+            raise ValueError(str(e)) from None
+        if "error" in reply:
+            raise ValueError(f"{spec!r}: {reply['error']}")
+        return reply["name"], reply["params"] and tuple(map(tuple, reply["params"]))
+
+    def call(self, attr: str, kwargs: dict, n: int, timeout_s: float | None, spec: str) -> dict:
+        """The worker's reply to one batch of n completions (see _reply)."""
+        return self._ask((attr, kwargs, n), timeout_s, spec)
+
+    def usable(self) -> bool:
+        return self.child.usable()
+
+    def close(self) -> None:
+        self.child.kill()
+
+
+_WORKERS: dict[tuple, Worker] = {}   # (file, sha256) -> its worker: flags.py and run_data.py share one
+
+
+def _worker(source: Source, timeout_s: float) -> Worker:
+    key = (source.file, source.sha256)
+    if key not in _WORKERS or not _WORKERS[key].usable():
+        _WORKERS[key] = Worker(source, timeout_s)
+    return _WORKERS[key]
+
+
+@atexit.register
+def close_workers() -> None:
+    """End every worker (at exit; also for a test that wants a fresh import)."""
+    for w in _WORKERS.values():
+        w.close()
+    _WORKERS.clear()
+
+
+def _where(e: BaseException) -> str:
+    frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    return f" (at {frame.filename}:{frame.lineno})" if frame else ""
+
+
+def _named(e: BaseException) -> str:
+    """What user code raised, with where: 'KeyError: 'x' (at f.py:3)', or 'sys.exit(0) (at f.py:3)'."""
+    what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"[:500].rstrip(": ")
+    return what + _where(e)
+
+
+def _reply(out, n: int) -> dict:
+    """The worker's JSON reply for what the function returned: {"values": [...]} with a {"bad": repr}
+    for an entry that is not a number or None, else {"container": type} or {"length": k}."""
+    if isinstance(out, (list, tuple)):
+        values = list(out)
+    elif hasattr(out, "tolist") and getattr(out, "ndim", None) == 1:   # a numpy array, a torch tensor
+        values = out.tolist()
+    else:
+        return {"container": type(out).__name__}
+    if len(values) != n:
+        return {"length": len(values)}
+    entries = []
+    for v in values:
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:   # numpy / torch scalars
+            v = v.item()
+        if v is None:
+            entries.append(None)
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            entries.append({"bad": repr(v)[:80]})
+        else:
+            try:
+                entries.append(float(v))   # nan and inf too: the parent names them
+            except OverflowError:
+                entries.append({"bad": "an integer past the float range"})
+    return {"values": entries}
+
+
+def _function(module, attr: str) -> tuple:
+    """(fn, its parameters as JSON lists or None, whether it takes every keyword) of module.attr."""
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise LookupError(f"{module.__name__} has no function {attr!r}")
+    try:
+        params = [(p.name, p.kind.name, p.default is not p.empty) for p in inspect.signature(fn).parameters.values()]
+    except (TypeError, ValueError):
+        params = None   # a builtin without a signature: found out on the first call
+    return fn, params, params is None or any(kind == "VAR_KEYWORD" for _, kind, _ in params)
+
+
+def _serve() -> None:
+    """The worker's life: import the module (sys.path the parent's search_path()), say "ready", then per request a
+    pickled (function, kwargs, n) in and one JSON reply out, until the parent closes the pipe; kwargs
+    None asks for the function's name and parameters."""
+    requests, out = rewards.child_pipes()
+    job = json.loads(sys.argv[3])
+    sys.path[:] = job["path"]
+
+    def reply(obj):
+        out.write(json.dumps(obj).encode() + b"\n")
+
+    try:
+        if job["module"] is None:
+            name = os.path.splitext(os.path.basename(job["file"]))[0]
+            name = name if name not in sys.modules else f"{name}_reward"   # a json.py must not replace json
+            spec = importlib.util.spec_from_file_location(name, job["file"])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module   # dataclasses and pickle look their module up there
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(job["module"])
+    except BaseException as e:   # SystemExit and KeyboardInterrupt at import too
+        reply({"error": _named(e)})
+        os._exit(0)
+    reply({"ready": True})
+    functions = {}
+    while head := requests.read(8):
+        attr, kwargs, n = pickle.loads(requests.read(int.from_bytes(head, "little")))   # our parent's own bytes
+        try:
+            if attr not in functions:
+                functions[attr] = _function(module, attr)
+            fn, params, takes_all = functions[attr]
+            if kwargs is None:
+                reply({"name": getattr(fn, "__name__", attr), "params": params})
+                continue
+            if not takes_all:
+                kwargs = {k: v for k, v in kwargs.items() if k in {p[0] for p in params}}
+            result = _reply(fn(**kwargs), n)
+        except LookupError as e:
+            result = {"error": str(e)} if kwargs is None else {"error": f"raised {_named(e)}"}
+        except SystemExit as e:
+            result = {"error": f"called {_named(e)}: a reward function must return its values, not exit"}
+        except BaseException as e:   # KeyboardInterrupt, RecursionError, ...: named, not fatal here
+            result = {"error": f"raised {_named(e)}"}
+        for stream in (sys.stdout, sys.stderr):   # what the function printed shows before the run moves on
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):   # a function that closed or replaced it
+                pass
+        reply(result)
+    os._exit(0)   # not sys.exit: a thread the function left running must not keep the worker alive
 
 
 # ----------------------------------------------------------------------------------------------
 # loading and checking (before any model loads)
 
 
-def load(spec: str, weight: float = 1.0) -> RewardFunc:
-    """'correctness' or 'module:function' -> RewardFunc; ValueError naming what is wrong with spec."""
+def load(spec: str, weight: float = 1.0, timeout_s: float = TIMEOUT_S) -> RewardFunc:
+    """'correctness' or a function spec -> RewardFunc, its worker started (the module imported there);
+    ValueError naming what is wrong with spec, or with its import."""
     if spec == BUILTIN:
-        return RewardFunc(spec, None, weight)
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"{spec!r}: want '{BUILTIN}' or 'module:function' (e.g. my_rewards:brevity)")
-    if os.getcwd() not in sys.path:  # `python train.py` puts the script's directory there, not the user's
-        sys.path.append(os.getcwd())
-    try:
-        obj = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and (module == e.name or module.startswith(e.name + ".")):
-            raise ValueError(f"{spec!r}: no module {module!r} in the current directory or on the Python path") from None
-        raise ValueError(f"{spec!r}: importing {module} failed: {type(e).__name__}: {e}") from None
-    except Exception as e:  # the user's module raised while importing
-        raise ValueError(f"{spec!r}: importing {module} failed: {type(e).__name__}: {e}") from None
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-    if not callable(obj):
-        raise ValueError(f"{spec!r}: {module} has no function {attr!r}")
-    return RewardFunc(spec, obj, weight)
-
-
-def _takes_all(fn: Callable) -> bool:
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+        return RewardFunc(spec, weight)
+    source = resolve(spec)
+    name, params = _worker(source, timeout_s).describe(source.attr, timeout_s, spec)
+    return RewardFunc(spec, weight, source, name, params)
 
 
 def check(funcs: list[RewardFunc], examples: list) -> None:
@@ -106,20 +432,16 @@ def check(funcs: list[RewardFunc], examples: list) -> None:
     if clash:
         raise ValueError(f"the dataset has column(s) {clash}, the names of reward function arguments: rename them")
     for f in funcs:
-        if f.fn is None:
+        if f.source is None:
             unanswered = sum(e.answer is None for e in examples)
             if unanswered:
                 raise ValueError(f"the {BUILTIN} reward needs a gold answer, and {unanswered} of {len(examples)} "
                                  f"examples have none (columns: {columns}): pass --answer-column, or score with "
                                  f"--reward module:function only")
             continue
-        try:
-            params = inspect.signature(f.fn).parameters.values()
-        except (TypeError, ValueError):
-            continue  # a builtin without a signature: found out on the first call
         offered = {*RESERVED, *columns}
-        needed = [p.name for p in params if p.default is p.empty and (p.kind is p.POSITIONAL_ONLY or (
-            p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in offered))]
+        needed = [name for name, kind, has_default in f.params or () if not has_default and (
+            kind == "POSITIONAL_ONLY" or (kind in ("POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY") and name not in offered))]
         if needed:
             raise ValueError(f"reward {f.spec} needs argument(s) {needed}, which it is not given: it gets "
                              f"{list(RESERVED)} and the dataset's columns {columns}, by keyword")
@@ -152,34 +474,24 @@ def arguments(examples: list, completions: list[str], completion_ids: list | Non
 
 
 def call(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> list[float | None]:
-    """One user function on one batch of n completions, under the guard of the module docstring."""
-    if not _takes_all(f.fn):
-        names = inspect.signature(f.fn).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in names}
-    t0, timed_out = time.monotonic(), False
-    try:
-        with rewards.deadline(timeout_s):
-            out = f.fn(**kwargs)
-    except rewards.RewardTimeout:
-        timed_out = True
-    except Exception as e:
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        raise RewardError(f"reward {f.spec} raised {type(e).__name__}: {e} (at {frame.filename}:{frame.lineno})") from None
-    elapsed = time.monotonic() - t0
-    if timed_out or (timeout_s is not None and elapsed > timeout_s):  # off the main thread: found on return
-        raise RewardError(f"reward {f.spec} took more than --reward-timeout {timeout_s:g} s on {n} completions "
-                          f"({elapsed:.1f} s)")
-    try:
-        values = list(out)
-    except TypeError:
-        raise RewardError(f"reward {f.spec} returned {type(out).__name__}, not a list of {n} numbers") from None
-    if len(values) != n:
-        raise RewardError(f"reward {f.spec} returned {len(values)} values for {n} completions (one each, or None)")
+    """One user function on one batch of n completions, in its worker, under the guard of the module
+    docstring: its values, or a RewardError naming it."""
+    worker = _worker(f.source, TIMEOUT_S if timeout_s is None else timeout_s)
+    reply = worker.call(f.source.attr, kwargs, n, timeout_s, f.spec)
+    if "error" in reply:
+        raise RewardError(f"reward {f.spec} {reply['error']}")
+    if "container" in reply:
+        raise RewardError(f"reward {f.spec} returned {reply['container']}, not a list of {n} numbers")
+    if "length" in reply:
+        raise RewardError(f"reward {f.spec} returned {reply['length']} values for {n} completions (one each, or None)")
+    values = reply["values"]
     for i, v in enumerate(values):
-        v = v.item() if hasattr(v, "item") else v   # numpy / torch scalars
-        if v is not None and not (isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v)):
-            raise RewardError(f"reward {f.spec} returned {v!r} for completion {i}: want a finite number or None")
-        values[i] = None if v is None else float(v)
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
+            shown = v["bad"] if isinstance(v, dict) else repr(v)
+            raise RewardError(f"reward {f.spec} returned {shown} for completion {i}: want a finite number or None")
+        if v is not None and abs(v) > MAX_ABS_REWARD:
+            raise RewardError(f"reward {f.spec} returned {v:g} for completion {i}: past ±{MAX_ABS_REWARD:g}, the "
+                              f"largest reward taken (float32 advantages lose the spread of larger ones); scale it down")
     return values
 
 
@@ -190,7 +502,7 @@ def score(funcs: list[RewardFunc], examples: list, completions: list[str], stats
     totals, terms = [0.0] * len(completions), {}
     kwargs = None
     for f in funcs:
-        if f.fn is None:  # looked up at call time: tests replace rewards.rewards
+        if f.source is None:  # looked up at call time: tests replace rewards.rewards
             values = rewards.rewards(examples, completions, stats, format_weight=format_weight)
         else:
             kwargs = kwargs or arguments(examples, completions, completion_ids)
@@ -199,4 +511,43 @@ def score(funcs: list[RewardFunc], examples: list, completions: list[str], stats
         for i, v in enumerate(values):
             if v is not None:
                 totals[i] += f.weight * v
+    worst = max(range(len(totals)), key=lambda i: abs(totals[i]), default=None)
+    if worst is not None and not abs(totals[worst]) <= MAX_ABS_REWARD:
+        raise RewardError(f"the weighted reward of completion {worst} is {totals[worst]:g}, past ±{MAX_ABS_REWARD:g} "
+                          f"(terms {({k: v[worst] for k, v in terms.items()})}, weights "
+                          f"{[f.weight for f in funcs]}): lower the weights")
     return totals, terms
+
+
+# ----------------------------------------------------------------------------------------------
+# a run's rewards over many steps
+
+
+class RewardWatch:
+    """Says when the rewards carry no signal for `patience` steps in a row (and again every 10·patience):
+    a term that returned None for every completion (it has no opinion on anything the policy writes),
+    or every completion of the step got the same total (every advantage is zero: nothing is learned).
+    Each step, train.py calls update(step, totals, terms) with score's results for the whole step and
+    prints the lines it returns."""
+
+    def __init__(self, patience: int = PATIENCE, tol: float = 1e-6):
+        self.patience, self.tol, self.streaks = patience, tol, {}
+
+    def _streak(self, key, flat: bool) -> int:
+        self.streaks[key] = self.streaks.get(key, 0) + 1 if flat else 0
+        k = self.streaks[key]
+        return k if k == self.patience or (k and k % (10 * self.patience) == 0) else 0
+
+    def update(self, step: int, totals: list[float], terms: dict) -> list[str]:
+        """Warnings (lines) for this step; [] when there is nothing to say."""
+        lines = []
+        for name, values in terms.items():
+            if k := self._streak(("none", name), all(v is None for v in values)):
+                lines.append(f"warning: step {step}: reward {name} returned None for every completion of the last "
+                             f"{k} steps, so it adds nothing: check that it recognises what the policy writes")
+        flat = bool(totals) and max(totals) - min(totals) <= self.tol * max(1.0, abs(max(totals)))
+        if k := self._streak("equal", flat):
+            lines.append(f"warning: step {step}: every completion of the last {k} steps got the same reward "
+                         f"({totals[0]:g}): the advantages are zero and the policy learns nothing; check the reward "
+                         f"terms (rewards/<term>/mean in metrics.jsonl)")
+        return lines

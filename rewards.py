@@ -23,7 +23,9 @@ overruns or is refused, in three layers:
      GIL, where no timer and no other thread can stop it. Finding the last \boxed{ is one pass
      (a stack matches every brace), not a rescan per candidate.
   2. math-verify (sympy) runs in a worker process (`MathWorker`: one per process, started on the
-     first MATH answer; a request and a reply over pipes, a small cost beside math-verify's own).
+     first MATH answer; a request and a reply over a private pipe pair (`Child`, which
+     reward_funcs.py's workers for the user's reward functions use too), a small cost beside
+     math-verify's own).
      A call past its deadline is ended by killing the worker, which works from any thread and stops
      C code too; a spare worker, kept started after the first kill, takes over at once. A process
      per call would pay sympy's import (hundreds of ms) each time; the persistent one costs what
@@ -31,8 +33,7 @@ overruns or is refused, in three layers:
   3. The numeric checker is bounded by the limits of (1) and runs in-process; `guarded` adds a
      deadline of its own for any function: a SIGALRM timer in the main thread (the exception derives
      from BaseException so that no `except Exception` inside a reward can swallow it), and off it an
-     overrun is scored 0 once it returns. reward_funcs.py runs the user's reward functions under the
-     same `deadline`.
+     overrun is scored 0 once it returns.
 
 Time per step: a call gets DEFAULT_TIMEOUT_S (an order of magnitude above the slowest MATH500 gold
 check), and a `RewardStats` (one per training step) carries a budget: once its calls have spent
@@ -264,40 +265,87 @@ def format_reward(completion: str) -> float:
 # -----------------------------------------------------------------------------
 # the math-verify worker process
 
-class _Child:
-    """One worker process and the bytes read from it that do not yet end a line."""
+class Child:
+    """A Python child process (`python -c code`) spoken to over a private pipe pair: requests go in on
+    one pipe, replies come back one line each on another, so its stdout and stderr stay free for what
+    the code prints (ours, or /dev/null when quiet); its stdin is /dev/null. The code finds its ends of
+    the pipes with `child_pipes()`. Writes and reads take a deadline and never block past it."""
 
-    def __init__(self):
-        code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                f"import rewards; rewards._serve()")
+    def __init__(self, code: str, argv: tuple = (), quiet: bool = True):
+        req_r, self.req = os.pipe()
+        self.rep, rep_w = os.pipe()
+        sink = subprocess.DEVNULL if quiet else None
         # close_fds (the default) keeps the run directory's lock and every other descriptor out of it
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, bufsize=0)
-        self.pid, self.ready, self.buf = os.getpid(), False, b""
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(req_r), str(rep_w), *argv],
+                                     stdin=subprocess.DEVNULL, stdout=sink, stderr=sink, pass_fds=(req_r, rep_w))
+        os.close(req_r)
+        os.close(rep_w)
+        os.set_blocking(self.req, False)
+        self.pid, self.ready, self.buf, self.closed = os.getpid(), False, b"", False
 
     def usable(self) -> bool:  # not after a fork (the pipes are the parent's), not once it died
-        return self.pid == os.getpid() and self.proc.poll() is None
+        return self.pid == os.getpid() and not self.closed and self.proc.poll() is None
+
+    def send(self, data: bytes, deadline: float) -> bool:
+        """Write all of data; False at the deadline or if the child is gone (it stopped reading)."""
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self.req], [], None if math.isinf(left) else left)[1]:
+                return False
+            try:
+                view = view[os.write(self.req, view[:1 << 16]):]
+            except BlockingIOError:  # writable, yet full again: wait once more
+                continue
+            except BrokenPipeError:
+                self.closed = True
+                return False
+        return True
 
     def read_line(self, deadline: float) -> bytes | None:
-        """One line, or None at the deadline (math.inf: none) or if the child died."""
-        fd = self.proc.stdout.fileno()
+        """One line, or None at the deadline (math.inf: none) or if the child ended (then closed is set)."""
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], None if math.isinf(left) else left)[0]:
+            if left <= 0 or not select.select([self.rep], [], [], None if math.isinf(left) else left)[0]:
                 return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
+            chunk = os.read(self.rep, 1 << 16)
+            if not chunk:  # the child closed its end: it ended (a moment before the OS reaps it)
+                self.closed = True
                 return None
             self.buf += chunk
         line, _, self.buf = self.buf.partition(b"\n")
         return line
 
+    def exit_status(self, wait_s: float = 1.0) -> str:
+        """How the child ended, in words ('exit status 0', 'signal SIGKILL'), after up to wait_s for it."""
+        try:
+            code = self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            return "still running"
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
     def kill(self):
         if self.pid == os.getpid():
             self.proc.kill()
             self.proc.wait()
-            self.proc.stdin.close()
-            self.proc.stdout.close()
+            for fd in (self.req, self.rep):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.req = self.rep = -1
+
+
+def child_pipes():
+    """In a Child's code: (requests, replies) as binary files, after the process is set to die with its
+    parent even mid-computation (Linux) and to leave Ctrl-C to the parent, which stops it."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb", buffering=0)
 
 
 class MathWorker:
@@ -316,21 +364,22 @@ class MathWorker:
         with self._lock:
             if self._child is None or not self._child.usable():
                 spare, self._spare = self._spare, None
-                self._child = spare if spare is not None and spare.usable() else _Child()
+                self._child = spare if spare is not None and spare.usable() else _math_child()
             child = self._child
             if not child.ready:
                 if child.read_line(time.monotonic() + WORKER_START_TIMEOUT_S) != b"ready":
                     self.close()
                     raise RuntimeError("the math-verify worker did not start (is math-verify installed?)")
                 child.ready = True
+            deadline = time.monotonic() + (math.inf if timeout_s is None else timeout_s)
             try:
-                child.proc.stdin.write(json.dumps([pred, gold]).encode() + b"\n")
-                line = child.read_line(time.monotonic() + (math.inf if timeout_s is None else timeout_s))
+                sent = child.send(json.dumps([pred, gold]).encode() + b"\n", deadline)
+                line = child.read_line(deadline) if sent else None
             except BaseException:  # a caller's alarm or an interrupt mid-call: the reply would be stale
                 self._replace()
                 raise
             if line is None:
-                dead = child.proc.poll() is not None
+                dead = not child.usable()
                 self._replace()
                 if dead:
                     raise RuntimeError("the math-verify worker died (out of memory?)")
@@ -343,7 +392,7 @@ class MathWorker:
     def _replace(self):
         """Kill the child; the spare takes its place and a new spare starts (its import overlaps)."""
         self._child.kill()
-        self._child, self._spare = self._spare, _Child()
+        self._child, self._spare = self._spare, _math_child()
 
     def close(self):
         for c in (self._child, self._spare):
@@ -352,24 +401,22 @@ class MathWorker:
         self._child = self._spare = None
 
 
+def _math_child() -> Child:
+    return Child(f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                 f"import rewards; rewards._serve()")
+
+
 def _serve():
     """The worker's loop: a JSON [pred, gold] per line in, {"equal": bool} or {"error": str} out."""
-    try:  # die with the parent even mid-computation (Linux)
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    requests, out = child_pipes()
     math_equal("1", "1")  # the slow import and math-verify's first-call set-up, before "ready"
-    out = sys.stdout.buffer
     out.write(b"ready\n")
-    out.flush()
-    for line in sys.stdin.buffer:
+    for line in requests:
         try:
             reply = {"equal": math_equal(*json.loads(line))}
         except Exception as e:
             reply = {"error": f"{type(e).__name__}: {e}"[:500]}
         out.write(json.dumps(reply).encode() + b"\n")
-        out.flush()
 
 
 MATH_WORKER = MathWorker()

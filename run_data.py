@@ -48,8 +48,8 @@ def load_data(args, log):
             raise SystemExit(f"error: --eval-dataset {eval_source} has no gold answers, so accuracy cannot be measured: "
                              f"pass --answer-column, or --eval-limit 0")
     weights = args.reward_weights or [1.0] * len(args.reward)
-    funcs = [reward_funcs.load(spec, w) for spec, w in zip(args.reward, weights)]
-    try:
+    try:   # the workers flags.py started are reused
+        funcs = [reward_funcs.load(spec, w) for spec, w in zip(args.reward, weights)]
         reward_funcs.check(funcs, train_set)
     except ValueError as e:
         raise SystemExit(f"error: --reward: {e}") from None
@@ -57,9 +57,13 @@ def load_data(args, log):
 
 
 def encode(examples, tokenizer, args, what: str, log, progress: bool):
-    """(the examples whose prompt fits --max-prompt-len, their prompt token ids); the rest are counted."""
-    ids = [tasks.encode_prompt(tokenizer, e.prompt, args.system_prompt, args.chat_template_kwargs)
-           for e in tqdm(examples, desc=f"tokenizing {what} prompts", disable=not progress, leave=False)]
+    """(the examples whose prompt fits --max-prompt-len, their prompt token ids); the rest are counted.
+    A chat template that fails stops the run here, in one line."""
+    try:
+        ids = [tasks.encode_prompt(tokenizer, e.prompt, args.system_prompt, args.chat_template_kwargs)
+               for e in tqdm(examples, desc=f"tokenizing {what} prompts", disable=not progress, leave=False)]
+    except tasks.PromptError as e:
+        raise SystemExit(f"error: {what} prompts: {e}") from None
     keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_len]
     if len(keep) < len(ids):
         log(f"{what} prompts: {len(ids) - len(keep)} of {len(ids)} longer than --max-prompt-len "

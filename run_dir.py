@@ -8,7 +8,8 @@
                  checkpoint-<step>/     adapter_model.safetensors + adapter_config.json (a PEFT adapter)
                                         + trainer_state.pt (optimizer, schedule, step, data position,
                                         dynamic sampling's keep rate)
-                                        + manifest.json (the size and sha256 of each of those files)
+                                        + manifest.json (the size and sha256 of each of those files,
+                                        and of run_config.json)
                  latest                 the name of the newest checkpoint: a hint, not the truth
                  .lock                  held by the live run (flock); it holds the run's pid and host
 
@@ -25,16 +26,21 @@ or optimizer tensor holding NaN or Inf (the run stops there, naming it, and the 
 stays the newest).
 
 Trust. --resume takes the newest checkpoint inside the directory whose manifest verifies (every
-file's size and sha256), whatever `latest` says: a `latest` that is missing, names a checkpoint that
-does not verify, or points outside the directory is reported and passed over. A directory whose
-checkpoints all fail is refused with each one's reason, and nothing is changed. Resuming never
-deletes a checkpoint newer than the one it resumed from (one that failed verification is moved aside
-under a .unverified-* name when the run writes that step again), and metrics.jsonl keeps every row
-before the resumed step (completions.jsonl too). Loading refuses non-finite values too, naming the tensor.
-trainer_state.pt is read with torch.load(weights_only=True): tensors and numbers, never code.
+file's size and sha256, and the sha256 of the run's run_config.json when the checkpoint was written:
+a run_config.json edited or damaged since is refused), whatever `latest` says: a `latest` that is
+missing, names a checkpoint that does not verify, or points outside the directory is reported and
+passed over. A directory whose checkpoints all fail is refused with each one's reason, and nothing is
+changed. Resuming never deletes a checkpoint newer than the one it resumed from (one that failed
+verification is moved aside under a .unverified-* name when the run writes that step again), and
+metrics.jsonl keeps every row before the resumed step (completions.jsonl too); a row of those steps
+that is missing or repeated (a file deleted, cut or copied over) is said on screen. Loading refuses
+non-finite values too, naming the tensor. trainer_state.pt is read with torch.load(weights_only=True):
+tensors and numbers, never code; a file that is not that, or whose state does not fit, is one line.
+eval.py and export.py verify an --adapter by the same manifest (`verify_adapter`).
 
 Test: tests/test_run_dir.py (lock, manifest, resume choice, metrics); tests/test_integrity.py (two
-runs at once, kill -9 at random instants, bad input, end to end); tests/test_train.py (resume).
+runs at once, kill -9 at random instants, bad input, end to end); tests/test_train.py (resume);
+tests/test_probes.py (damaged checkpoints, run files and adapters).
 """
 import fcntl
 import hashlib
@@ -73,7 +79,12 @@ def lock_run_dir(out: str) -> None:
     key = os.path.realpath(out)
     if key in _held:
         _held.pop(key).close()
-    f = open(os.path.join(out, LOCK), "a+")  # never truncated before the lock is ours
+    path = os.path.join(out, LOCK)
+    try:
+        f = open(path, "a+")  # never truncated before the lock is ours
+    except OSError as e:
+        fix = "remove it" if os.path.isdir(path) else "fix its permissions"
+        raise SystemExit(f"error: cannot open {path} ({e.strerror}): a run keeps its lock in that file; {fix}") from None
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -238,24 +249,41 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def verify_checkpoint(path: str, root: str | None = None) -> str | None:
-    """None if the checkpoint directory is complete (its manifest matches every file), else why not."""
-    if root is not None and os.path.dirname(os.path.realpath(path)) != os.path.realpath(root):
-        return f"it links outside the run ({os.path.realpath(path)})"
+def write_manifest(directory: str, **fields) -> None:
+    """manifest.json, written last: the size and sha256 of every other file in directory (each flushed
+    to disk first: power loss, not just a kill), and fields (a checkpoint's step, ...)."""
+    files = {}
+    for f in sorted(os.listdir(directory)):
+        path = os.path.join(directory, f)
+        if f == MANIFEST or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+        files[f] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    write_atomic(os.path.join(directory, MANIFEST), json.dumps({**fields, "files": files}, indent=1))
+
+
+def verify_manifest(path: str, required: tuple = ()) -> str | None:
+    """None if the directory's manifest lists every `required` file and every file it lists has its
+    size and sha256, else why not (one phrase)."""
     if not os.path.isdir(path):
         return "not a directory"
     try:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
             files = json.load(f)["files"]
+        if not isinstance(files, dict):
+            raise TypeError(f"'files' is a {type(files).__name__}")
     except FileNotFoundError:
         return f"no {MANIFEST} (written incompletely, or by a version without manifests)"
-    except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST} ({e})"
-    for name in (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG, TRAINER_STATE):
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST} ({type(e).__name__}: {e})"
+    for name in required:
         if name not in files:
             return f"{MANIFEST} lists no {name}"
     for name, want in files.items():
         fp = os.path.join(path, name)
+        if not (isinstance(want, dict) and type(want.get("size")) is int and isinstance(want.get("sha256"), str)):
+            return f"{MANIFEST} has a malformed entry for {name!r}"
         if os.path.basename(name) != name or not os.path.isfile(fp):
             return f"{name} is missing"
         if os.path.getsize(fp) != want["size"]:
@@ -263,6 +291,41 @@ def verify_checkpoint(path: str, root: str | None = None) -> str | None:
         if _sha256(fp) != want["sha256"]:
             return f"{name} does not match its sha256 in {MANIFEST} (corrupted)"
     return None
+
+
+def verify_checkpoint(path: str, root: str | None = None) -> str | None:
+    """None if the checkpoint directory is complete (its manifest matches every file) and, inside the
+    run `root`, the run's run_config.json is the one it was written with; else why not."""
+    if root is not None and os.path.dirname(os.path.realpath(path)) != os.path.realpath(root):
+        return f"it links outside the run ({os.path.realpath(path)})"
+    why = verify_manifest(path, (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG, TRAINER_STATE))
+    if why is None and root is not None:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            recorded = json.load(f).get(RUN_CONFIG)
+        config = os.path.join(root, RUN_CONFIG)
+        if recorded is not None and (not os.path.isfile(config) or _sha256(config) != recorded):
+            why = (f"the run's {RUN_CONFIG} is not the one this checkpoint was written with (its sha256 differs "
+                   f"from the manifest's): it was edited or damaged since; restore it")
+    return why
+
+
+def verify_adapter(path: str) -> str | None:
+    """Why the adapter directory `path` (eval.py's and export.py's --adapter) must not be loaded, else
+    None: it lacks the PEFT files, its manifest does not verify, or it is a train.py checkpoint without
+    one (a checkpoint's manifest is written last: it is incomplete, or was altered). A PEFT adapter from
+    elsewhere has no manifest and passes: the loader's checks alone apply to it."""
+    missing = [f for f in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS) if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        return f"{path} has no {' or '.join(missing)}"
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        why = verify_manifest(path, (lora.ADAPTER_WEIGHTS, lora.ADAPTER_CONFIG))
+    elif os.path.exists(os.path.join(path, TRAINER_STATE)) or (
+            CHECKPOINT_RE.fullmatch(os.path.basename(os.path.abspath(path)))
+            and os.path.exists(os.path.join(os.path.dirname(os.path.abspath(path)), RUN_CONFIG))):
+        why = f"a train.py checkpoint without its {MANIFEST} (written incompletely, or altered)"
+    else:
+        return None
+    return why and f"{path} is not intact: {why}"
 
 
 def _nonfinite(named_tensors) -> str | None:
@@ -300,12 +363,8 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
     state = {"step": step, "data_pos": data_pos, "keep_rate": keep_rate, "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict()}
     torch.save(state, os.path.join(tmp, TRAINER_STATE))
-    files = {}
-    for f in sorted(os.listdir(tmp)):  # on disk before the rename makes them the checkpoint (power loss, not just kill)
-        with open(os.path.join(tmp, f), "rb") as fh:
-            os.fsync(fh.fileno())
-        files[f] = {"size": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
-    write_atomic(os.path.join(tmp, MANIFEST), json.dumps({"step": step, "files": files}, indent=1))
+    config = os.path.join(out, RUN_CONFIG)   # what resuming from it will check run_config.json against
+    write_manifest(tmp, step=step, **({RUN_CONFIG: _sha256(config)} if os.path.isfile(config) else {}))
     if os.path.exists(final):  # only one that failed verification (else the run would have resumed from it)
         aside = f"{final}.unverified-{int(time.time())}"
         os.replace(final, aside)
@@ -327,16 +386,28 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> 
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: cannot resume from {ckpt}: {e}") from None
     # Optimizer state holds only tensors and numbers: weights_only refuses anything that would unpickle code.
-    state = torch.load(os.path.join(ckpt, TRAINER_STATE), map_location="cpu", weights_only=True)
-    opt_state = state["optimizer"]["state"]
+    try:
+        state = torch.load(os.path.join(ckpt, TRAINER_STATE), map_location="cpu", weights_only=True)
+    except Exception as e:  # code in the pickle (refused), a damaged zip: torch raises several kinds
+        raise SystemExit(f"error: cannot resume from {ckpt}: {TRAINER_STATE} is not a tensors-only torch file "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    want = {"step": int, "data_pos": int, "optimizer": dict, "scheduler": dict}
+    wrong = [k for k, t in want.items() if not isinstance(state.get(k), t)] if isinstance(state, dict) else list(want)
+    opt_state = state["optimizer"].get("state") if not wrong else None
+    if wrong or not isinstance(opt_state, dict) or not all(isinstance(s, dict) for s in opt_state.values()):
+        raise SystemExit(f"error: cannot resume from {ckpt}: {TRAINER_STATE} lacks or garbles {wrong or ['optimizer state']}")
     bad = _nonfinite((f"optimizer {k} of parameter #{i}", v) for i, s in opt_state.items() for k, v in s.items())
     if bad:
         raise SystemExit(f"error: cannot resume from {ckpt}: {TRAINER_STATE}: {bad}")
     m = CHECKPOINT_RE.fullmatch(os.path.basename(os.path.normpath(ckpt)))
     if m and int(m.group(1)) != state["step"]:
         raise SystemExit(f"error: cannot resume from {ckpt}: its {TRAINER_STATE} is of step {state['step']}")
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:  # another model's optimizer, a garbled one
+        raise SystemExit(f"error: cannot resume from {ckpt}: its optimizer state does not fit this run "
+                         f"({type(e).__name__}: {e})") from None
     state.setdefault("keep_rate", 1.0)
     return state
 
@@ -345,16 +416,53 @@ def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> 
 # metrics and plots
 
 
+def _spans(steps: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def _one_row_per_step(path: str, rows: list, step: int) -> list:
+    """metrics.jsonl's rows before `step` hold each step 0..step-1 once: a repeated step keeps its first
+    row, and a repeat or a gap (a row deleted, or cut) is said on screen rather than carried on."""
+    seen, out, repeated = set(), [], []
+    for row, line in rows:
+        s = row.get("step") if isinstance(row, dict) else None
+        if s in seen:
+            repeated.append(s)
+            continue
+        seen.add(s)
+        out.append((row, line))
+    if repeated:
+        print(f"warning: {path} has more than one row for step(s) {_spans(sorted(set(repeated)))}: the first is kept")
+    missing = [s for s in range(step) if s not in seen]
+    if missing:
+        print(f"warning: {path} has no row for step(s) {_spans(missing)} of the {step} before the resumed step "
+              f"(deleted or cut?): the run goes on, and its record of those steps stays missing")
+    return out
+
+
 def truncate_rows(out: str, name: str, step: int) -> None:
     """Keep the lines of <out>/<name> (metrics.jsonl, completions.jsonl) of steps before `step`, byte for
     byte: a resumed run rewrites what came after. The file is rewritten only if a line goes; a line that
     is not UTF-8 or not JSON (but the last, cut by a kill) stops the run with path:line rather than be
-    dropped."""
+    dropped. metrics.jsonl holds one row per step: a gap or a repeat before `step` is said (and a
+    repeat dropped), and so is the file's absence once steps were taken."""
     path = os.path.join(out, name)
     if not os.path.exists(path):
+        if name == METRICS and step > 0:
+            print(f"warning: {path} is missing: the record of steps 0-{step - 1} is lost; the run goes on")
         return
-    keep = "".join(line + "\n" for row, line in read_jsonl_rows(path)
-                   if not (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= step))
+    rows = [(row, line) for row, line in read_jsonl_rows(path)
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= step)]
+    if name == METRICS:
+        rows = _one_row_per_step(path, rows, step)
+    keep = "".join(line + "\n" for _, line in rows)
     with open(path, "rb") as f:
         if f.read() == keep.encode():
             return

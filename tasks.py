@@ -20,7 +20,12 @@ only with reward functions of the user's (rewards.py) and cannot be evaluated fo
 column but the prompt rides along in `Example.columns`: TRL hands them to reward functions.
 
 Bad data (bytes that are not UTF-8, bad JSON, missing columns, no examples at all) raises
-DatasetError naming the file and line or row; `source_problem` is the check made at parse time.
+DatasetError naming the file and line or row; so does a row that cannot train: an empty prompt, a
+conversation without a user message that says something, a gold answer that is empty, empty after its
+`####`, NaN (a CSV or Parquet cell left empty) or null: its reward would be 0 forever, and nothing
+would say so. `source_problem` is the check made at parse time; `model_problem` and
+`tokenizer_problem` check a local model directory the same way (config.json, a tokenizer) before it
+loads. A chat template that fails (it is code: Jinja) raises PromptError, one line.
 
 The model sees its prompt through the tokenizer's own chat template, after the system prompt (which
 asks it to reason and put its final answer in \boxed{}) unless the conversation brings its own.
@@ -31,6 +36,7 @@ Test: python -m pytest tests/test_tasks.py tests/test_data.py; self-check: pytho
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import random
@@ -77,6 +83,10 @@ class Example:
         return list(self.messages) if self.messages else self.question
 
 
+class PromptError(ValueError):
+    """The tokenizer's chat template failed on a prompt: train.py and eval.py print it as one line."""
+
+
 @dataclass(frozen=True)
 class Columns:
     """Which columns hold the prompt and the gold answer (None: found by name, see the module docstring)."""
@@ -85,12 +95,16 @@ class Columns:
 
 
 def _messages(value, where: str, column: str) -> tuple:
-    """A conversational prompt, checked: a non-empty list of {"role": str, "content": str}."""
+    """A conversational prompt, checked: a non-empty list of {"role": str, "content": str} with a user
+    message that says something (a system prompt alone, or blank turns, give the model nothing to answer)."""
     ok = value and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                        for m in value)
     if not ok:
         raise ValueError(f"{where}: column {column!r} is a list but not a conversation (want a non-empty list of "
                          f'{{"role": ..., "content": ...}} with string values)')
+    if not any(m["role"] == "user" and m["content"].strip() for m in value):
+        raise ValueError(f"{where}: the conversation in column {column!r} has no user message with any text "
+                         f"(roles {[m['role'] for m in value]}): there is nothing to answer")
     return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
 
@@ -116,6 +130,8 @@ def example_from_record(rec: dict, where: str = "record", columns: Columns = Col
         raise ValueError(f"{where}: missing {' and '.join(map(repr, missing))}; the columns are {sorted(rec)}")
     value = rec[pkey]
     if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{where}: the prompt (column {pkey!r}) is empty: there is nothing to answer")
         question, messages = value, ()
     elif isinstance(value, list):
         messages = _messages(value, where, pkey)
@@ -128,12 +144,17 @@ def example_from_record(rec: dict, where: str = "record", columns: Columns = Col
     answer = rec[akey]
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise ValueError(f"{where}: column {akey!r} (the answer) must be a string or number, got {type(answer).__name__}")
+    if isinstance(answer, float) and not math.isfinite(answer):   # a CSV or Parquet cell left empty reads as NaN
+        raise ValueError(f"{where}: the answer (column {akey!r}) is {answer}, not a gold answer (an empty cell?)")
     answer = str(answer)
+    gold = answer.split("####")[-1].strip() if "####" in answer and pkey != "problem" else answer.strip()
+    if not gold:   # no completion could ever match it: the reward would be 0 forever, without an error
+        raise ValueError(f"{where}: the answer (column {akey!r}) is {'empty after its ####' if '####' in answer else 'empty'}: "
+                         f"no completion can match it")
     if pkey == "problem":
-        return Example(question, answer.strip(), "math", str(rec.get("solution") or ""), messages, extra)
+        return Example(question, gold, "math", str(rec.get("solution") or ""), messages, extra)
     if "####" in answer:
-        return Example(question, answer.split("####")[-1].strip(), "numeric", answer, messages, extra)
-    gold = answer.strip()
+        return Example(question, gold, "numeric", answer, messages, extra)
     return Example(question, gold, "numeric" if to_number(gold) is not None else "math", "", messages, extra)
 
 
@@ -227,6 +248,48 @@ def local_path_missing(name_or_path: str) -> bool:
     return local and not os.path.exists(os.path.expanduser(name_or_path))
 
 
+# A tokenizer directory holds at least one of these (fast, sentencepiece, BPE or WordPiece vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+
+def model_problem(name_or_path: str) -> str | None:
+    """Why a local model directory cannot be loaded, found from its config.json alone before anything
+    loads (else None; a Hub id is checked when it is fetched): no such directory, no config.json, one
+    that is not JSON, or one model.ModelConfig refuses (an architecture qerl lacks, 0 heads, ...)."""
+    path = os.path.expanduser(name_or_path)
+    if local_path_missing(name_or_path):
+        return f"{name_or_path} does not exist (and is not a Hugging Face hub id)"
+    if not os.path.isdir(path):
+        return None
+    from model import ModelConfig
+    config = os.path.join(path, "config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            ModelConfig.from_hf(json.load(f))
+    except FileNotFoundError:
+        return f"{path} has no config.json: not a Hugging Face model directory"
+    except (OSError, ValueError) as e:   # ValueError: bad JSON, or a config ModelConfig refuses
+        return f"{config}: {' '.join(str(e).split())[:300]}"
+    except (KeyError, TypeError, AttributeError) as e:
+        return f"{config} lacks or garbles a field ({type(e).__name__}: {e})"
+    return None
+
+
+def load_problem(name_or_path: str, e: Exception) -> str:
+    """A model or tokenizer's failure to load, in one line; the offline hint only for a Hub id."""
+    local = os.path.isdir(os.path.expanduser(name_or_path))
+    return data.one_line(e) + ("" if local else "; pass a local directory, or set HF_HUB_OFFLINE=1 to use a "
+                                                "cached copy")
+
+
+def tokenizer_problem(name_or_path: str) -> str | None:
+    """Why a local directory holds no tokenizer (else None; a Hub id is checked when it is fetched)."""
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return f"{path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the base model's tokenizer files there"
+    return None
+
+
 # -----------------------------------------------------------------------------
 # prompts
 
@@ -267,8 +330,15 @@ def build_prompt(tokenizer, prompt, system_prompt: str = SYSTEM_PROMPT, chat_tem
     """
     messages = conversation(prompt, system_prompt)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **(chat_template_kwargs or {}))
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
+        except Exception as e:  # the template is code of its own (Jinja): it may raise anything, even on purpose
+            raise PromptError(f"the tokenizer's chat template failed on the prompt {str(prompt)[:80]!r} "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+        if not isinstance(text, str):
+            raise PromptError(f"the tokenizer's chat template gave a {type(text).__name__}, not text")
+        return text
     if isinstance(prompt, str):
         return f"{system_prompt}\n\nQuestion: {prompt}\nAnswer:"
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"

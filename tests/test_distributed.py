@@ -89,7 +89,7 @@ def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
            os.path.join(ROOT, "train.py"), "--model", tiny_model, "--output-dir", out, "--device", "cpu",
            "--max-steps", "4", "--save-every", "1", *FAST, "--eval-limit", "3", "--dynamic-sampling",
            "--prompts-per-step", "4", "--max-sampling-rounds", "2", "--dynamic-sampling-threshold", "0",
-           "--reward", "test_train:spread_on_even_answers"]
+           "--reward", "reward_examples:spread_on_even_answers"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "tests")}
     res = subprocess.run([*cmd, "--stop-at", "2"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -174,7 +174,7 @@ def test_a_changed_flag_on_resume_is_refused_by_name_at_once(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     ([], "--model is required"),
-    (["--model", "m", "--reward", "nope"], "--reward: 'nope': want 'correctness' or 'module:function'"),
+    (["--model", "m", "--reward", "nope"], "--reward: 'nope': want 'correctness', 'module:function'"),
     (["--model", "m", "--reward-weights", "1,2"], "--reward-weights has 2 weight(s) for 1 reward(s)"),
     (["--model", "m", "--reward", "test_reward_funcs:picky", "--reward", "test_reward_funcs:picky"],
      "two terms are named 'picky'"),

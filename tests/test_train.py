@@ -19,6 +19,7 @@ import torch
 
 import eval as qeval
 import lora
+import reward_funcs
 import run_dir
 import train
 from checkpoint import load_model
@@ -160,7 +161,7 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path, monkeypatch,
               "--lora-dropout", "0.1", "--max-steps", "3", *FAST]
     if dynamic:
         common += ["--dynamic-sampling", "--dynamic-sampling-threshold", "0",
-                   "--reward", "test_train:spread_on_even_answers"]
+                   "--reward", "reward_examples:spread_on_even_answers"]
     train.main([*common, "--output-dir", a])
     train.main([*common, "--output-dir", b, "--stop-at", "2"])
     train.main([*common, "--output-dir", b, "--resume"])
@@ -217,39 +218,19 @@ def test_sigkill_mid_run_then_resume(tiny_model, tmp_path):
     assert not [d for d in os.listdir(out) if d.startswith(".tmp-")]
 
 
-CALLS = []
-
-
-def length_parity(completions, **kwargs):
-    """A reward that varies with the completion (a random model never solves addition): 1 for an odd length."""
-    return [float(len(c) % 2) for c in completions]
-
-
-def spread_on_even_answers(completions, answer, **kwargs):
-    """A reward with a spread (0, 1, 0, 1 by position; G is even) in the groups of even answers and none
-    (all 0) in those of odd ones: dynamic sampling keeps about half of what it draws, whatever the
-    random model writes, and which groups it keeps follows from the data order alone."""
-    return [0.0 if int(a) % 2 else float(i % 2) for i, a in enumerate(answer)]
-
-
-def length_mod_3(prompts, completions, completion_ids, difficulty, **kwargs):
-    """A user's reward function (TRL's convention): records its arguments and what it returned."""
-    out = [len(c[0]["content"]) % 3 / 2 for c in completions]
-    CALLS.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-                  "difficulty": difficulty, "kwargs": kwargs, "returned": out})
-    return out
-
-
-def test_custom_reward_on_a_conversational_jsonl_dataset(tiny_model, tmp_path):
+def test_custom_reward_on_a_conversational_jsonl_dataset(tiny_model, tmp_path, monkeypatch):
     rows = [{"prompt": [{"role": "user", "content": f"Say {i} twice."}], "answer": str(i), "difficulty": i % 3}
             for i in range(6)]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = str(tmp_path / "run")
-    CALLS.clear()
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("QERL_TEST_CALLS", str(calls))   # the reward's worker starts with it (and ends below)
+    reward_funcs.close_workers()
     train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "1", *FAST, "--dataset", str(data),
-                "--eval-limit", "0", "--reward", "test_train:length_mod_3", "--log-completions", "3"])
-    (call,) = CALLS
+                "--eval-limit", "0", "--reward", "reward_examples:length_mod_3", "--log-completions", "3"])
+    reward_funcs.close_workers()
+    (call,) = [json.loads(line) for line in calls.read_text().splitlines()]
     n = 2 * 4                                                   # --prompts-per-step 2 × --group-size 4
     assert len(call["completions"]) == len(call["prompts"]) == len(call["completion_ids"]) == n
     assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in call["completions"])
