@@ -11,18 +11,29 @@ runs use the same model, task, batch, adapter, optimizer and loss:
     optimizer  AdamW lr 2e-4, betas (0.9, 0.99), no decay, constant schedule, grad-norm clip 1
     loss       DAPO (ε 0.2 / 0.28, β = 0, rewards scaled by the group's std)
 
-qerl runs `train.py` with its defaults otherwise (NVFP4 base, AQN, the step plan of plan.py, dynamic
-sampling: rounds sized from the share of groups with a reward spread, while half of them lack one), and again
-with one sampling round a step (`--no-dynamic-sampling`: the work TRL does); TRL runs GRPOTrainer on
-the bf16 model with transformers' generate (no vLLM: the machine has none), each in its own process.
-TRL is a benchmark-only dependency (not in requirements.txt): install it beside (`pip install trl`;
-on the GPU machine it travels as wheels). Time per step is the median over the
-steps after the first two (the first compile and capture); held-out accuracy is eval.py's, greedy,
-on --eval-limit addition problems, each adapter on the base it was trained with (qerl's on NVFP4,
-TRL's on bf16), and both bases untrained for reference.
+Each side runs at its defaults and at its best settings for this shape, so that a ratio is honest:
+
+    qerl             train.py's defaults otherwise: NVFP4 base, AQN, the step plan of plan.py, dynamic
+                     sampling (rounds sized from the share of groups with a reward spread, while half of
+                     them lack one)
+    qerl_one_round   the same with one sampling round a step (--no-dynamic-sampling)
+    qerl_equal_work  bf16 base, one round a step: the work TRL does, on TRL's base
+    trl              GRPOTrainer at its defaults for this batch: 8 micro-batches of 8 (gradient
+                     accumulation), gradient checkpointing as it comes
+    trl_best         one micro-batch of all 64 completions, gradient checkpointing off: the fastest of
+                     the settings its documentation offers that fit this model (no vLLM on the machine)
+
+Each runs in its own process; TRL on the bf16 model with transformers' generate. TRL is a
+benchmark-only dependency (not in requirements.txt): install it beside (`pip install trl`; on the
+GPU machine it travels as wheels). Time per step is the median over the steps after the first two
+(the first compile and capture); held-out accuracy is eval.py's, greedy, on --eval-limit addition
+problems, each adapter on the base it was trained with (quant_of: an arm's --quant flag, NVFP4 by
+default; TRL's on bf16), and each base untrained for reference. The summary gives qerl's speed-up
+over TRL's best arm, and over its defaults beside it.
 
     python bench/peer.py --model /root/smol --steps 50 --out /tmp/peer     # table on stdout, peer.json
     python bench/peer.py --model /root/smol --only ours --seeds 1,2 --train-args "--max-sampling-rounds 3"
+    python bench/peer.py --model /root/smol --only trl                      # both TRL arms
 """
 import argparse
 import json
@@ -36,6 +47,16 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 PROMPTS, GROUP, NEW, RANK, ALPHA, LR = 8, 8, 24, 16, 32, 2e-4
+OURS = {"qerl": [], "qerl_one_round": ["--no-dynamic-sampling"],
+        "qerl_equal_work": ["--quant", "bf16", "--no-dynamic-sampling"]}      # arm -> train.py flags
+TRL = {"trl": dict(per_device_train_batch_size=GROUP, gradient_accumulation_steps=PROMPTS),
+       "trl_best": dict(per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
+                        gradient_checkpointing=False)}                         # arm -> GRPOConfig settings
+
+
+def quant_of(flags: list[str]) -> str:
+    """The base a qerl arm trains on: the value after its last --quant, else train.py's default."""
+    return next((flags[i + 1] for i in range(len(flags) - 2, -1, -1) if flags[i] == "--quant"), "nvfp4")
 
 
 def run_ours(model: str, steps: int, out: str, extra: list[str]) -> dict:
@@ -51,11 +72,11 @@ def run_ours(model: str, steps: int, out: str, extra: list[str]) -> dict:
         rows = [json.loads(ln) for ln in f if ln.strip()]
     return dict(step_s=[r["step_time"] for r in rows], wall_s=wall, adapter=os.path.join(out, f"checkpoint-{steps:06d}"),
                 reward=[r.get("reward") for r in rows], rounds=[r.get("sampling/rounds") for r in rows],
-                prompts=[r.get("sampling/prompts") for r in rows], flags=extra, quant="nvfp4")
+                prompts=[r.get("sampling/prompts") for r in rows], flags=extra, quant=quant_of(extra))
 
 
-def run_trl(model: str, steps: int, out: str) -> dict:
-    """GRPOTrainer on the bf16 model with the settings of the module docstring (this process)."""
+def run_trl(model: str, steps: int, out: str, settings: dict) -> dict:
+    """GRPOTrainer on the bf16 model with the settings of the module docstring and an arm's (this process)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -86,8 +107,7 @@ def run_trl(model: str, steps: int, out: str) -> dict:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t)
 
-    cfg = GRPOConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=GROUP, gradient_accumulation_steps=PROMPTS,
-                     num_generations=GROUP, max_completion_length=NEW, temperature=1.0, learning_rate=LR,
+    cfg = GRPOConfig(output_dir=out, max_steps=steps, **settings, num_generations=GROUP, max_completion_length=NEW, temperature=1.0, learning_rate=LR,
                      lr_scheduler_type="constant", adam_beta2=0.99, weight_decay=0.0, max_grad_norm=1.0,
                      loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=0.0, scale_rewards="group",
                      bf16=gpu, use_cpu=not gpu, model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32},
@@ -127,36 +147,45 @@ def main(argv=None):
     ap.add_argument("--train-args", default="",
                     help="more train.py flags for qerl's arms, e.g. \"--max-sampling-rounds 3\"")
     ap.add_argument("--out", default="/tmp/peer")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)          # "trl": run TRL in this process
+    ap.add_argument("--worker", help=argparse.SUPPRESS)          # a TRL arm's name: run it in this process
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    if args.worker == "trl":
-        json.dump(run_trl(args.model, args.steps, os.path.join(args.out, "trl")), open(os.path.join(args.out, "trl.json"), "w"))
+    if args.worker in TRL:
+        res = run_trl(args.model, args.steps, os.path.join(args.out, args.worker), TRL[args.worker])
+        json.dump(res, open(os.path.join(args.out, f"{args.worker}.json"), "w"))
         return
     path = os.path.join(args.out, "peer.json")
     res = json.load(open(path)) if os.path.exists(path) else {}
     for seed in (int(s) for s in args.seeds.split(",")) if args.only in (None, "ours") else ():
-        suffix, extra = (f"_s{seed}" if seed else ""), ["--seed", str(seed), *args.train_args.split()]
-        res["qerl" + suffix] = run_ours(args.model, args.steps, os.path.join(args.out, "ours" + suffix), extra)
-        res["qerl_one_round" + suffix] = run_ours(args.model, args.steps, os.path.join(args.out, "ours1" + suffix),
-                                                  [*extra, "--no-dynamic-sampling"])
-    if args.only in (None, "trl"):
+        suffix = f"_s{seed}" if seed else ""
+        for arm, flags in OURS.items():
+            extra = ["--seed", str(seed), *args.train_args.split(), *flags]
+            res[arm + suffix] = run_ours(args.model, args.steps, os.path.join(args.out, arm + suffix), extra)
+    for arm in TRL if args.only in (None, "trl") else ():
         subprocess.run([sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),
-                        "--out", args.out, "--worker", "trl"], check=True)
-        res["trl"] = json.load(open(os.path.join(args.out, "trl.json")))
+                        "--out", args.out, "--worker", arm], check=True)
+        res[arm] = json.load(open(os.path.join(args.out, f"{arm}.json")))
     for name, r in res.items():
         if "accuracy" not in r:
             r["accuracy"] = evaluate(args.model, r["adapter"], r["quant"], args.eval_limit)
             r["accuracy_untrained"] = evaluate(args.model, None, r["quant"], args.eval_limit)
         r["median_step_s"] = statistics.median(r["step_s"][2:] or r["step_s"])
     json.dump(res, open(path, "w"), indent=1)
-    print(f"{'':17} {'steps':>5} {'median s/step':>13} {'wall s':>7} {'held-out acc (untrained)':>25}")
+    print(summary(res))
+
+
+def summary(res: dict) -> str:
+    """The table, and each qerl arm's speed-up a step over TRL's best arm (and its defaults beside it)."""
+    lines = [f"{'':17} {'base':5} {'steps':>5} {'median s/step':>13} {'wall s':>7} {'held-out acc (untrained)':>25}"]
     for name, r in res.items():
-        print(f"{name:17} {len(r['step_s']):5d} {r['median_step_s']:13.3f} {r['wall_s']:7.1f} "
-              f"{100 * r['accuracy']:14.1f}% ({100 * r['accuracy_untrained']:.1f}%)")
+        lines.append(f"{name:17} {r['quant']:5} {len(r['step_s']):5d} {r['median_step_s']:13.3f} {r['wall_s']:7.1f} "
+                     f"{100 * r['accuracy']:14.1f}% ({100 * r['accuracy_untrained']:.1f}%)")
     for name in [n for n in res if n.startswith("qerl")]:
-        if "trl" in res:
-            print(f"{name} is {res['trl']['median_step_s'] / res[name]['median_step_s']:.2f}x faster a step than TRL")
+        ratios = [f"{res[t]['median_step_s'] / res[name]['median_step_s']:.2f}x faster a step than {t}"
+                  for t in ("trl_best", "trl") if t in res]
+        if ratios:
+            lines.append(f"{name}: " + "; ".join(ratios))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+"""bench/peer.py's arms and summary on CPU (its runs need a GPU and TRL): each qerl arm is evaluated on
+the base it trains on, TRL's best arm is one micro-batch of the whole batch without recomputation, and
+the summary's ratios are against TRL's best arm, with its defaults beside."""
+from test_step_bench import load_bench
+
+
+def test_each_arm_trains_and_is_evaluated_on_its_own_base():
+    peer = load_bench("peer")
+    assert {arm: peer.quant_of(flags) for arm, flags in peer.OURS.items()} == {
+        "qerl": "nvfp4", "qerl_one_round": "nvfp4", "qerl_equal_work": "bf16"}
+    assert "--no-dynamic-sampling" in peer.OURS["qerl_equal_work"]
+    assert peer.quant_of(["--quant", "bf16", "--seed", "1", "--quant", "nvfp4"]) == "nvfp4"     # the last one wins
+    best = peer.TRL["trl_best"]
+    assert best["per_device_train_batch_size"] == peer.PROMPTS * peer.GROUP and best["gradient_accumulation_steps"] == 1
+    assert best["gradient_checkpointing"] is False
+    assert peer.TRL["trl"]["per_device_train_batch_size"] * peer.TRL["trl"]["gradient_accumulation_steps"] == 64
+
+
+def test_summary_ratios_are_against_trl_at_its_best():
+    peer = load_bench("peer")
+
+    def arm(quant, median):
+        return dict(quant=quant, step_s=[5.0, 5.0, median, median], wall_s=60.0, accuracy=0.5,
+                    accuracy_untrained=0.0, median_step_s=median)
+    text = peer.summary({"qerl": arm("nvfp4", 0.4), "trl": arm("bf16", 4.0), "trl_best": arm("bf16", 1.2)})
+    assert "qerl: 3.00x faster a step than trl_best; 10.00x faster a step than trl" in text
+    assert "qerl              nvfp4" in text
