@@ -287,6 +287,8 @@ SHAPES = {
                         num_attention_heads=40, num_key_value_heads=8),
     "qwen2.5-32b": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
                         num_attention_heads=40, num_key_value_heads=8),
+    "qwen2.5-72b": dict(_QWEN25, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8),
     # Qwen3: head_dim 128 given (not hidden / heads), per-head q/k norms, no q/k/v bias
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, max_window_layers=36),

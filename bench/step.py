@@ -66,7 +66,7 @@ from kernels import tuning
 # configurations
 
 MODELS = {"7b": qckpt.SHAPES["qwen2.5-7b"], "14b": qckpt.SHAPES["qwen2.5-14b"],
-          "32b": qckpt.SHAPES["qwen2.5-32b"], "qwen3-8b": qckpt.SHAPES["qwen3-8b"],
+          "32b": qckpt.SHAPES["qwen2.5-32b"], "72b": qckpt.SHAPES["qwen2.5-72b"], "qwen3-8b": qckpt.SHAPES["qwen3-8b"],
           "tiny": dict(qckpt.SHAPES["qwen2.5-7b"], vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}  # a smoke test
 QUANTS = ("nvfp4", "bf16", "nvfp4-eager", "bf16-eager")   # -eager: training-pass small ops not compiled

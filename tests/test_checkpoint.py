@@ -281,6 +281,19 @@ def test_nvfp4_weight_memory_matches_the_paper(name, paper_gb):
     assert abs(gb - paper_gb) / paper_gb < 0.015
 
 
+def test_72b_shape_has_the_model_cards_parameter_count():
+    """Qwen2.5-72B: 72.7 B parameters (its model card); in NVFP4, 80 layers of q/k/v/o/gate/up/down at
+    4.5 bits a weight, the bf16 embedding and lm_head, fp32 norms, bf16 q/k/v biases and RoPE's inv_freq."""
+    with torch.device("meta"):
+        bf16 = M.Transformer(M.ModelConfig.from_hf(C.SHAPES["qwen2.5-72b"]), "bf16")
+        nvfp4 = M.Transformer(M.ModelConfig.from_hf(C.SHAPES["qwen2.5-72b"]), "nvfp4")
+    assert round(sum(p.numel() for p in bf16.parameters()) / 1e9, 1) == 72.7
+    linear = 80 * 8192 * (8192 + 2 * 1024 + 8192 + 3 * 29568)           # per layer: q, k, v, o, gate, up, down
+    rest = (2 * 2 * 152064 * 8192 + 4 * (2 * 80 + 1) * 8192               # bf16 embedding + lm_head; fp32 norms
+            + 2 * 80 * (8192 + 2 * 1024) + 4 * 64)                        # bf16 q/k/v biases; inv_freq (D/2)
+    assert C.weight_bytes(nvfp4) == linear // 2 + linear // 16 + 4 * 7 * 80 + rest  # codes, e4m3 scales, fp32 globals
+
+
 def test_a_model_that_cannot_fit_fails_before_loading(monkeypatch):
     with torch.device("meta"):
         model = M.Transformer(M.ModelConfig.from_hf(C.SHAPES["qwen2.5-32b"]), "bf16")
