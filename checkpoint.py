@@ -54,6 +54,7 @@ from safetensors.torch import save_file
 
 import nvfp4
 import ops
+import plan
 from model import GROUPS, ModelConfig, RMSNorm, Transformer, rope_inv_freq, stack_groups
 
 INIT_STD = 0.02  # build_model's random weights (transformers' initializer_range)
@@ -211,7 +212,7 @@ def check_fits(model: Transformer, device: torch.device) -> None:
     """Fail before loading anything when the weights (+ what loading holds in flight: load_bytes) cannot fit."""
     if device.type != "cuda":
         return
-    need, free = load_bytes(model), torch.cuda.mem_get_info(device)[0]
+    need, free = load_bytes(model), plan.free_memory(device)
     if need > free:
         raise ValueError(f"the {model.quant} model needs {need / 2**30:.1f} GiB for its weights (+ the bf16 "
                          f"weights in flight) but {device} has {free / 2**30:.1f} GiB free; try quant='nvfp4' or a larger GPU")

@@ -15,6 +15,10 @@ choices that trade memory for speed, none of which changes the math:
     staging rows stay), and, for the training pass, a bf16 copy of the NVFP4 weights (one
     dequantization per step instead of one per matmul call and micro-batch).
 
+Free memory is what this process may still reserve (free_memory): the device's free memory, capped by
+a per-process limit where one is set (torch.cuda.set_per_process_memory_fraction, as bench/step.py's
+--available-gib emulates an 80 GB card on a larger one); the KV cache and checkpoint.check_fits read it too.
+
 So the plan measures, once at start-up, what a token costs: a forward + backward over one and two
 synthetic sequences of PROBE_TOKENS tokens, recomputation off and on, gives the peak memory above
 the baseline as a + b·tokens (b: what a token keeps for the backward; a: the lm_head chunk and the
@@ -107,6 +111,16 @@ def dense_weights(model, on: bool):
             m.dense = None
 
 
+def free_memory(device) -> int:
+    """Bytes this process may still reserve on a CUDA device: the device's free memory, or less where a
+    per-process limit is set (torch.cuda.set_per_process_memory_fraction: an 80 GB card emulated on a
+    larger one, bench/step.py's --available-gib), less what PyTorch's allocator holds already. What the
+    allocator holds but has not handed out (cached) is not counted: callers that can reuse it add it."""
+    free, total = torch.cuda.mem_get_info(device)
+    limit = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+    return int(max(0, min(free, limit)))
+
+
 def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device) -> tuple[float, float]:
     """Peak bytes above the baseline of fwd_bwd over 1 and 2 synthetic sequences of PROBE_TOKENS:
     -> (a, b) of peak = a + b·tokens. The gradients it leaves are dropped."""
@@ -173,11 +187,11 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
         model.gradient_checkpointing = bool(grad_checkpointing)
         return StepPlan(micro_batch, None, model.gradient_checkpointing, False, 0,
                         "no GPU: one micro-batch, recomputation off unless asked for")
-    free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
+    free = free_memory(device) - 3 * 4 * trainable
     dense_bytes = 2 * nvfp4_weights(model)                                 # their bf16 copies
     dense = 0 < dense_bytes <= DENSE_SHARE * free
     with dense_weights(model, dense):
-        free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
+        free = free_memory(device) - 3 * 4 * trainable
         a_full, b_full = _probe(fwd_bwd, model, model.config.vocab_size, False, device)
         a_ckpt, b_ckpt = _probe(fwd_bwd, model, model.config.vocab_size, True, device)
     b_ckpt = recompute_bytes(b_ckpt, b_full, model.config.num_layers, model.config.hidden_size, model.dtype.itemsize)

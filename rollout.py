@@ -77,6 +77,7 @@ import torch
 
 import graphs
 import ops
+import plan
 from attention import packed_causal_attention, paged_attention_ref, store_kv_ref, varlen_runs
 from graphs import new_record, split_record
 from scheduler import BlockManager, Scheduler, Sequence
@@ -406,7 +407,7 @@ class LLMEngine:
         reserve = (prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4
                    + rows * cfg.vocab_size * 16 + (1 << 29))
         cached = torch.cuda.memory_reserved(r.device) - torch.cuda.memory_allocated(r.device)
-        free = torch.cuda.mem_get_info(r.device)[0] + cached + held - reserve
+        free = plan.free_memory(r.device) + cached + held - reserve
         return max(1, min(need, int(self.gpu_memory_utilization * free) // r.bytes_per_block()))
 
     def _check_prompts(self, prompts, params):

@@ -17,7 +17,7 @@ import checkpoint as C
 import model as M
 import nvfp4
 from checkpoint import load_model, save_pretrained
-from conftest import make_tiny_hf
+from conftest import fake_gpu_memory, make_tiny_hf
 from test_model import batch, hf_logits, load32, rel_err
 
 # ----------------------------------------------------------------------------------------------
@@ -297,8 +297,11 @@ def test_72b_shape_has_the_model_cards_parameter_count():
 def test_a_model_that_cannot_fit_fails_before_loading(monkeypatch):
     with torch.device("meta"):
         model = M.Transformer(M.ModelConfig.from_hf(C.SHAPES["qwen2.5-32b"]), "bf16")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30))
+    fake_gpu_memory(monkeypatch, 80, 80)
     C.check_fits(model, torch.device("cuda", 0))  # 61 GiB of bf16 weights fit in 80 GiB
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    fake_gpu_memory(monkeypatch, 40, 80)
     with pytest.raises(ValueError, match=r"needs 62\.\d GiB .* has 40\.0 GiB free"):
+        C.check_fits(model, torch.device("cuda", 0))
+    fake_gpu_memory(monkeypatch, 130, 140, fraction=50 / 140)   # a 140 GiB card held to 50 GiB
+    with pytest.raises(ValueError, match=r"needs 62\.\d GiB .* has 50\.0 GiB free"):
         C.check_fits(model, torch.device("cuda", 0))
