@@ -22,7 +22,11 @@ a per-process limit where one is set (torch.cuda.set_per_process_memory_fraction
 So the plan measures, once at start-up, what a token costs: a forward + backward over one and two
 synthetic sequences of PROBE_TOKENS tokens, recomputation off and on, gives the peak memory above
 the baseline as a + b·tokens (b: what a token keeps for the backward; a: the lm_head chunk and the
-rest that does not grow). vLLM sizes its KV cache the same way, by measurement, not by formula. Then
+rest that does not grow). vLLM sizes its KV cache the same way, by measurement, not by formula. The
+two-sequence pass runs only where twice the one-sequence peak stays within the budget below; else the
+one-sequence peak counts as all per-token (an overestimate of b): at 72B on 80 GB the pass without
+recomputation keeps ~40 MiB a token, and its probe, not the step, would otherwise set the peak on a
+tighter card (bench/memory.py's probe column). Then
 
     budget   = BUDGET_SHARE · free memory after weights, adapters, optimizer state and dense copies
     recompute only where one sequence of the longest possible length does not fit without it
@@ -121,13 +125,24 @@ def free_memory(device) -> int:
     return int(max(0, min(free, limit)))
 
 
-def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device) -> tuple[float, float]:
+def second_probe_fits(first_peak: float, limit: float) -> bool:
+    """Whether the probe's two-sequence pass may run: its peak, a + 2·b·PROBE_TOKENS, is at most twice
+    the one-sequence pass's a + b·PROBE_TOKENS, so that pass's peak, doubled, must stay within limit."""
+    return 2 * first_peak <= limit
+
+
+def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device, limit: float) -> tuple[float, float]:
     """Peak bytes above the baseline of fwd_bwd over 1 and 2 synthetic sequences of PROBE_TOKENS:
-    -> (a, b) of peak = a + b·tokens. The gradients it leaves are dropped."""
+    -> (a, b) of peak = a + b·tokens. The gradients it leaves are dropped. Where the two-sequence pass
+    could pass `limit` (second_probe_fits; a 72B model's pass without recomputation keeps ~40 MiB a
+    token) it is not run, and the one-sequence peak counts as all per-token: (0, peak / PROBE_TOKENS),
+    an overestimate of b, which errs toward recomputation and smaller micro-batches."""
     model.gradient_checkpointing = ckpt
     gen = torch.Generator(device).manual_seed(0)
     peaks = []
     for rows in (1, 2):
+        if rows == 2 and not second_probe_fits(peaks[0], limit):
+            break
         ids = torch.randint(0, vocab, (rows, PROBE_TOKENS), device=device, generator=gen)
         prompt = torch.full((rows,), PROBE_TOKENS // 4, device=device)
         torch.cuda.synchronize(device)
@@ -138,6 +153,8 @@ def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device) -> tuple[float, float
         peaks.append(torch.cuda.max_memory_allocated(device) - base)
     for p in model.parameters():
         p.grad = None
+    if len(peaks) == 1:
+        return 0.0, peaks[0] / PROBE_TOKENS
     b = max(peaks[1] - peaks[0], 1) / PROBE_TOKENS
     return max(peaks[0] - b * PROBE_TOKENS, 0.0), b
 
@@ -192,8 +209,9 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
     dense = 0 < dense_bytes <= DENSE_SHARE * free
     with dense_weights(model, dense):
         free = free_memory(device) - 3 * 4 * trainable
-        a_full, b_full = _probe(fwd_bwd, model, model.config.vocab_size, False, device)
-        a_ckpt, b_ckpt = _probe(fwd_bwd, model, model.config.vocab_size, True, device)
+        limit = BUDGET_SHARE * free
+        a_full, b_full = _probe(fwd_bwd, model, model.config.vocab_size, False, device, limit)
+        a_ckpt, b_ckpt = _probe(fwd_bwd, model, model.config.vocab_size, True, device, limit)
     b_ckpt = recompute_bytes(b_ckpt, b_full, model.config.num_layers, model.config.hidden_size, model.dtype.itemsize)
     why = (f"{free / GIB:.1f} GiB free for the training pass; a token keeps {b_full / 2**20:.2f} MiB "
            f"({b_ckpt / 2**20:.2f} with recomputation)")
