@@ -31,7 +31,11 @@ H100 step, bench/results/step_32b_nvfp4_2048_h100.json) scaled by layers x hidde
 recomputation, never below plan.recompute_bytes's floor (every layer's input, and one layer again). The
 same rule takes the 7B measurement (step_7b_h100.json) to within 4% of the 32B one. The token-independent
 a is the lm_head chunk (its fp32 logits and their bf16 gradient, chunk x vocab) and, without dense copies,
-the largest weight group dequantized to bf16. --token-mib puts a figure of your own in place of b.
+the largest weight group dequantized to bf16. --token-mib puts a figure of your own in place of b. The
+probe's b is rough: its two passes of a few hundred tokens see the lm_head chunk grow with the rows (it
+stops at one chunk in a real micro-batch), and only the first allocates the adapter gradients, so their
+4 bytes a parameter / PROBE_TOKENS (4 MiB a token at 32B) drop out of the difference. Where the plan
+recomputes, the floor decides, and the floor is exact but for one layer's share.
 
 The plan sees, after the build, the budget less the weights, the adapters and 12 bytes an adapter
 parameter (gradient and AdamW). On the GPU it sees less: the allocator keeps what the build freed (the
@@ -209,7 +213,7 @@ def memory_table(config: dict, recipe: Recipe, budget: float, b_full: float, b_c
     rows += [("quantize-on-load in flight (checkpoint.load_bytes: a bf16 group or the embedding, and temporaries)",
               qckpt.load_bytes(meta) - qckpt.weight_bytes(meta), {"load"}),
              (f"LoRA r{recipe.lora_rank} adapters, {n / 1e6:.1f} M fp32 parameters", 4 * n, everywhere - {"load"}),
-             ("LoRA gradients (fp32; alive from a backward to the next step's zero_grad)", 4 * n, steady),
+             ("LoRA gradients (fp32; alive from a backward to the next step's zero_grad)", 4 * n, steady | {"probe"}),
              ("AdamW exp_avg and exp_avg_sq (fp32)", 8 * n, steady),
              ("LoRA copies in the activation dtype, kept for sampling", n * dtype.itemsize * (dtype != torch.float32),
               steady)]

@@ -43,7 +43,7 @@ def test_tiny_shape_by_hand(memory):
     kv = 2 * 2 * 16 * 2 * 16 * 2 * (2 * 2)                         # 2 sequences of 2 blocks, kept between steps
     assert t["kv_blocks"] == 4
     assert t["totals"] == {"load": weights + in_flight,
-                           "probe": weights + 4 * n + dense + a + 2 * 256 * MIB,
+                           "probe": weights + 8 * n + dense + a + 2 * 256 * MIB,   # adapters, their gradients
                            "rollout": steady + kv + reserve,
                            "train": steady + dense + kv + a + 2 * 32 * MIB,   # both sequences, no recomputation
                            "optimizer": steady + kv + 4 * n}
@@ -54,7 +54,7 @@ def test_tiny_shape_by_hand(memory):
     # half a GiB: the rollout's reserve alone is that much; the probe's second pass would pass its limit
     t = memory.memory_table(TINY, recipe, 0.5 * G, 1 * MIB, 0.0)
     assert not t["fits"] and t["over"] == ["rollout"], t["totals"]
-    assert t["totals"]["probe"] == weights + 4 * n + dense + a + 256 * MIB
+    assert t["totals"]["probe"] == weights + 8 * n + dense + a + 256 * MIB
     assert memory.longest_completion(TINY, recipe, 0.5 * G, 1 * MIB, 0.0) is None
 
 
