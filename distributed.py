@@ -22,7 +22,8 @@ rate that rank 0 loads. The machine holding the run must therefore host rank 0: 
 rendezvous (--master-addr, --node-rank 0 on that machine) does that; its c10d rendezvous orders machines
 by host name. check_ranks stops a start, before anything loads, where another rank's --output-dir holds
 a newer checkpoint than rank 0's, or where a rank was started with other flags than rank 0's (each
-machine runs the same command but for PER_RANK_FLAGS: its own --output-dir and --device).
+machine runs the same flags but for PER_RANK_FLAGS: its own --output-dir and --device, the --config
+file it read them from, --resume).
 
 Where the time goes. Each collective counts the seconds its rank spends in it: all_gather_object and
 the barrier on the host clock, the gradient all_reduce until its result is on the device. A rank waits
@@ -144,7 +145,8 @@ def check_ranks(args, ckpt: str | None) -> None:
         if differ:
             shown = "; ".join(f"--{k.replace('_', '-')} {other.get(k)!r} (rank 0: {first.get(k)!r})" for k in differ)
             raise SystemExit(f"error: rank {r} was started with other flags than rank 0: {shown}. Start every "
-                             f"machine with the same command; only --output-dir and --device may differ")
+                             f"machine with the same flags; only --output-dir, --device, --config and --resume "
+                             f"may differ")
     newest = max(range(len(parts)), key=lambda r: (parts[r][1], -r))
     if parts[newest][1] > parts[0][1]:
         raise SystemExit(f"error: rank {newest}'s --output-dir holds {parts[newest][2]}, newer than rank 0's "
