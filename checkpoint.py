@@ -54,6 +54,7 @@ from safetensors.torch import save_file
 
 import nvfp4
 import ops
+import plan
 from model import GROUPS, ModelConfig, RMSNorm, Transformer, rope_inv_freq, stack_groups
 
 INIT_STD = 0.02  # build_model's random weights (transformers' initializer_range)
@@ -211,7 +212,7 @@ def check_fits(model: Transformer, device: torch.device) -> None:
     """Fail before loading anything when the weights (+ what loading holds in flight: load_bytes) cannot fit."""
     if device.type != "cuda":
         return
-    need, free = load_bytes(model), torch.cuda.mem_get_info(device)[0]
+    need, free = load_bytes(model), plan.free_memory(device)
     if need > free:
         raise ValueError(f"the {model.quant} model needs {need / 2**30:.1f} GiB for its weights (+ the bf16 "
                          f"weights in flight) but {device} has {free / 2**30:.1f} GiB free; try quant='nvfp4' or a larger GPU")
@@ -287,6 +288,8 @@ SHAPES = {
                         num_attention_heads=40, num_key_value_heads=8),
     "qwen2.5-32b": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
                         num_attention_heads=40, num_key_value_heads=8),
+    "qwen2.5-72b": dict(_QWEN25, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8),
     # Qwen3: head_dim 128 given (not hidden / heads), per-head q/k norms, no q/k/v bias
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, max_window_layers=36),

@@ -15,10 +15,18 @@ choices that trade memory for speed, none of which changes the math:
     staging rows stay), and, for the training pass, a bf16 copy of the NVFP4 weights (one
     dequantization per step instead of one per matmul call and micro-batch).
 
+Free memory is what this process may still reserve (free_memory): the device's free memory, capped by
+a per-process limit where one is set (torch.cuda.set_per_process_memory_fraction, as bench/step.py's
+--available-gib emulates an 80 GB card on a larger one); the KV cache and checkpoint.check_fits read it too.
+
 So the plan measures, once at start-up, what a token costs: a forward + backward over one and two
 synthetic sequences of PROBE_TOKENS tokens, recomputation off and on, gives the peak memory above
 the baseline as a + b·tokens (b: what a token keeps for the backward; a: the lm_head chunk and the
-rest that does not grow). vLLM sizes its KV cache the same way, by measurement, not by formula. Then
+rest that does not grow). vLLM sizes its KV cache the same way, by measurement, not by formula. The
+two-sequence pass runs only where twice the one-sequence peak stays within the budget below; else the
+one-sequence peak counts as all per-token (an overestimate of b): at 72B on 80 GB the pass without
+recomputation keeps ~40 MiB a token, and its probe, not the step, would otherwise set the peak on a
+tighter card (bench/memory.py's probe column). Then
 
     budget   = BUDGET_SHARE · free memory after weights, adapters, optimizer state and dense copies
     recompute only where one sequence of the longest possible length does not fit without it
@@ -107,13 +115,34 @@ def dense_weights(model, on: bool):
             m.dense = None
 
 
-def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device) -> tuple[float, float]:
+def free_memory(device) -> int:
+    """Bytes this process may still reserve on a CUDA device: the device's free memory, or less where a
+    per-process limit is set (torch.cuda.set_per_process_memory_fraction: an 80 GB card emulated on a
+    larger one, bench/step.py's --available-gib), less what PyTorch's allocator holds already. What the
+    allocator holds but has not handed out (cached) is not counted: callers that can reuse it add it."""
+    free, total = torch.cuda.mem_get_info(device)
+    limit = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+    return int(max(0, min(free, limit)))
+
+
+def second_probe_fits(first_peak: float, limit: float) -> bool:
+    """Whether the probe's two-sequence pass may run: its peak, a + 2·b·PROBE_TOKENS, is at most twice
+    the one-sequence pass's a + b·PROBE_TOKENS, so that pass's peak, doubled, must stay within limit."""
+    return 2 * first_peak <= limit
+
+
+def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device, limit: float) -> tuple[float, float]:
     """Peak bytes above the baseline of fwd_bwd over 1 and 2 synthetic sequences of PROBE_TOKENS:
-    -> (a, b) of peak = a + b·tokens. The gradients it leaves are dropped."""
+    -> (a, b) of peak = a + b·tokens. The gradients it leaves are dropped. Where the two-sequence pass
+    could pass `limit` (second_probe_fits; a 72B model's pass without recomputation keeps ~40 MiB a
+    token) it is not run, and the one-sequence peak counts as all per-token: (0, peak / PROBE_TOKENS),
+    an overestimate of b, which errs toward recomputation and smaller micro-batches."""
     model.gradient_checkpointing = ckpt
     gen = torch.Generator(device).manual_seed(0)
     peaks = []
     for rows in (1, 2):
+        if rows == 2 and not second_probe_fits(peaks[0], limit):
+            break
         ids = torch.randint(0, vocab, (rows, PROBE_TOKENS), device=device, generator=gen)
         prompt = torch.full((rows,), PROBE_TOKENS // 4, device=device)
         torch.cuda.synchronize(device)
@@ -124,6 +153,8 @@ def _probe(fwd_bwd, model, vocab: int, ckpt: bool, device) -> tuple[float, float
         peaks.append(torch.cuda.max_memory_allocated(device) - base)
     for p in model.parameters():
         p.grad = None
+    if len(peaks) == 1:
+        return 0.0, peaks[0] / PROBE_TOKENS
     b = max(peaks[1] - peaks[0], 1) / PROBE_TOKENS
     return max(peaks[0] - b * PROBE_TOKENS, 0.0), b
 
@@ -173,13 +204,14 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
         model.gradient_checkpointing = bool(grad_checkpointing)
         return StepPlan(micro_batch, None, model.gradient_checkpointing, False, 0,
                         "no GPU: one micro-batch, recomputation off unless asked for")
-    free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
+    free = free_memory(device) - 3 * 4 * trainable
     dense_bytes = 2 * nvfp4_weights(model)                                 # their bf16 copies
     dense = 0 < dense_bytes <= DENSE_SHARE * free
     with dense_weights(model, dense):
-        free = torch.cuda.mem_get_info(device)[0] - 3 * 4 * trainable
-        a_full, b_full = _probe(fwd_bwd, model, model.config.vocab_size, False, device)
-        a_ckpt, b_ckpt = _probe(fwd_bwd, model, model.config.vocab_size, True, device)
+        free = free_memory(device) - 3 * 4 * trainable
+        limit = BUDGET_SHARE * free
+        a_full, b_full = _probe(fwd_bwd, model, model.config.vocab_size, False, device, limit)
+        a_ckpt, b_ckpt = _probe(fwd_bwd, model, model.config.vocab_size, True, device, limit)
     b_ckpt = recompute_bytes(b_ckpt, b_full, model.config.num_layers, model.config.hidden_size, model.dtype.itemsize)
     why = (f"{free / GIB:.1f} GiB free for the training pass; a token keeps {b_full / 2**20:.2f} MiB "
            f"({b_ckpt / 2**20:.2f} with recomputation)")

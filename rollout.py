@@ -77,6 +77,7 @@ import torch
 
 import graphs
 import ops
+import plan
 from attention import packed_causal_attention, paged_attention_ref, store_kv_ref, varlen_runs
 from graphs import new_record, split_record
 from scheduler import BlockManager, Scheduler, Sequence
@@ -347,6 +348,14 @@ class Runner:
 # ----------------------------------------------------------------------------------------------
 # Engine: the public API
 
+def activation_reserve(cfg, prefill_tokens: int, rows: int) -> int:
+    """Bytes a generate() call leaves free beside its KV cache: prefill activations (a few (N, hidden) and
+    (N, intermediate) bf16 tensors, counted at 4 bytes) and the sampler's fp32 (B, V) temporaries for
+    `rows` sequences decoded at once, plus 512 MiB of slack (the decode graphs' pool among it)."""
+    return (prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4
+            + rows * cfg.vocab_size * 16 + (1 << 29))
+
+
 class LLMEngine:
     """engine = LLMEngine(model); engine.generate(prompts, SamplingParams(...)); engine.free_cache()
 
@@ -400,13 +409,8 @@ class LLMEngine:
         if r.device.type != "cuda":
             return need
         held = 0 if r.k_cache is None else 2 * r.k_cache.numel() * r.k_cache.element_size()
-        cfg = self.model.config
-        # prefill activations (a few (N, hidden) and (N, intermediate) bf16 tensors) and the sampler's
-        # fp32 (B, V) temporaries, plus slack
-        reserve = (prefill_tokens * (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4
-                   + rows * cfg.vocab_size * 16 + (1 << 29))
         cached = torch.cuda.memory_reserved(r.device) - torch.cuda.memory_allocated(r.device)
-        free = torch.cuda.mem_get_info(r.device)[0] + cached + held - reserve
+        free = plan.free_memory(r.device) + cached + held - activation_reserve(self.model.config, prefill_tokens, rows)
         return max(1, min(need, int(self.gpu_memory_utilization * free) // r.bytes_per_block()))
 
     def _check_prompts(self, prompts, params):

@@ -36,9 +36,10 @@ metrics.jsonl, plots.png, crash-safe checkpoints that --resume continues from) a
 order, AQN noise, sampling) is seeded from (seed, step), and a checkpoint carries the data position and
 dynamic sampling's keep rate, so a resumed run samples what the uninterrupted run would have.
 
-Left out here: multi-node (the output directory must be shared), a learning-rate decay schedule.
+Left out here: a learning-rate decay schedule.
 Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run);
-tests/test_distributed.py (2 CPU processes over gloo give the single-process update).
+tests/test_distributed.py (2 CPU processes over gloo give the single-process update; two machines
+without a shared disk, killed and resumed).
 """
 import functools
 import hashlib
@@ -73,7 +74,8 @@ from data import one_line
 from eval import evaluate  # eval.py imports nothing from here
 from flags import parse_args
 from logprobs import collate, completion_logprobs, micro_batches
-from distributed import all_reduce_grads, dist_setup, gather, rank_world
+from distributed import (all_reduce_grads, barrier, check_ranks, dist_setup, from_rank0, gather, rank_times,
+                         rank_world)
 from run_dir import (COMPLETIONS, METRICS, RUN_CONFIG, load_checkpoint, plot_metrics, prepare_output_dir,
                      save_checkpoint, truncate_rows, unlock_run_dir, write_atomic)
 
@@ -415,7 +417,7 @@ def load_prompts(args) -> tuple:
 def train_loop(args, policy: Policy, stream: PromptStream, tokenizer, eval_set: list, start: int):
     """Steps start .. --max-steps (or --stop-at): each optimizer_step, then evaluate, record (rank 0) and
     checkpoint. -> the last evaluation (updates, accuracy), or None."""
-    rank, world = rank_world()
+    rank = rank_world()[0]
     tracker = report.Tracker(args.report_to if rank == 0 else "none", args.output_dir, vars(args))
     initial, last_eval = {}, None
     if eval_set and args.eval_every and start == 0:  # the starting point of the learning curve
@@ -431,6 +433,7 @@ def train_loop(args, policy: Policy, stream: PromptStream, tokenizer, eval_set: 
                 m.update(evaluate_policy(policy, tokenizer, eval_set, args), **{"eval/updates": step + 1})
                 last_eval = (step + 1, m["eval/accuracy"])
             m["step_time"] = time.perf_counter() - t_step
+            m.update(rank_times(m))  # each rank's rollout, training and waiting time (distributed.py)
             if policy.device.type == "cuda":
                 m["memory/peak_gib"] = torch.cuda.max_memory_allocated(policy.device) / 2 ** 30
                 torch.cuda.reset_peak_memory_stats(policy.device)
@@ -442,8 +445,7 @@ def train_loop(args, policy: Policy, stream: PromptStream, tokenizer, eval_set: 
             if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
                 save_checkpoint(args.output_dir, step + 1, policy.model, policy.optimizer, policy.scheduler,
                                 stream.position, args.model, args.keep_checkpoints, stream.keep_rate)
-            if world > 1:
-                torch.distributed.barrier()  # rank 0 has finished the checkpoint before any rank goes on
+            barrier()  # rank 0 has finished the checkpoint before any rank goes on
             if stop:
                 break
     finally:
@@ -457,8 +459,7 @@ def main(argv=None):
     rank, world, device = dist_setup(args.device)
     log(json.dumps(vars(args), indent=None))
     resume_from = prepare_output_dir(args, write=rank == 0)
-    if world > 1:
-        torch.distributed.barrier()  # every rank has checked the directory before rank 0 writes to it
+    check_ranks(args, resume_from)  # same flags, rank 0 holds the newest checkpoint; then rank 0 writes
 
     # ---- data, rewards, tokenizer, then the policy: model, adapters, optimizer, sampler
     tokenizer, stream, eval_set = load_prompts(args)
@@ -474,10 +475,11 @@ def main(argv=None):
         record = {**vars(args), "world_size": world, "step_plan": policy.step_plan.as_dict()}
         write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps(record, indent=2))
     start = 0
-    if resume_from:
-        state = load_checkpoint(resume_from, policy.model, policy.optimizer, policy.scheduler, args.model)
-        start, stream.position, stream.keep_rate = state["step"], state["data_pos"], state["keep_rate"]
-        log(f"resumed from {resume_from} at step {start}")
+    with from_rank0(resume_from) as ckpt:  # rank 0's checkpoint, sent to ranks on machines without its disk
+        if ckpt:
+            state = load_checkpoint(ckpt, policy.model, policy.optimizer, policy.scheduler, args.model)
+            start, stream.position, stream.keep_rate = state["step"], state["data_pos"], state["keep_rate"]
+            log(f"resumed from {resume_from} at step {start}")
     if rank == 0:
         for name in (METRICS, COMPLETIONS):
             truncate_rows(args.output_dir, name, start)

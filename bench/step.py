@@ -29,14 +29,16 @@ and never built. That rule is necessary, not sufficient: bf16 32B (61 GiB of wei
 80 GB H100, and whether the KV cache, adapters, optimizer and activations fit too is found by running
 it, where an out-of-memory error is caught and reported ("oom", with the phase it hit).
 --available-gib replaces the free memory in the check and, on a GPU, caps what the process may allocate
-(torch.cuda.set_per_process_memory_fraction): a smaller card, emulated (the KV cache is still sized from
-the real free memory: lower --gpu-memory-utilization to match), and the CPU test. --force skips the
+(torch.cuda.set_per_process_memory_fraction): a smaller card, emulated (the step plan and the KV cache
+are sized within that cap: plan.free_memory), and the CPU test. --force skips the
 check and checkpoint.check_fits itself, to watch the allocation fail for real.
 
     python bench/step.py --models 7b --quants nvfp4,bf16 --completion 1024       # ~2.5 min on an H100
     python bench/step.py --models 7b --quants nvfp4,nvfp4-eager --completion 1024  # compiled vs eager small ops
     python bench/step.py --models 32b --quants bf16 --completion 1024     # passes check_fits; does the step?
     python bench/step.py --models 32b --quants bf16 --completion 1024 --available-gib 60 --force  # OOM, for real
+    python bench/step.py --models 72b --quants nvfp4 --prompts 1 --group 8 --completion 2048 \\
+        --available-gib 76 --warmup-tokens 16      # the paper's 32B recipe on 72B within an 80 GB card's 76 GiB
     python bench/step.py --models tiny --device cpu --dtype float32 --prompts 2 --group 2 \\
         --prompt-len 8 --completion 4 --micro-batch 2 --out /tmp/step.json            # CPU smoke test
 Results merge into --out by (model, quant, completion), so runs split over several device calls
@@ -66,7 +68,7 @@ from kernels import tuning
 # configurations
 
 MODELS = {"7b": qckpt.SHAPES["qwen2.5-7b"], "14b": qckpt.SHAPES["qwen2.5-14b"],
-          "32b": qckpt.SHAPES["qwen2.5-32b"], "qwen3-8b": qckpt.SHAPES["qwen3-8b"],
+          "32b": qckpt.SHAPES["qwen2.5-32b"], "72b": qckpt.SHAPES["qwen2.5-72b"], "qwen3-8b": qckpt.SHAPES["qwen3-8b"],
           "tiny": dict(qckpt.SHAPES["qwen2.5-7b"], vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}  # a smoke test
 QUANTS = ("nvfp4", "bf16", "nvfp4-eager", "bf16-eager")   # -eager: training-pass small ops not compiled

@@ -104,6 +104,15 @@ def hf_greedy(hf, prompt, max_new):
     return out[0, len(prompt):].tolist()
 
 
+def fake_gpu_memory(monkeypatch, free_gib: float, total_gib: float, fraction: float = 1.0, reserved_gib: float = 0.0):
+    """torch.cuda's memory queries answer for a GPU that does not exist: free and total device memory,
+    the per-process limit (set_per_process_memory_fraction's) and the bytes this process reserved."""
+    G = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * G), int(total_gib * G)))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(reserved_gib * G))
+
+
 @pytest.fixture
 def tiny_hf_dir(tmp_path):
     """Factory: write a tiny random HF checkpoint (safetensors) and return (dir, hf_model)."""

@@ -17,7 +17,7 @@ import checkpoint as C
 import model as M
 import nvfp4
 from checkpoint import load_model, save_pretrained
-from conftest import make_tiny_hf
+from conftest import fake_gpu_memory, make_tiny_hf
 from test_model import batch, hf_logits, load32, rel_err
 
 # ----------------------------------------------------------------------------------------------
@@ -281,11 +281,27 @@ def test_nvfp4_weight_memory_matches_the_paper(name, paper_gb):
     assert abs(gb - paper_gb) / paper_gb < 0.015
 
 
+def test_72b_shape_has_the_model_cards_parameter_count():
+    """Qwen2.5-72B: 72.7 B parameters (its model card); in NVFP4, 80 layers of q/k/v/o/gate/up/down at
+    4.5 bits a weight, the bf16 embedding and lm_head, fp32 norms, bf16 q/k/v biases and RoPE's inv_freq."""
+    with torch.device("meta"):
+        bf16 = M.Transformer(M.ModelConfig.from_hf(C.SHAPES["qwen2.5-72b"]), "bf16")
+        nvfp4 = M.Transformer(M.ModelConfig.from_hf(C.SHAPES["qwen2.5-72b"]), "nvfp4")
+    assert round(sum(p.numel() for p in bf16.parameters()) / 1e9, 1) == 72.7
+    linear = 80 * 8192 * (8192 + 2 * 1024 + 8192 + 3 * 29568)           # per layer: q, k, v, o, gate, up, down
+    rest = (2 * 2 * 152064 * 8192 + 4 * (2 * 80 + 1) * 8192               # bf16 embedding + lm_head; fp32 norms
+            + 2 * 80 * (8192 + 2 * 1024) + 4 * 64)                        # bf16 q/k/v biases; inv_freq (D/2)
+    assert C.weight_bytes(nvfp4) == linear // 2 + linear // 16 + 4 * 7 * 80 + rest  # codes, e4m3 scales, fp32 globals
+
+
 def test_a_model_that_cannot_fit_fails_before_loading(monkeypatch):
     with torch.device("meta"):
         model = M.Transformer(M.ModelConfig.from_hf(C.SHAPES["qwen2.5-32b"]), "bf16")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30))
+    fake_gpu_memory(monkeypatch, 80, 80)
     C.check_fits(model, torch.device("cuda", 0))  # 61 GiB of bf16 weights fit in 80 GiB
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 2**30, 80 * 2**30))
+    fake_gpu_memory(monkeypatch, 40, 80)
     with pytest.raises(ValueError, match=r"needs 62\.\d GiB .* has 40\.0 GiB free"):
+        C.check_fits(model, torch.device("cuda", 0))
+    fake_gpu_memory(monkeypatch, 130, 140, fraction=50 / 140)   # a 140 GiB card held to 50 GiB
+    with pytest.raises(ValueError, match=r"needs 62\.\d GiB .* has 50\.0 GiB free"):
         C.check_fits(model, torch.device("cuda", 0))

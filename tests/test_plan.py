@@ -5,6 +5,7 @@ import torch
 
 import checkpoint
 import plan
+from conftest import fake_gpu_memory
 from plan import StepPlan, decide, micro_batches
 
 MIB, G = 2 ** 20, 2 ** 30
@@ -96,3 +97,37 @@ def test_parameters_count_each_nvfp4_weight_as_its_matrix(quant):
     model = checkpoint.build_model(cfg, quant=quant, device="cpu", dtype=torch.float32)
     want = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64 + 128 + 3 * 64 + 2 * 64 * 64
     assert plan.parameters(model) == want
+
+
+def test_free_memory_honours_the_per_process_limit(monkeypatch):
+    """What the plan, the KV cache and checkpoint.check_fits read: the device's free memory, or, under
+    set_per_process_memory_fraction (an 80 GB card emulated on a 140 GiB one), the limit less what this
+    process has reserved: 0.5 · 140 - 20 = 50 GiB of the 100 free."""
+    cuda = torch.device("cuda", 0)
+    fake_gpu_memory(monkeypatch, 100, 140, reserved_gib=20)
+    assert plan.free_memory(cuda) == 100 * G
+    fake_gpu_memory(monkeypatch, 100, 140, fraction=0.5, reserved_gib=20)
+    assert plan.free_memory(cuda) == 50 * G
+    fake_gpu_memory(monkeypatch, 100, 140, fraction=0.1, reserved_gib=20)
+    assert plan.free_memory(cuda) == 0, "past its limit a process has nothing left, not a negative amount"
+
+
+def test_probe_skips_the_two_sequence_pass_that_would_not_fit(monkeypatch):
+    """The probe on made-up memory: a pass over T tokens peaks at a + b·T above the baseline (a = 3 MiB,
+    b = 1 MiB, T = PROBE_TOKENS). With room for it, both passes run and (a, b) come back exactly; where
+    twice the first peak passes the limit, the second never runs and b = (a + b·T) / T, a = 0."""
+    T, a, b = plan.PROBE_TOKENS, 3 * MIB, 1 * MIB
+    stats, passes = {"peak": 0}, []
+
+    def fwd_bwd(ids, prompt_lens, comp_lens):
+        passes.append(ids.numel())
+        stats["peak"] = a + b * ids.numel()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: stats.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["peak"])
+    model = torch.nn.Linear(2, 2)
+    assert plan._probe(fwd_bwd, model, 64, False, "cpu", 2 * (a + b * T)) == (a, b) and passes == [T, 2 * T]
+    passes.clear()
+    assert plan._probe(fwd_bwd, model, 64, False, "cpu", 2 * (a + b * T) - 1) == (0.0, (a + b * T) / T)
+    assert passes == [T], "the two-sequence pass ran past its limit"

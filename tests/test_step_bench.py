@@ -2,7 +2,7 @@
 
 The bench runs each configuration in a child process; here a tiny random model takes one warm-up
 and one timed step (train.py's step: forced-length rollout, random rewards, DAPO backward, AdamW),
-and Qwen2.5-7B is checked against an injected 1 GiB of free memory, so it is reported and never built;
+and Qwen2.5-7B and -72B are checked against an injected 1 GiB of free memory, so they are reported and never built;
 --force then runs a tiny configuration that fails the check.
 """
 import importlib.util
@@ -30,9 +30,9 @@ def load_bench(name="step"):
 
 def test_tiny_step_record_and_does_not_fit(tmp_path, capsys):
     bench, out = load_bench(), str(tmp_path / "step.json")
-    bench.main(["--models", "tiny,7b", "--quants", "nvfp4", "--completion", "6", *SMALL, "--out", out])
+    bench.main(["--models", "tiny,7b,72b", "--quants", "nvfp4", "--completion", "6", *SMALL, "--out", out])
     rows = {r["model"]: r for r in json.load(open(out))["rows"]}
-    assert sorted(rows) == ["7b", "tiny"], rows
+    assert sorted(rows) == ["72b", "7b", "tiny"], rows
 
     r = rows["tiny"]
     assert r["status"] == "ok", r
@@ -57,12 +57,14 @@ def test_tiny_step_record_and_does_not_fit(tmp_path, capsys):
     assert r["micro_batches"] == 2, "8 completions, 4 at a time"
 
     # does not fit: checkpoint.check_fits's need against the injected 1 GiB, reported before any build
-    r = rows["7b"]
-    with torch.device("meta"):
-        meta = qmodel.Transformer(qmodel.ModelConfig.from_hf(qckpt.SHAPES["qwen2.5-7b"]), "nvfp4", torch.float32)
-    assert r["status"] == "does not fit" and r["available_gib"] == 1.0, r
-    assert r["needed_gib"] > r["weights_gib"] == qckpt.weight_bytes(meta) / 2 ** 30, r
-    assert "build_s" not in r and "step_s" not in r
+    for name in ("7b", "72b"):
+        r = rows[name]
+        with torch.device("meta"):
+            cfg = qmodel.ModelConfig.from_hf(qckpt.SHAPES[f"qwen2.5-{name}"])
+            meta = qmodel.Transformer(cfg, "nvfp4", torch.float32)
+        assert r["status"] == "does not fit" and r["available_gib"] == 1.0, r
+        assert r["needed_gib"] > r["weights_gib"] == qckpt.weight_bytes(meta) / 2 ** 30, r
+        assert "build_s" not in r and "step_s" not in r
     table = capsys.readouterr().out
     assert f"does not fit: needs {r['needed_gib']:.1f} GiB, 1.0 GiB free" in table and "| tiny | nvfp4 | 6 |" in table
 
@@ -70,6 +72,6 @@ def test_tiny_step_record_and_does_not_fit(tmp_path, capsys):
     bench.main(["--models", "tiny", "--quants", "bf16", "--completion", "6", *SMALL, "--available-gib", "1e-4",
                 "--force", "--out", out])
     rows = {(r["model"], r["quant"]): r for r in json.load(open(out))["rows"]}
-    assert sorted(rows) == [("7b", "nvfp4"), ("tiny", "bf16"), ("tiny", "nvfp4")], sorted(rows)
+    assert sorted(rows) == [("72b", "nvfp4"), ("7b", "nvfp4"), ("tiny", "bf16"), ("tiny", "nvfp4")], sorted(rows)
     r = rows["tiny", "bf16"]
     assert r["needed_gib"] > r["available_gib"] and r["status"] == "ok" and r["forced"], r
