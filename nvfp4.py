@@ -49,8 +49,9 @@ leaves the wide 4 -> 6 gap for the block's top third. "mse" tries the E4M3 codes
 scale (SCALE_SEARCH: from 2 codes below, where the largest weight is clipped to 6, to 6 above,
 where it lands near 4) and keeps, per block, the one whose dequantized block is nearest in squared
 error; the absmax scale is among them and wins ties, so no block gets worse. On SmolLM2-135M it cuts
-the weights' relative RMS error from 9.5% to 7.9%, at ~9x quantize's work, yet leaves the model's
-KL to bf16 where absmax leaves it (bench/quant.py): a plain squared error counts every weight alike,
+the weights' relative RMS error from 9.5% to 7.9%, at ~8x quantize's work, yet leaves the model's
+KL to bf16 where absmax leaves it (0.225 against 0.226 nats a token, bench/quant.py; a checkpoint
+rebuilt from a 4-bit GGUF, so a pessimistic case): a plain squared error counts every weight alike,
 and down_proj's output error even grows. `importance` weighs each element's error; gptq.py passes
 what an error in each input column costs the layer, and there the search pays.
 

@@ -4,13 +4,20 @@ A model quantized three ways (checkpoint.load_model's `quantizer`), each against
 
     rtn     nvfp4.quantize's absmax scales: llm-compressor's NVFP4, bit for bit (the reference)
     mse     the per-block scale search of nvfp4.quantize(scales="mse")
-    gptq    gptq.py: error compensation over calibration prompts, layer by layer, mse scales
+    gptq    gptq.py: error compensation over calibration prompts, layer by layer, its scales from
+            the search weighted by the layer's Hessian
 
 For each: the mean KL(bf16 ‖ quantized) of the next-token distribution over every position of
 held-out text (nats a token; its 99th percentile and max; how often the top token agrees), the
 relative RMS error of all quantized weights (‖W' − W‖ / ‖W‖ over every linear), and how long
 load_model took. Both models run in fp32 (the bf16 weights exactly, the NVFP4 ones dequantized), so
 the KL is the weights' doing alone, not bf16 arithmetic's.
+
+The SmolLM2-135M that tools/get_smollm2.py builds is a Q4_1 GGUF dequantized to bf16: its weights
+already sit on 16 evenly spaced levels per 32, and NVFP4 rounds them a second time onto its uneven
+grid, a pessimistic case for every quantizer here (the Hub's bf16 release, not reachable here, is
+unmeasured). Results: bench/results/quant_smollm2_cpu.json (prompts) and
+quant_smollm2_calib_solutions_cpu.json (prompts + solutions).
 
 The text. Held-out: the first --eval-rows rows of the dataset's test split, each the chat-formatted
 question (tasks.encode_prompt, the system prompt of a training run) followed by its gold solution
@@ -19,9 +26,10 @@ a training run would hand them over (prompts only: the run's own training prompt
 --calib-solutions each followed by its gold solution (text like what the model will write). Test and
 train rows never overlap, so GPTQ is never scored on its own calibration text.
 
-    python bench/quant.py --model <SmolLM2 dir> --data <dir with gsm8k train/test.jsonl> \\
-        --quantizers rtn,mse,gptq --out bench/results/quant_smollm2_cpu.json
-    python bench/quant.py --model <dir> --data <dir> --quantizers rtn --shapes 3584x18944,18944x3584
+    python bench/quant.py --model <SmolLM2 dir> --data <dir with gsm8k train/test.jsonl> --threads 1 \\
+        --shapes 3584x18944,18944x3584 --out bench/results/quant_smollm2_cpu.json
+    python bench/quant.py --model <SmolLM2 dir> --data <dir> --threads 1 --quantizers gptq --calib-solutions \\
+        --out bench/results/quant_smollm2_calib_solutions_cpu.json
 
 --shapes times nvfp4.quantize (absmax and mse) on random N(0, 0.02²) bf16 matrices of those shapes on
 this machine, once each. Prints a table and writes JSON. Test: tests/test_quant_bench.py (a tiny
