@@ -23,7 +23,11 @@ the final footprint plus one group of bf16 matrices and quantize's temporaries (
 Embeddings, lm_head, norms (Qwen3's per-head q_norm / k_norm too) and biases stay unquantized, as
 in QeRL. q/k/v (and gate/up) are quantized with one shared global scale, the smallest of theirs
 (quantize_group), as llm-compressor does for checkpoints meant to be served fused: the fast kernels
-may then multiply a group at once.
+may then multiply a group at once. `quantizer` chooses the codes and scales, never the format:
+"rtn" is nvfp4.quantize's absmax rule (llm-compressor's, bit for bit), "mse" its per-block scale
+search, "gptq" gptq.py's error compensation, which runs the `calibration` token ids through the layers
+as they are quantized; the linears then stream in layer order (embeddings and norms first), one
+layer's bf16 weights at a time.
 A compressed-tensors NVFP4 checkpoint is assigned as is. Base weights come back frozen
 (requires_grad=False); LoRA adds the trainable parameters. Last, NVFP4 weights on a GPU move into the
 fast kernels' layout (nvfp4.interleave, where ops.interleaves says the kernels read it) and each
@@ -58,6 +62,7 @@ import plan
 from model import GROUPS, ModelConfig, RMSNorm, Transformer, rope_inv_freq, stack_groups
 
 INIT_STD = 0.02  # build_model's random weights (transformers' initializer_range)
+QUANTIZERS = {"rtn": "absmax", "mse": "mse", "gptq": "mse"}  # quantizer -> how block scales are chosen
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
 
 # ----------------------------------------------------------------------------------------------
@@ -135,17 +140,45 @@ def _assign(model: nn.Module, key: str, value: torch.Tensor):
         mod._buffers[attr] = value.to(mod._buffers[attr].dtype)
 
 
-def quantize_group(model, linear_names: list[str], weights: list[torch.Tensor]):
+def quantize_group(model, linear_names: list[str], weights: list[torch.Tensor], scales: str = "absmax"):
     """Quantize linears with one global scale, the smallest of theirs (= 448·6 / the largest amax),
     so that they can share a matmul (StackedLinear); a single linear gets its own."""
     global_scale = torch.cat([nvfp4.compute_global_scale(w) for w in weights]).min().reshape(1)
     for linear_name, weight in zip(linear_names, weights):
-        packed, scale, gs = nvfp4.quantize(weight, global_scale, name=linear_name + ".weight")
-        for attr, t in zip(("weight_packed", "weight_scale", "weight_global_scale"), (packed, scale, gs.clone())):
-            _assign(model, f"{linear_name}.{attr}", t)
+        _assign_nvfp4(model, linear_name, *nvfp4.quantize(weight, global_scale, linear_name + ".weight", scales))
 
 
-def _plan(model: Transformer, shapes: dict[str, tuple]) -> dict[str, str]:
+def _assign_nvfp4(model, linear_name: str, packed, scale, global_scale):
+    for attr, t in zip(("weight_packed", "weight_scale", "weight_global_scale"), (packed, scale, global_scale.clone())):
+        _assign(model, f"{linear_name}.{attr}", t)
+
+
+def _quantizer(model: Transformer, quantizer: str, calibration):
+    """The loaders' quantize(linear names, bf16 weights) for a group: at once ("rtn", "mse"), or with
+    GPTQ, held until its layer is whole and then quantized with the calibration ids ("gptq")."""
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {sorted(QUANTIZERS)}, got {quantizer!r}")
+    if (quantizer == "gptq") != (calibration is not None):
+        raise ValueError(f"quantizer={quantizer!r} with calibration={'None' if calibration is None else '...'}: "
+                         "calibration token ids go with quantizer='gptq', which needs them")
+    if quantizer != "gptq":
+        return lambda names, weights: quantize_group(model, names, weights, QUANTIZERS[quantizer])
+    import gptq
+    layerwise = gptq.Layerwise(model, calibration, scales=QUANTIZERS[quantizer])
+
+    def add(names, weights):
+        for name, tensors in layerwise.add(names, weights).items():
+            _assign_nvfp4(model, name, *tensors)
+    return add
+
+
+def _layer(key: str) -> int:
+    """The decoder layer a key belongs to (model.layers.<i>...), -1 for the others."""
+    parts = key.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] else -1
+
+
+def _actions(model: Transformer, shapes: dict[str, tuple]) -> dict[str, str]:
     """Match checkpoint keys (with header shapes) against the meta model: {key: "copy"|"quantize"|"skip"}.
     Raises one ValueError listing every missing, unexpected and mis-shaped key."""
     expected = dict(model.state_dict(keep_vars=True))
@@ -153,17 +186,17 @@ def _plan(model: Transformer, shapes: dict[str, tuple]) -> dict[str, str]:
     if tied:
         expected.pop("lm_head.weight")
     qlinears = {n: m for n, m in model.named_modules() if isinstance(m, nvfp4.NVFP4Linear)}
-    plan, covered, unexpected, bad = {}, set(), [], []
+    actions, covered, unexpected, bad = {}, set(), [], []
     for key, shape in shapes.items():
         mod, _, attr = key.rpartition(".")
         if key in expected:
-            plan[key], want = "copy", tuple(expected[key].shape)
+            actions[key], want = "copy", tuple(expected[key].shape)
             covered.add(key)
         elif attr == "weight" and mod in qlinears:  # a bf16 weight we quantize on load
-            plan[key], want = "quantize", (qlinears[mod].out_features, qlinears[mod].in_features)
+            actions[key], want = "quantize", (qlinears[mod].out_features, qlinears[mod].in_features)
             covered |= {f"{mod}.weight_packed", f"{mod}.weight_scale", f"{mod}.weight_global_scale"}
         elif (tied and key == "lm_head.weight") or key.endswith(("rotary_emb.inv_freq", ".input_global_scale")):
-            plan[key], want = "skip", shape  # a tied copy, a derived buffer, or a W4A4 activation scale
+            actions[key], want = "skip", shape  # a tied copy, a derived buffer, or a W4A4 activation scale
         else:
             unexpected.append(key)
             continue
@@ -174,7 +207,7 @@ def _plan(model: Transformer, shapes: dict[str, tuple]) -> dict[str, str]:
         show = lambda xs: f"{len(xs)} {xs[:8]}{' ...' if len(xs) > 8 else ''}"  # noqa: E731
         raise ValueError(f"checkpoint does not match {model.config.architecture} ({model.quant}): "
                          f"missing {show(missing)}; unexpected {show(sorted(unexpected))}; bad shapes {show(bad)}")
-    return plan
+    return actions
 
 
 def _finish(model: Transformer, device) -> Transformer:
@@ -208,18 +241,25 @@ def load_bytes(model: Transformer) -> int:
     return weight_bytes(model) + 2 * max(cfg.hidden_size * 3 * cfg.intermediate_size, cfg.vocab_size * cfg.hidden_size)
 
 
-def check_fits(model: Transformer, device: torch.device) -> None:
-    """Fail before loading anything when the weights (+ what loading holds in flight: load_bytes) cannot fit."""
+def check_fits(model: Transformer, device: torch.device, calibration=None) -> None:
+    """Fail before loading anything when the weights (+ what loading holds in flight: load_bytes, and
+    GPTQ's working set with calibration ids) cannot fit."""
     if device.type != "cuda":
         return
     need, free = load_bytes(model), plan.free_memory(device)
+    if calibration is not None and model.quant == "nvfp4":
+        import gptq
+        need += gptq.working_bytes(model.config, sum(map(len, calibration)))
     if need > free:
         raise ValueError(f"the {model.quant} model needs {need / 2**30:.1f} GiB for its weights (+ the bf16 "
                          f"weights in flight) but {device} has {free / 2**30:.1f} GiB free; try quant='nvfp4' or a larger GPU")
 
 
-def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch.bfloat16) -> Transformer:
-    """Hub id or directory (config.json + model.safetensors or sharded) -> Transformer on `device`."""
+def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch.bfloat16, *,
+               quantizer: str = "rtn", calibration: list[list[int]] | None = None) -> Transformer:
+    """Hub id or directory (config.json + model.safetensors or sharded) -> Transformer on `device`.
+    quantizer: "rtn" | "mse" | "gptq" (module docstring), for bf16 checkpoints loaded as NVFP4;
+    calibration: token-id sequences, for "gptq" only (e.g. the training prompts)."""
     path = resolve(name_or_path)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path}: no config.json")
@@ -230,9 +270,10 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
         raise ValueError(f"{name_or_path} is an NVFP4 (compressed-tensors) checkpoint: load it with quant='nvfp4'")
     with torch.device("meta"):
         model = Transformer(cfg, quant, dtype)
-    check_fits(model, device)
-    by_file, shapes = {}, {}
-    for key, file in checkpoint_files(path).items():
+    quantize = _quantizer(model, quantizer, calibration)
+    check_fits(model, device, calibration)
+    by_file, shapes, files = {}, {}, checkpoint_files(path)
+    for key, file in files.items():
         by_file.setdefault(file, []).append(key)
     try:
         for file, keys in by_file.items():  # headers only: nothing is read yet
@@ -240,33 +281,33 @@ def load_model(name_or_path: str, quant: str = "nvfp4", device=None, dtype=torch
                 shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
     except SafetensorError as e:  # a damaged header, or an index key the shard does not hold
         raise ValueError(f"{file}: a damaged safetensors file, or one without the keys its index lists ({e})") from None
-    plan = _plan(model, shapes)
+    actions = _actions(model, shapes)
+    # what is copied first, then the linears layer by layer (GPTQ runs its calibration through them)
+    order = sorted((k for k in actions if actions[k] != "skip"), key=lambda k: (actions[k] == "quantize", _layer(k)))
     pending = {}  # a group's first linear -> {linear: bf16 weight}: quantized once the group is read
-    for file, keys in by_file.items():
-        with safe_open(file, framework="pt", device=str(device)) as f:
-            for key in keys:
-                if plan[key] == "skip":
-                    continue
-                try:
-                    t = f.get_tensor(key)
-                except SafetensorError as e:
-                    raise ValueError(f"{file}: {key} cannot be read ({e})") from None
-                # a NaN/Inf makes the sum non-finite; the exact test runs only then (isfinite is slow on CPU)
-                if t.is_floating_point() and t.element_size() > 1 and not torch.isfinite(t.sum()) \
-                        and not torch.isfinite(t).all():
-                    raise ValueError(f"{key}: checkpoint tensor has NaN or Inf values ({file})")
-                if plan[key] == "quantize":
-                    name = key.rpartition(".")[0]
-                    group = [n for n in group_of(name) if plan.get(n + ".weight") == "quantize"]
-                    got = pending.setdefault(group[0], {})
-                    got[name] = t
-                    if len(got) == len(group):
-                        del pending[group[0]]
-                        quantize_group(model, list(got), list(got.values()))
-                        got.clear()  # the group's bf16 weights die here
-                else:
-                    _assign(model, key, t)
-                del t  # a bf16 weight dies once its group is quantized, before the next reads
+    opened = {file: safe_open(file, framework="pt", device=str(device)) for file in by_file}  # headers only
+    for key in order:
+        try:
+            t = opened[files[key]].get_tensor(key)
+        except SafetensorError as e:
+            raise ValueError(f"{files[key]}: {key} cannot be read ({e})") from None
+        # a NaN/Inf makes the sum non-finite; the exact test runs only then (isfinite is slow on CPU)
+        if t.is_floating_point() and t.element_size() > 1 and not torch.isfinite(t.sum()) \
+                and not torch.isfinite(t).all():
+            raise ValueError(f"{key}: checkpoint tensor has NaN or Inf values ({files[key]})")
+        if actions[key] == "quantize":
+            name = key.rpartition(".")[0]
+            group = [n for n in group_of(name) if actions.get(n + ".weight") == "quantize"]
+            got = pending.setdefault(group[0], {})
+            got[name] = t
+            if len(got) == len(group):
+                del pending[group[0]]
+                quantize(list(got), list(got.values()))
+                got.clear()  # the group's bf16 weights die here (GPTQ's: with their layer)
+        else:
+            _assign(model, key, t)
+        del t  # a bf16 weight dies once its group is quantized, before the next reads
+    del opened
     assert not pending, f"groups never completed: {list(pending)}"
     model.name_or_path = name_or_path
     return _finish(model, device)
@@ -310,14 +351,17 @@ def random_init_config(name_or_path: str) -> dict:
                      f"got {name_or_path!r}")
 
 
-def build_model(config, quant: str = "nvfp4", device=None, dtype=torch.bfloat16, seed: int = 0) -> Transformer:
+def build_model(config, quant: str = "nvfp4", device=None, dtype=torch.bfloat16, seed: int = 0, *,
+                quantizer: str = "rtn", calibration: list[list[int]] | None = None) -> Transformer:
     """Random weights (N(0, 0.02²), norms 1) with real shapes and no checkpoint: for benchmarks.
-    Quantized linears are drawn and quantized one at a time, so peak ≈ final + one bf16 matrix."""
+    Quantized linears are drawn and quantized one group at a time (GPTQ: one layer), so peak ≈ final +
+    one bf16 group; the weights drawn do not depend on the quantizer (load_model's arguments)."""
     cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
     device = _device(device)
     with torch.device("meta"):
         model = Transformer(cfg, quant, dtype)
-    check_fits(model, device)
+    quantize = _quantizer(model, quantizer, calibration)
+    check_fits(model, device, calibration)
     gen = torch.Generator(device).manual_seed(seed)
     skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     for key, t in model.state_dict(keep_vars=True).items():
@@ -331,7 +375,7 @@ def build_model(config, quant: str = "nvfp4", device=None, dtype=torch.bfloat16,
             ms = [model.get_submodule(n) for n in group]
             ws = [torch.randn(m.out_features, m.in_features, generator=gen, device=device, dtype=dtype).mul_(INIT_STD)
                   for m in ms]
-            quantize_group(model, group, ws)
+            quantize(group, ws)
             del ws
         elif isinstance(model.get_submodule(mod), RMSNorm):
             _assign(model, key, torch.ones(t.shape, device=device))

@@ -234,6 +234,86 @@ def test_relative_error_on_gaussian_weights_is_what_nvfp4_gives():
 
 
 # ----------------------------------------------------------------------------------------------
+# scales="mse": the per-block scale search
+
+def block_errors_f64(w, packed, scale, global_scale):
+    """Σ (W' − W)² over each 16-block, float64: (N, K) -> (N, K/16)."""
+    d = dequantize_f64(packed, scale, global_scale) - w.double()
+    return d.square().unflatten(1, (-1, 16)).sum(-1)
+
+
+def scale_errors_f64(block, codes, global_scale, importance=None):
+    """The squared error (· importance) of one 16-block for each block scale given by its E4M3 code,
+    each element rounded to its nearest grid point, in float64 from the format's definition: (C,)."""
+    grid = torch.tensor(E2M1, dtype=torch.float64)
+    s = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn).double()       # (C,)
+    step = (s / global_scale.double()).unsqueeze(1)                                       # (C, 1)
+    x = (block.double() / step).clamp(-6, 6)                                             # (C, 16)
+    q = grid[(x.abs().unsqueeze(-1) - grid).abs().argmin(-1)] * x.sign()
+    err = (q * step - block.double()).square()
+    return (err if importance is None else err * importance.double()).sum(-1)
+
+
+def mixed_blocks(gen, n=64, k=256):
+    """Rows of different kinds: Gaussian, heavy-tailed, one outlier per block, and on a uniform
+    16-level grid per 32 weights (what a Q4_1 checkpoint dequantizes to)."""
+    gauss = torch.randn(n, k, generator=gen)
+    heavy = torch.randn(n, k, generator=gen) / torch.rand(n, k, generator=gen).clamp(min=0.05)
+    spiky = torch.randn(n, k, generator=gen)
+    spiky[:, ::16] *= 8
+    levels = torch.randint(0, 16, (n, k), generator=gen).double()
+    d, m = torch.rand(n, k // 32, 1, generator=gen) * 0.3, -torch.rand(n, k // 32, 1, generator=gen) * 2
+    grid = (levels.unflatten(1, (-1, 32)) * d + m).flatten(1).float()
+    return (torch.cat([gauss, heavy, spiky, grid]) * 0.02).bfloat16()
+
+
+def test_mse_scales_are_the_best_candidate_and_never_worse_than_absmax():
+    """Per block, scales="mse" has the least error among the E4M3 codes from 2 below to 6 above the
+    absmax scale's (brute force in float64), so never more than absmax's, and is within 25% of the
+    best over all E4M3 scales; weighted by `importance`, the least weighted error."""
+    gen = torch.Generator().manual_seed(0)
+    w = mixed_blocks(gen)
+    absmax, mse = quantize(w), quantize(w, scales="mse")
+    assert torch.equal(absmax[2], mse[2])                                    # same global scale
+    err_a, err_m = block_errors_f64(w, *absmax), block_errors_f64(w, *mse)
+    worse = (err_m > err_a * (1 + 1e-6)).sum().item()
+    assert worse == 0, f"{worse} blocks have a larger error with mse than with absmax scales"
+    ratio = (err_m.sum() / err_a.sum()).item()
+    print(f"mse / absmax squared error: {ratio:.3f}")
+    assert ratio < 0.93, f"the search removes too little error: {ratio:.3f}"
+    # with importance weights (what gptq.py passes), the weighted error is the least of the candidates'
+    g, codes = absmax[2], absmax[1].view(torch.uint8).int()
+    blocks = w.unflatten(1, (-1, 16))
+    importance = torch.rand(16, generator=gen).pow(4) * 10
+    weighted = nvfp4.block_scales(blocks, g, "mse", importance).to(torch.float8_e4m3fn).view(torch.uint8)
+    for r, b in [(r, b) for r in range(0, w.shape[0], 23) for b in (0, 7, 15)]:
+        near = [min(max(codes[r, b].item() + o, 1), 126) for o in range(-2, 7)]
+        best = scale_errors_f64(blocks[r, b], near, g).min().item()
+        every = scale_errors_f64(blocks[r, b], list(range(1, 127)), g).min().item()  # every positive E4M3
+        assert abs(err_m[r, b].item() - best) <= 1e-6 * best + 1e-30, (r, b, err_m[r, b].item(), best)
+        assert every <= best <= 1.25 * every, (r, b, best, every)
+        errs = scale_errors_f64(blocks[r, b], near + [weighted[r, b].item()], g, importance)
+        assert errs[-1] <= errs[:-1].min() * (1 + 1e-6), (r, b, errs)
+
+
+@needs_ct
+def test_mse_scales_give_a_compressed_tensors_tensor():
+    """The search changes only codes and scales: compressed-tensors' decompressor reads the result as
+    our dequantizer does, zero blocks keep 0.125, and the global scale is compressed-tensors' own."""
+    gen = torch.Generator().manual_seed(1)
+    w = mixed_blocks(gen, n=8)
+    w[3, 32:64] = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        p, s, g = quantize(w.to(dtype), scales="mse")
+        assert torch.equal(g, ct_quantize(w.to(dtype))[2])
+        assert torch.equal(dequantize(p, s, g, torch.bfloat16), ct_decompress(p, s, g))
+        assert torch.equal(dequantize(p, s, g), ct_dequantize_f32(p, s, g))
+        assert (s[3, 2:4].float() == 0.125).all() and (codes_of(p)[3, 32:64] == 0).all()
+    with pytest.raises(ValueError, match="scales must be one of"):
+        quantize(w, scales="gptq")
+
+
+# ----------------------------------------------------------------------------------------------
 # checkpoints: our files are what llm-compressor writes
 
 @needs_ct
