@@ -10,6 +10,13 @@ math-verify, plus --format-weight for a complete \boxed{}) or a function of the 
 
 Nothing else is searched: the current directory is not added to the Python path, so a module that
 merely sits where train.py is started (say, inside a run directory) is never imported by accident.
+From Python (flags.config's reward=), a function itself may stand in a spec's place (`spec_of`): one
+defined at the top level of a file, a script's included, is named by its file and runs in a worker like
+any spec (a script must then keep its training under `if __name__ == "__main__":`, as multiprocessing
+asks too, since the worker imports it; train.train refuses to start inside a worker). Anything a worker
+cannot import by name (a lambda, a closure, a bound method, a callable object) runs in this process
+(`InProcess`, recorded as "python:<module>.<qualname>"), with a note: the same checks of what it
+returns, but an exception is all it can be stopped by (no timeout kill, and a crash ends the run).
 The function is called the way TRL's GRPOTrainer calls its reward_funcs:
 
     fn(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list[float | None]
@@ -69,10 +76,11 @@ import json
 import math
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import rewards
 
@@ -85,6 +93,8 @@ IMPORT_NOTE_S = 5.0      # an import still running after this is announced on st
 # O(100); a value past 1e6 is a sentinel (-1e9 for "invalid"), a float max or an unscaled count.
 MAX_ABS_REWARD = 1e6
 PATIENCE = 5             # RewardWatch: steps in a row without signal before it says so
+IN_PROCESS = "python:"   # the label's start of a function that runs in this process (InProcess)
+WORKER_ENV = "QERL_REWARD_WORKER"   # set in a worker: train.train refuses to start there
 
 
 class RewardError(Exception):
@@ -102,16 +112,33 @@ class Source:
     sha256: str
 
 
+@dataclass(frozen=True, eq=False)
+class InProcess:
+    """A Python reward function that no worker can import by name (a lambda, a closure, a bound method,
+    a callable object): it runs in this process. `label` is what run_config.json records of it."""
+    fn: object
+
+    @property
+    def label(self) -> str:
+        qual = getattr(self.fn, "__qualname__", type(self.fn).__qualname__)
+        return f"{IN_PROCESS}{getattr(self.fn, '__module__', None) or '?'}.{qual}"
+
+    def __str__(self) -> str:
+        return self.label
+
+
 @dataclass(frozen=True)
 class RewardFunc:
-    """One term of the reward. source None is the built-in correctness check; name is the term's name
-    in the metrics (rewards/<name>/mean), TRL's: the function's __name__; params the function's
-    (name, kind, has a default) as the worker's inspect.signature saw them (None: it has none)."""
+    """One term of the reward: the built-in correctness check (spec BUILTIN), a function in its worker
+    (source: where its code is) or one in this process (fn). name is the term's name in the metrics
+    (rewards/<name>/mean), TRL's: the function's __name__; params the function's (name, kind, has a
+    default) as inspect.signature saw them (None: it has none)."""
     spec: str
     weight: float = 1.0
     source: Source | None = None
     name: str = BUILTIN
     params: tuple | None = None
+    fn: object = field(default=None, compare=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,6 +194,9 @@ def _run_dir_above(path: str) -> str | None:
 
 def resolve(spec: str) -> Source:
     """The Source of a 'module:function' or 'file.py:function' spec; ValueError naming what is wrong."""
+    if spec.startswith(IN_PROCESS):
+        raise ValueError(f"{spec!r} is a Python function that ran in the process that started the run "
+                         f"(flags.config's reward=): resume the run from Python, with the same function")
     target, _, attr = spec.rpartition(":")
     if not target or not attr or not all(p.isidentifier() for p in attr.split(".")):
         raise ValueError(f"{spec!r}: want '{BUILTIN}', 'module:function' (e.g. my_rewards:brevity) or "
@@ -185,6 +215,25 @@ def resolve(spec: str) -> Source:
                          f"code is never loaded from a run directory, which anyone may have written; keep "
                          f"reward functions elsewhere")
     return Source(spec, module, file, attr, _sha256(file))
+
+
+def spec_of(fn) -> str | InProcess:
+    """A Python reward function as a --reward term. One defined at the top level of a module's file (a
+    script's too) is named by it, 'package.module:name' where that name resolves to the same file, else
+    'path/file.py:name': it runs in its worker, as any spec does. Anything a worker cannot import by name
+    (a lambda, a closure, a bound method, a callable object, a function typed into the REPL) is InProcess."""
+    qual = getattr(fn, "__qualname__", "")
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    file = getattr(module, "__file__", None)
+    if not (inspect.isfunction(fn) and qual.isidentifier() and file and getattr(module, qual, None) is fn):
+        return InProcess(fn)
+    if fn.__module__ != "__main__":
+        try:
+            if resolve(f"{fn.__module__}:{qual}").file == os.path.abspath(file):
+                return f"{fn.__module__}:{qual}"
+        except ValueError:   # not importable by that name from the Python path: by its file
+            pass
+    return f"{os.path.abspath(file)}:{qual}"
 
 
 def record(funcs: list[RewardFunc]) -> list[dict]:
@@ -364,6 +413,8 @@ def _serve() -> None:
     requests, out = rewards.child_pipes()
     job = json.loads(sys.argv[3])
     sys.path[:] = job["path"]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the run's to handle; it ends the worker at exit
+    os.environ[WORKER_ENV] = "1"
 
     def reply(obj):
         out.write(json.dumps(obj).encode() + b"\n")
@@ -414,9 +465,29 @@ def _serve() -> None:
 # loading and checking (before any model loads)
 
 
-def load(spec: str, weight: float = 1.0, timeout_s: float = TIMEOUT_S) -> RewardFunc:
-    """'correctness' or a function spec -> RewardFunc, its worker started (the module imported there);
-    ValueError naming what is wrong with spec, or with its import."""
+_NOTED = set()   # labels of the InProcess functions whose note has been printed
+
+
+def _in_process(f: InProcess, weight: float) -> RewardFunc:
+    if f.label not in _NOTED:
+        _NOTED.add(f.label)
+        print(f"note: reward {f.label} runs in this process (a worker cannot import it by name): what it returns is "
+              f"checked, but --reward-timeout cannot stop it and a crash ends the run; define it at the top level of "
+              f"a file to run it in a worker", file=sys.stderr)
+    try:
+        params = tuple((p.name, p.kind.name, p.default is not p.empty)
+                       for p in inspect.signature(f.fn).parameters.values())
+    except (TypeError, ValueError):
+        params = None
+    name = getattr(f.fn, "__name__", type(f.fn).__name__)
+    return RewardFunc(f.label, weight, None, name, params, f.fn)
+
+
+def load(spec, weight: float = 1.0, timeout_s: float = TIMEOUT_S) -> RewardFunc:
+    """'correctness', a function spec or an InProcess function -> RewardFunc, a spec's worker started (its
+    module imported there); ValueError naming what is wrong with spec, or with its import."""
+    if isinstance(spec, InProcess):
+        return _in_process(spec, weight)
     if spec == BUILTIN:
         return RewardFunc(spec, weight)
     source = resolve(spec)
@@ -432,7 +503,7 @@ def check(funcs: list[RewardFunc], examples: list) -> None:
     if clash:
         raise ValueError(f"the dataset has column(s) {clash}, the names of reward function arguments: rename them")
     for f in funcs:
-        if f.source is None:
+        if f.spec == BUILTIN:
             unanswered = sum(e.answer is None for e in examples)
             if unanswered:
                 raise ValueError(f"the {BUILTIN} reward needs a gold answer, and {unanswered} of {len(examples)} "
@@ -474,10 +545,13 @@ def arguments(examples: list, completions: list[str], completion_ids: list | Non
 
 
 def call(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> list[float | None]:
-    """One user function on one batch of n completions, in its worker, under the guard of the module
-    docstring: its values, or a RewardError naming it."""
-    worker = _worker(f.source, TIMEOUT_S if timeout_s is None else timeout_s)
-    reply = worker.call(f.source.attr, kwargs, n, timeout_s, f.spec)
+    """One user function on one batch of n completions, in its worker (or, InProcess, here), under the
+    guard of the module docstring: its values, or a RewardError naming it."""
+    if f.fn is not None:
+        reply = _call_here(f, kwargs, n, timeout_s)
+    else:
+        worker = _worker(f.source, TIMEOUT_S if timeout_s is None else timeout_s)
+        reply = worker.call(f.source.attr, kwargs, n, timeout_s, f.spec)
     if "error" in reply:
         raise RewardError(f"reward {f.spec} {reply['error']}")
     if "container" in reply:
@@ -495,6 +569,24 @@ def call(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> list[f
     return values
 
 
+def _call_here(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> dict:
+    """An InProcess function on one batch, its reply as a worker's would be (_reply); past timeout_s once
+    it returns, an error: nothing here can stop it sooner."""
+    if f.params is not None and not any(kind == "VAR_KEYWORD" for _, kind, _ in f.params):
+        kwargs = {k: v for k, v in kwargs.items() if k in {p[0] for p in f.params}}
+    t0 = time.monotonic()
+    try:
+        out = f.fn(**kwargs)
+    except SystemExit as e:
+        return {"error": f"called {_named(e)}: a reward function must return its values, not exit"}
+    except Exception as e:
+        return {"error": f"raised {_named(e)}"}
+    took = time.monotonic() - t0
+    if timeout_s is not None and took > timeout_s:
+        return {"error": f"took {took:.1f} s on {n} completions, past --reward-timeout {timeout_s:g} s"}
+    return _reply(out, n)
+
+
 def score(funcs: list[RewardFunc], examples: list, completions: list[str], stats=None, *, completion_ids=None,
           timeout_s: float | None = TIMEOUT_S, format_weight: float = 0.0) -> tuple[list[float], dict]:
     """The reward of each completion (examples aligned with completions: repeat a prompt's example G
@@ -502,7 +594,7 @@ def score(funcs: list[RewardFunc], examples: list, completions: list[str], stats
     totals, terms = [0.0] * len(completions), {}
     kwargs = None
     for f in funcs:
-        if f.source is None:  # looked up at call time: tests replace rewards.rewards
+        if f.spec == BUILTIN:  # looked up at call time: tests replace rewards.rewards
             values = rewards.rewards(examples, completions, stats, format_weight=format_weight)
         else:
             kwargs = kwargs or arguments(examples, completions, completion_ids)

@@ -14,7 +14,8 @@ import time
 
 from tqdm import tqdm
 
-import flags
+import checks
+import data
 import reward_funcs
 import tasks
 from data import one_line
@@ -26,7 +27,7 @@ def load_data(args, log):
     """(train examples, eval examples, reward functions), each checked: a dataset or reward that cannot
     be used stops the run here, in one line naming its flag, before the tokenizer or the model loads."""
     columns = tasks.Columns(args.prompt_column, args.answer_column)
-    eval_source, eval_config = flags.eval_source(args)
+    eval_source, eval_config = checks.eval_source(args)
 
     def load(flag, source, split, config, limit=None):
         t0 = time.perf_counter()
@@ -40,7 +41,10 @@ def load_data(args, log):
     train_set = load("--dataset", args.dataset, args.dataset_split, args.dataset_config)
     eval_set = []
     if args.eval_limit:
-        if (eval_source, eval_config) == (args.dataset, args.dataset_config) and os.path.isfile(args.dataset):
+        if eval_source is args.dataset and isinstance(args.dataset, data.Rows):
+            log("warning: evaluating on the training rows (rows in memory are one split): pass eval_dataset for "
+                "held-out questions")
+        elif (eval_source, eval_config) == (args.dataset, args.dataset_config) and os.path.isfile(args.dataset):
             log(f"warning: evaluating on {args.dataset}, the training file (a file is one split): "
                 f"pass --eval-dataset for held-out questions")
         eval_set = load("--eval-dataset", eval_source, args.eval_split, eval_config, args.eval_limit)
@@ -49,7 +53,7 @@ def load_data(args, log):
                              f"pass --answer-column, or --eval-limit 0")
     weights = args.reward_weights or [1.0] * len(args.reward)
     try:   # the workers flags.py started are reused
-        funcs = [reward_funcs.load(spec, w) for spec, w in zip(args.reward, weights)]
+        funcs = [reward_funcs.load(spec, w, args.reward_timeout) for spec, w in zip(args.reward, weights)]
         reward_funcs.check(funcs, train_set)
     except ValueError as e:
         raise SystemExit(f"error: --reward: {e}") from None

@@ -97,7 +97,7 @@ def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("resumed from") == 1, "only rank 0 prints"
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval/accuracy" in rows[3], rows
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "eval/accuracy" in rows[3], rows
     assert all("loss" in r for r in rows), rows
     # The data order's answers (even: a spread), a budget of 2 rounds · 4 = 8 prompts a step.
     # step 0, rate 1: 128 137 52 122 (3 of 4), then round_size(1, 3/4, 4) = 3 (n = 2: 1.5 - 0.61 < 1):
