@@ -96,7 +96,9 @@ def check_model(p, args) -> None:
             p.error(f"--model: {problem}")
     if args.tokenizer and tasks.local_path_missing(args.tokenizer):
         p.error(f"--tokenizer: {args.tokenizer} does not exist (and is not a Hugging Face hub id)")
-    problem = tasks.tokenizer_problem(args.tokenizer or args.model)
+    # a --random-init shape directory holds a config.json alone: bench/step.py builds its policy without a
+    # tokenizer, and train.py refuses one that does not load before the model is built
+    problem = tasks.tokenizer_problem(args.tokenizer or args.model) if args.tokenizer or not args.random_init else None
     if problem:
         p.error(f"--{'tokenizer' if args.tokenizer else 'model'}: {problem}")
     try:

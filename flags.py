@@ -1,5 +1,5 @@
 """train.py's settings: every flag with its help and default, a config file (with TRL's names), --resume,
-the same settings from Python (`config`), and the checks that run before anything loads.
+and the same settings from Python (`config`), each checked (checks.py) before anything loads.
 
 Every flag is a field of a config dataclass, which holds its default and its help text:
 lora.LoRAConfig (--lora-*), aqn.AQNConfig (--aqn, --sigma-*, --aqn-*), grpo.GRPOConfig (the objective,
@@ -7,11 +7,12 @@ dynamic sampling, --group-size, --max-new-tokens, --updates-per-rollout) and Tra
 model, data, reward, sampling, optimization and records). build_parser lays them out in --help's
 SECTIONS, and to_config(args, cls) turns the parsed flags back into the dataclass train.py builds on.
 
-Four sources, in rising precedence: the defaults, a --config file (JSON, or YAML with PyYAML; its keys
+Three sources, in rising precedence: the defaults, a --config file (JSON, or YAML with PyYAML; its keys
 are the flag names, with dashes or underscores, or TRL's names for the same settings, TRL_NAMES; a key
-that is neither is refused by name), the command line, and for `config(**settings)` the keywords of a
-Python call (the same names; a dataset may be rows in memory and a reward a Python function). Every
-value is parsed as its flag's command-line value would be, so it meets the same types and choices.
+that is neither is refused by name), and the command line. From Python, `config(**settings)` takes the
+keywords of the call in the command line's place (the same names; beyond it, a dataset may be rows in
+memory and a reward a Python function). Every value is parsed as its flag's command-line value would
+be, so it meets the same types and choices.
 
 --resume RUN_DIR (or --resume with --output-dir) reads the run's run_config.json: every setting comes
 from there, so `python train.py --resume runs/x` continues the run with no other flag. The file is
@@ -546,6 +547,9 @@ def config(**settings):
         raise ConfigError(message)
     p.error = refuse
     defaults = vars(p.parse_args([]))
+    both = [(name, trl) for trl, name in TRL_NAMES.items() if trl in settings and name in settings]
+    if both:
+        refuse(f"config(): {both[0][0]!r} and {both[0][1]!r} both set --{both[0][0].replace('_', '-')}")
     direct = {}
     try:
         for key in ("dataset", "train_dataset", "eval_dataset"):

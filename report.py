@@ -11,6 +11,8 @@ reward and advantage, and each reward term), drawn at random but seeded by (seed
 run writes the rows the uninterrupted one would have. metrics.jsonl (run_dir.py) stays the record;
 a tracker is a copy of it for viewing.
 
+Callbacks (train.train's callbacks=, Python code): `Callback`'s hooks, called by `notify` on rank 0.
+
 Trackers (--report-to, one or several): TensorBoard (event files in <run>/tensorboard), Weights & Biases
 and Trackio (project "qerl", or WANDB_PROJECT / TRACKIO_PROJECT; the run is named after its directory).
 None of them is a dependency: each is imported only when chosen, and checks.py refuses one that is not
@@ -67,6 +69,32 @@ def record(args, m: dict, samples: list, tracker, stop: bool) -> None:
     tracker.log(m, m["step"])
     if "eval/accuracy" in m:
         plot_metrics(args.output_dir)
+
+
+class Callback:
+    """What a run tells Python code as it goes (train's callbacks=): subclass it and override any hook.
+    Called on rank 0, with steps counted from 1 as on screen; an exception in a hook stops the run.
+
+        on_step_end(step, metrics)    after the step's metrics are written (metrics: its metrics.jsonl row)
+        on_evaluate(step, metrics)    after an evaluation ({"eval/accuracy": ...}; step 0: before training)
+        on_save(step, checkpoint)     after checkpoint-<step> is written (its directory)
+    """
+
+    def on_step_end(self, step: int, metrics: dict) -> None:
+        pass
+
+    def on_evaluate(self, step: int, metrics: dict) -> None:
+        pass
+
+    def on_save(self, step: int, checkpoint: str) -> None:
+        pass
+
+
+def notify(callbacks: list, hook: str, step: int, what) -> None:
+    """Call each callback's hook (on_step_end, on_evaluate, on_save) that it has."""
+    for cb in callbacks:
+        if hasattr(cb, hook):
+            getattr(cb, hook)(step, what)
 
 
 class Tracker:

@@ -28,22 +28,8 @@ dataset comes by its own name, one value per completion. A function gets the key
 of them if it takes **kwargs). None is "no opinion": the term is left out of that completion's sum.
 A completion's reward is Σ_i weight_i · r_i over the terms (--reward-weights, default all 1).
 
-The worker. Each user function runs in a process of its own (`Worker`), started when the spec is
-loaded: the module is imported there, never in the training process, and each batch goes there and
-back over a private pipe pair (rewards.Child: the arguments pickled by us, the values back as one JSON
-line, so this process never unpickles what user code made). The function's module-level state lives
-in the worker from call to call, as it would in-process. What a process boundary buys:
-  - a deadline that always holds: past --reward-timeout the worker is killed (SIGKILL), which stops
-    C code holding the GIL too, where an in-process timer cannot;
-  - sys.exit, os._exit, a segfault or the out-of-memory killer end the worker, not the run, and
-    become a RewardError naming the function; a thread the function leaves running dies with it;
-  - a module that blocks or exits while importing is named at parse time (a note after
-    IMPORT_NOTE_S, an error at the timeout) instead of hanging flag parsing without a word.
-It costs the pickling of the batch and a pipe round trip per call: for a trivial function on 64
-completions, 0.5 ms at 200 tokens each, 3 ms at 1000, 12 ms at 4000 on a 2-core CPU (in-process: under
-a µs; tests/test_reward_funcs.py measures the first), nothing beside a training step of seconds. A
-reward model on the GPU loads in the worker's own CUDA context. The worker guards against accidents,
-not malice: it runs as the same user, with the same rights.
+The worker. Each user function runs in a process of its own (reward_worker.py: what a process
+boundary buys, and what it costs), started when the spec is loaded and kept for the run (`_WORKERS`).
 
 The guard. The built-in check scores 0, and counts, whatever goes wrong with a completion (rewards.py).
 A user function is the user's code: its failure stops the run with one line that names it, rather than
@@ -68,38 +54,26 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import importlib
 import importlib.machinery
-import importlib.util
 import inspect
-import json
 import math
 import os
-import pickle
-import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 
 import rewards
+from reward_worker import RewardError, Worker, as_reply, fitted, parameters, search_path, what_raised  # noqa: F401 (RewardError: this module's too)
 
 BUILTIN = "correctness"
 RESERVED = ("prompts", "completions", "completion_ids")   # the arguments every function may take
 TIMEOUT_S = 120.0        # --reward-timeout's default: one call on a batch; also a module's import
-IMPORT_NOTE_S = 5.0      # an import still running after this is announced on stderr
 # The largest |reward| taken. Advantages are computed in float32, whose spacing at 1e6 is 1/16: past
 # it two rewards 0.1 apart may become equal, and a group's spread is lost. Real rewards are O(1) to
 # O(100); a value past 1e6 is a sentinel (-1e9 for "invalid"), a float max or an unscaled count.
 MAX_ABS_REWARD = 1e6
 PATIENCE = 5             # RewardWatch: steps in a row without signal before it says so
 IN_PROCESS = "python:"   # the label's start of a function that runs in this process (InProcess)
-WORKER_ENV = "QERL_REWARD_WORKER"   # set in a worker: train.train refuses to start there
-
-
-class RewardError(Exception):
-    """A user reward function failed: it raised, exited, crashed, overran, or returned something that is
-    not one finite number (or None) per completion. The message names the function; train.py stops on it."""
 
 
 @dataclass(frozen=True)
@@ -148,11 +122,6 @@ class RewardFunc:
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def search_path() -> list[str]:
-    """sys.path without '', the entry `python -c` and the REPL put first to mean "the current directory"."""
-    return [p for p in sys.path if p]
 
 
 def _module_file(module: str, spec: str) -> str:
@@ -264,76 +233,7 @@ def source_changes(recorded: list[dict]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# the worker
-
-
-class Worker:
-    """One user module in a process of its own (the module docstring), its functions called by name:
-    `describe` says a function's name and parameters, `call` runs it on a batch, `close` ends the
-    process. The functions of one module share its state, as they would in-process. A worker whose
-    call failed is gone; the next load starts another."""
-
-    def __init__(self, source: Source, timeout_s: float):
-        job = json.dumps({"path": search_path(), "module": source.module, "file": source.file})
-        self.child = rewards.Child(f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                                   f"import reward_funcs; reward_funcs._serve()", (job,), quiet=False)
-        what = f"{source.spec!r}: importing {source.file}"
-        line = self.child.read_line(time.monotonic() + min(IMPORT_NOTE_S, timeout_s))
-        if line is None and self.child.usable() and timeout_s > IMPORT_NOTE_S:
-            print(f"reward {source.spec}: still importing {source.file} after {IMPORT_NOTE_S:g} s "
-                  f"(waiting up to {timeout_s:g} s)", file=sys.stderr, flush=True)
-            line = self.child.read_line(time.monotonic() + timeout_s - IMPORT_NOTE_S)
-        if line is None:
-            if self.child.usable():
-                self.close()
-                raise ValueError(f"{what} took more than {timeout_s:g} s (does it block at import?)")
-            raise ValueError(f"{what} ended its worker process ({self.child.exit_status()}) (does the module "
-                             f"exit or crash at import?)")
-        reply = json.loads(line)
-        if "error" in reply:
-            self.close()
-            raise ValueError(f"{what} failed: {reply['error']}")
-
-    def _ask(self, request: tuple, timeout_s: float | None, spec: str) -> dict:
-        """Send one request, return its JSON reply; RewardError if the worker overran, exited or crashed."""
-        try:
-            payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
-            raise RewardError(f"reward {spec}: the batch's arguments cannot be sent to its worker "
-                              f"({type(e).__name__}: {e})") from None
-        t0 = time.monotonic()
-        deadline = t0 + (math.inf if timeout_s is None else timeout_s)
-        sent = self.child.send(len(payload).to_bytes(8, "little") + payload, deadline)
-        line = self.child.read_line(deadline) if sent else None
-        if line is not None:
-            return json.loads(line)
-        if self.child.usable():
-            self.close()
-            raise RewardError(f"reward {spec} took more than --reward-timeout {timeout_s:g} s on {request[2]} "
-                              f"completions ({time.monotonic() - t0:.1f} s): stopped")
-        raise RewardError(f"reward {spec} ended its worker process during a call ({self.child.exit_status()}): "
-                          f"a reward function must return its values, not exit or crash")
-
-    def describe(self, attr: str, timeout_s: float, spec: str) -> tuple[str, tuple | None]:
-        """(the function's __name__, its parameters as (name, kind, has a default), or None when it has
-        no signature); ValueError when the module has no such function."""
-        try:
-            reply = self._ask((attr, None, 0), timeout_s, spec)
-        except RewardError as e:
-            raise ValueError(str(e)) from None
-        if "error" in reply:
-            raise ValueError(f"{spec!r}: {reply['error']}")
-        return reply["name"], reply["params"] and tuple(map(tuple, reply["params"]))
-
-    def call(self, attr: str, kwargs: dict, n: int, timeout_s: float | None, spec: str) -> dict:
-        """The worker's reply to one batch of n completions (see _reply)."""
-        return self._ask((attr, kwargs, n), timeout_s, spec)
-
-    def usable(self) -> bool:
-        return self.child.usable()
-
-    def close(self) -> None:
-        self.child.kill()
+# the workers
 
 
 _WORKERS: dict[tuple, Worker] = {}   # (file, sha256) -> its worker: flags.py and run_data.py share one
@@ -342,7 +242,7 @@ _WORKERS: dict[tuple, Worker] = {}   # (file, sha256) -> its worker: flags.py an
 def _worker(source: Source, timeout_s: float) -> Worker:
     key = (source.file, source.sha256)
     if key not in _WORKERS or not _WORKERS[key].usable():
-        _WORKERS[key] = Worker(source, timeout_s)
+        _WORKERS[key] = Worker(source.spec, source.module, source.file, timeout_s)
     return _WORKERS[key]
 
 
@@ -352,113 +252,6 @@ def close_workers() -> None:
     for w in _WORKERS.values():
         w.close()
     _WORKERS.clear()
-
-
-def _where(e: BaseException) -> str:
-    frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-    return f" (at {frame.filename}:{frame.lineno})" if frame else ""
-
-
-def _named(e: BaseException) -> str:
-    """What user code raised, with where: 'KeyError: 'x' (at f.py:3)', or 'sys.exit(0) (at f.py:3)'."""
-    what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"[:500].rstrip(": ")
-    return what + _where(e)
-
-
-def _reply(out, n: int) -> dict:
-    """The worker's JSON reply for what the function returned: {"values": [...]} with a {"bad": repr}
-    for an entry that is not a number or None, else {"container": type} or {"length": k}."""
-    if isinstance(out, (list, tuple)):
-        values = list(out)
-    elif hasattr(out, "tolist") and getattr(out, "ndim", None) == 1:   # a numpy array, a torch tensor
-        values = out.tolist()
-    else:
-        return {"container": type(out).__name__}
-    if len(values) != n:
-        return {"length": len(values)}
-    entries = []
-    for v in values:
-        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:   # numpy / torch scalars
-            v = v.item()
-        if v is None:
-            entries.append(None)
-        elif isinstance(v, bool) or not isinstance(v, (int, float)):
-            entries.append({"bad": repr(v)[:80]})
-        else:
-            try:
-                entries.append(float(v))   # nan and inf too: the parent names them
-            except OverflowError:
-                entries.append({"bad": "an integer past the float range"})
-    return {"values": entries}
-
-
-def _function(module, attr: str) -> tuple:
-    """(fn, its parameters as JSON lists or None, whether it takes every keyword) of module.attr."""
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-    if not callable(fn):
-        raise LookupError(f"{module.__name__} has no function {attr!r}")
-    try:
-        params = [(p.name, p.kind.name, p.default is not p.empty) for p in inspect.signature(fn).parameters.values()]
-    except (TypeError, ValueError):
-        params = None   # a builtin without a signature: found out on the first call
-    return fn, params, params is None or any(kind == "VAR_KEYWORD" for _, kind, _ in params)
-
-
-def _serve() -> None:
-    """The worker's life: import the module (sys.path the parent's search_path()), say "ready", then per request a
-    pickled (function, kwargs, n) in and one JSON reply out, until the parent closes the pipe; kwargs
-    None asks for the function's name and parameters."""
-    requests, out = rewards.child_pipes()
-    job = json.loads(sys.argv[3])
-    sys.path[:] = job["path"]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the run's to handle; it ends the worker at exit
-    os.environ[WORKER_ENV] = "1"
-
-    def reply(obj):
-        out.write(json.dumps(obj).encode() + b"\n")
-
-    try:
-        if job["module"] is None:
-            name = os.path.splitext(os.path.basename(job["file"]))[0]
-            name = name if name not in sys.modules else f"{name}_reward"   # a json.py must not replace json
-            spec = importlib.util.spec_from_file_location(name, job["file"])
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module   # dataclasses and pickle look their module up there
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(job["module"])
-    except BaseException as e:   # SystemExit and KeyboardInterrupt at import too
-        reply({"error": _named(e)})
-        os._exit(0)
-    reply({"ready": True})
-    functions = {}
-    while head := requests.read(8):
-        attr, kwargs, n = pickle.loads(requests.read(int.from_bytes(head, "little")))   # our parent's own bytes
-        try:
-            if attr not in functions:
-                functions[attr] = _function(module, attr)
-            fn, params, takes_all = functions[attr]
-            if kwargs is None:
-                reply({"name": getattr(fn, "__name__", attr), "params": params})
-                continue
-            if not takes_all:
-                kwargs = {k: v for k, v in kwargs.items() if k in {p[0] for p in params}}
-            result = _reply(fn(**kwargs), n)
-        except LookupError as e:
-            result = {"error": str(e)} if kwargs is None else {"error": f"raised {_named(e)}"}
-        except SystemExit as e:
-            result = {"error": f"called {_named(e)}: a reward function must return its values, not exit"}
-        except BaseException as e:   # KeyboardInterrupt, RecursionError, ...: named, not fatal here
-            result = {"error": f"raised {_named(e)}"}
-        for stream in (sys.stdout, sys.stderr):   # what the function printed shows before the run moves on
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):   # a function that closed or replaced it
-                pass
-        reply(result)
-    os._exit(0)   # not sys.exit: a thread the function left running must not keep the worker alive
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,11 +267,8 @@ def _in_process(f: InProcess, weight: float) -> RewardFunc:
         print(f"note: reward {f.label} runs in this process (a worker cannot import it by name): what it returns is "
               f"checked, but --reward-timeout cannot stop it and a crash ends the run; define it at the top level of "
               f"a file to run it in a worker", file=sys.stderr)
-    try:
-        params = tuple((p.name, p.kind.name, p.default is not p.empty)
-                       for p in inspect.signature(f.fn).parameters.values())
-    except (TypeError, ValueError):
-        params = None
+    params = parameters(f.fn)
+    params = params and tuple(map(tuple, params))
     name = getattr(f.fn, "__name__", type(f.fn).__name__)
     return RewardFunc(f.label, weight, None, name, params, f.fn)
 
@@ -572,19 +362,17 @@ def call(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> list[f
 def _call_here(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> dict:
     """An InProcess function on one batch, its reply as a worker's would be (_reply); past timeout_s once
     it returns, an error: nothing here can stop it sooner."""
-    if f.params is not None and not any(kind == "VAR_KEYWORD" for _, kind, _ in f.params):
-        kwargs = {k: v for k, v in kwargs.items() if k in {p[0] for p in f.params}}
     t0 = time.monotonic()
     try:
-        out = f.fn(**kwargs)
+        out = f.fn(**fitted(kwargs, f.params))
     except SystemExit as e:
-        return {"error": f"called {_named(e)}: a reward function must return its values, not exit"}
+        return {"error": f"called {what_raised(e)}: a reward function must return its values, not exit"}
     except Exception as e:
-        return {"error": f"raised {_named(e)}"}
+        return {"error": f"raised {what_raised(e)}"}
     took = time.monotonic() - t0
     if timeout_s is not None and took > timeout_s:
         return {"error": f"took {took:.1f} s on {n} completions, past --reward-timeout {timeout_s:g} s"}
-    return _reply(out, n)
+    return as_reply(out, n)
 
 
 def score(funcs: list[RewardFunc], examples: list, completions: list[str], stats=None, *, completion_ids=None,

@@ -420,6 +420,13 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
     return final
 
 
+def last_checkpoint(out: str) -> str:
+    """Where a run that stops now can be resumed from, in words."""
+    found = checkpoints(out)
+    return (f"{os.path.join(out, found[-1][1])} (step {found[-1][0]}) is the last checkpoint, intact" if found
+            else "no checkpoint was written yet")
+
+
 def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> dict:
     """Restore the adapter, optimizer and schedule from a verified checkpoint; returns its state
     (step, data_pos, keep_rate: 1.0 from a checkpoint written before it was kept, as a fresh run

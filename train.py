@@ -58,8 +58,6 @@ Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGK
 Python API, callbacks, an extended run); tests/test_distributed.py (2 CPU processes over gloo give the
 single-process update); tests/test_probes.py (Ctrl-C, skipped updates, bad flags and run files).
 """
-import functools
-import hashlib
 import json
 import os
 import sys
@@ -85,16 +83,18 @@ import plan
 import flags
 import report
 import reward_funcs
+import reward_worker
 import rewards
 import rollout
 import tasks
-from checkpoint import build_model, load_model, load_tokenizer, random_init_config
-from run_data import encode, load_data
+from checkpoint import build_model, load_model, random_init_config
+from report import Callback, notify  # noqa: F401 (Callback: train.Callback, the API's)
+from run_data import PromptStream, load_prompts, step_seed
 from eval import evaluate  # eval.py imports nothing from here
 from flags import parse_args
 from logprobs import collate, completion_logprobs, micro_batches
 from distributed import all_reduce_grads, dist_setup, gather, rank_world
-from run_dir import (CHECKPOINT_RE, COMPLETIONS, METRICS, RUN_CONFIG, checkpoints, load_checkpoint, plot_metrics,
+from run_dir import (CHECKPOINT_RE, COMPLETIONS, METRICS, RUN_CONFIG, last_checkpoint, load_checkpoint, plot_metrics,
                      prepare_output_dir, save_checkpoint, truncate_rows, unlock_run_dir, write_atomic)
 
 # ----------------------------------------------------------------------------------------------
@@ -106,12 +106,6 @@ MAX_IDLE_STEPS = 3   # steps in a row whose every update was skipped (non-finite
 METRIC_NAMES = {"logprob_mismatch": "sampling/sampling_logp_difference/mean",
                 "is_weight_mean": "sampling/importance_sampling_ratio/mean",
                 "is_touched_frac": "sampling/importance_sampling_touched/mean"}
-
-
-def step_seed(seed: int, step: int, stream: str) -> int:
-    """A distinct, reproducible seed for each (run seed, step, stream): resume-safe randomness."""
-    digest = hashlib.sha256(f"{seed}/{step}/{stream}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def clock(device) -> float:
@@ -161,46 +155,6 @@ class Rollout:
     samples: list                 # this rank's completions as completions.jsonl rows: prompt, completion, reward, terms
     totals: list                  # reward_funcs.score's total for each completion of the step (every round, every rank)
     terms: dict                   # {term: its value for each of those completions (None: no opinion)}
-
-
-class Callback:
-    """What a run tells Python code as it goes (train's callbacks=): subclass it and override any hook.
-    Called on rank 0, with steps counted from 1 as on screen; an exception in a hook stops the run.
-
-        on_step_end(step, metrics)    after the step's metrics are written (metrics: its metrics.jsonl row)
-        on_evaluate(step, metrics)    after an evaluation ({"eval/accuracy": ...}; step 0: before training)
-        on_save(step, checkpoint)     after checkpoint-<step> is written (its directory)
-    """
-
-    def on_step_end(self, step: int, metrics: dict) -> None:
-        pass
-
-    def on_evaluate(self, step: int, metrics: dict) -> None:
-        pass
-
-    def on_save(self, step: int, checkpoint: str) -> None:
-        pass
-
-
-class PromptStream:
-    """The training prompts in a per-epoch seeded order and the reward terms that score their completions.
-    `position` counts the prompts taken so far and `keep_rate` is the share of informative groups the last
-    step drew (1.0 before the first; it sizes dynamic sampling's rounds): a checkpoint stores both, so a
-    resumed run takes the prompts, and sizes its rounds, as the uninterrupted run would have."""
-
-    def __init__(self, examples: list, ids: list, funcs: list, seed: int):
-        self.examples, self.ids, self.funcs, self.seed = examples, ids, funcs, seed
-        self.position, self.keep_rate = 0, 1.0
-
-    @functools.lru_cache(maxsize=2)
-    def _order(self, epoch: int) -> list:
-        gen = torch.Generator().manual_seed(step_seed(self.seed, epoch, "data"))
-        return torch.randperm(len(self.examples), generator=gen).tolist()
-
-    def take(self, n: int) -> list[int]:
-        """The next n prompt indices."""
-        start, self.position = self.position, self.position + n
-        return [self._order(i // len(self.examples))[i % len(self.examples)] for i in range(start, self.position)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,23 +405,6 @@ def evaluate_policy(policy: Policy, tokenizer, eval_set: list, args) -> dict:
     return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
 
 
-def load_prompts(args) -> tuple:
-    """The datasets, the reward functions and the tokenizer, each refused with one line where it cannot be
-    used -> (tokenizer, the PromptStream of the training prompts that fit, the encoded eval examples)."""
-    progress = rank_world()[0] == 0
-    train_set, eval_set, funcs = load_data(args, log)
-    try:
-        tokenizer = load_tokenizer(args.tokenizer or args.model)
-    except (OSError, ValueError) as e:  # a Hub id that cannot be fetched (offline), a directory without one
-        flag = "tokenizer" if args.tokenizer else "model"
-        raise SystemExit(f"error: --{flag}: {tasks.load_problem(args.tokenizer or args.model, e)}") from None
-    train_set, train_ids = encode(train_set, tokenizer, args, "train", log, progress=progress)
-    if not train_set:
-        raise SystemExit(f"error: no training prompt of {args.dataset} fits --max-prompt-len {args.max_prompt_len}")
-    eval_set = encode(eval_set, tokenizer, args, "eval", log, progress=progress)[0]
-    return tokenizer, PromptStream(train_set, train_ids, funcs, args.seed), eval_set
-
-
 # ----------------------------------------------------------------------------------------------
 # the run
 
@@ -489,13 +426,6 @@ def applied_updates(optimizer) -> int:
     (a non-finite gradient) does not raise."""
     state = next(iter(optimizer.state.values()), None)
     return int(state["step"]) if state else 0
-
-
-def notify(callbacks: list, hook: str, step: int, what) -> None:
-    """Call each callback's hook (on_step_end, on_evaluate, on_save) that it has."""
-    for cb in callbacks:
-        if hasattr(cb, hook):
-            getattr(cb, hook)(step, what)
 
 
 def train_loop(args, policy: Policy, stream: PromptStream, tokenizer, eval_set: list, state: RunState) -> None:
@@ -564,17 +494,10 @@ def end_step(args, policy: Policy, stream: PromptStream, state: RunState, m: dic
     return stop
 
 
-def last_checkpoint(out: str) -> str:
-    """Where a run that stops now can be resumed from, in words."""
-    found = checkpoints(out)
-    return (f"{os.path.join(out, found[-1][1])} (step {found[-1][0]}) is the last checkpoint, intact" if found
-            else "no checkpoint was written yet")
-
-
 def start_policy(args, device, resume_from: str | None, world: int) -> tuple:
     """The data, the policy, run_config.json (written once, by rank 0) and the checkpoint resumed from ->
     (tokenizer, the PromptStream, the eval examples, the Policy, the step the run starts after)."""
-    tokenizer, stream, eval_set = load_prompts(args)
+    tokenizer, stream, eval_set = load_prompts(args, log)
     t0 = time.perf_counter()
     log(f"loading {args.model} ({'random init, ' if args.random_init else ''}{args.quant}) on {device} ...")
     policy = build_policy(args, device)
@@ -617,7 +540,7 @@ def train(args, callbacks=()) -> dict:
     Callback objects, told of step ends, evaluations and saves. -> {"step": steps done, "updates": optimizer
     updates applied, "output_dir", and the last evaluation's "eval/accuracy", "eval/step", "eval/updates"}.
     Ctrl-C says where the run stopped and how to continue it, then raises KeyboardInterrupt."""
-    if os.environ.get(reward_funcs.WORKER_ENV):
+    if os.environ.get(reward_worker.WORKER_ENV):
         raise SystemExit("error: train.train was called in a reward worker, which imported a script that defines "
                          "reward functions: keep the script's training under `if __name__ == \"__main__\":`")
     rank, world, device = dist_setup(args.device)
