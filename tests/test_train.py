@@ -141,6 +141,7 @@ def test_train_resume_then_eval(tiny_model, tmp_path, capsys):
     metrics = qeval.main(["--model", tiny_model, "--adapter", ckpt, "--dataset", "addition", "--limit", "3",
                           "--max-new-tokens", "8", "--dtype", "float32", "--output", str(tmp_path / "pred.jsonl")])
     assert metrics["n_questions"] == 3 and 0.0 <= metrics["accuracy"] <= 1.0
+    assert "gsm8k_strict_match" not in metrics, "lm-eval's GSM8K matchers mean nothing on addition"
     assert "accuracy" in capsys.readouterr().out
     preds = [json.loads(x) for x in open(tmp_path / "pred.jsonl")]
     assert len(preds) == 3 and all(len(p["completions"]) == 1 for p in preds)
@@ -463,3 +464,22 @@ def test_lora_target_modules_adapt_only_those_linears(tiny_model, tmp_path):
     assert sorted(PeftConfig.from_pretrained(ckpt).target_modules) == ["q_proj", "v_proj"]
     from safetensors.torch import load_file
     assert {k.split(".")[-3] for k in load_file(os.path.join(ckpt, lora.ADAPTER_WEIGHTS))} == {"q_proj", "v_proj"}
+
+
+def test_eval_reports_lm_evals_matchers_on_gsm8k_style_data(tiny_model, test_data, capsys):
+    metrics = qeval.main(["--model", tiny_model, "--dataset", os.path.join(test_data, "gsm8k", "test.jsonl"),
+                          "--limit", "2", "--max-new-tokens", "4", "--dtype", "float32"])
+    assert {"gsm8k_strict_match", "gsm8k_flexible_match"} <= set(metrics)
+    assert "lm-eval strict" in capsys.readouterr().out
+
+
+def test_a_run_without_updates_says_so(tiny_model, tmp_path, capsys):
+    """Dynamic sampling on a random model: no group has a reward spread, so every step is skipped; the run
+    counts 0 updates, its last line says so, and it warns that the adapters are as they started."""
+    out = str(tmp_path / "run")
+    result = train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "2", *FAST, "--dynamic-sampling",
+                         "--max-sampling-rounds", "1"])
+    said = capsys.readouterr().out
+    assert (result["step"], result["updates"]) == (2, 0)
+    assert "eval accuracy after 2 steps (0 updates)" in said and "warning: no update was applied" in said
+    assert all(r.get("skipped") for r in read_metrics(out))
