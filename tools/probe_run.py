@@ -34,14 +34,14 @@ def edit_record(out: str, edit, manifest: bool = True) -> None:
         remanifest(os.path.join(out, CKPT))
 
 
-def with_reward(bench: Bench, out: str, name: str, edit_after=None, sources=True) -> str:
-    """A copy whose run recorded the reward file <work>/<name>.py:fn (and, with sources, its reward_sources
-    row), then edit_after(path) done to the file: what --resume must check before importing it."""
+def with_reward(bench: Bench, out: str, name: str, edit_after=None) -> str:
+    """A copy whose run recorded the reward file <work>/<name>.py:fn and its reward_sources row, then
+    edit_after(path) done to the file: what --resume must check before importing it."""
     path = os.path.join(bench.work, f"{name}.py")
     open(path, "w").write(REWARD)
     spec = f"{path}:fn"
     row = reward_funcs.record([reward_funcs.RewardFunc(spec, source=reward_funcs.resolve(spec))])
-    edit_record(out, lambda r: r.update(reward=["correctness", spec], **({"reward_sources": row} if sources else {})))
+    edit_record(out, lambda r: r.update(reward=["correctness", spec], reward_sources=row))
     if edit_after:
         edit_after(path)
     return out
@@ -54,16 +54,12 @@ def small_run(bench: Bench, out: str, *extra) -> list[str]:
             "--prompts-per-step", "2", "--micro-batch", "4", "--log-every", "0", *extra]
 
 
-def parse(argv):
-    return flags.parse_args(argv)
-
-
 # ----------------------------------------------------------------------------------------------
 # flags: refused at parse time (or before the model loads)
 
 
 def flag_probes(bench: Bench) -> list[Probe]:
-    def resumed(change, *argv, run=parse):
+    def resumed(change, *argv, run=flags.parse_args):
         def go():
             out = bench.fresh()
             change(out)
@@ -106,16 +102,16 @@ def flag_probes(bench: Bench) -> list[Probe]:
         "--stop-at at the step the run resumes from": resumed(lambda out: None, "--stop-at", "3", run=train.main),
         "--max-steps at the step the run resumes from (a finished run)": resumed(
             lambda out: None, "--max-steps", "3", run=train.main),
-        "--output-dir ''": lambda: parse(small_run(bench, "")),
-        "--device cuda:99": lambda: parse(small_run(bench, fresh_out(), "--device", "cuda:99")),
-        "--model: a directory without config.json": lambda: parse(small_run(bench, fresh_out(), "--model", bench.work)),
-        "--model: a directory without a tokenizer": lambda: parse(small_run(bench, fresh_out(), "--model", untokenized())),
-        "--tokenizer: a path that is not there": lambda: parse(small_run(
+        "--output-dir ''": lambda: flags.parse_args(small_run(bench, "")),
+        "--device cuda:99": lambda: flags.parse_args(small_run(bench, fresh_out(), "--device", "cuda:99")),
+        "--model: a directory without config.json": lambda: flags.parse_args(small_run(bench, fresh_out(), "--model", bench.work)),
+        "--model: a directory without a tokenizer": lambda: flags.parse_args(small_run(bench, fresh_out(), "--model", untokenized())),
+        "--tokenizer: a path that is not there": lambda: flags.parse_args(small_run(
             bench, fresh_out(), "--tokenizer", os.path.join(bench.work, "nowhere"))),
-        "--reward-timeout 1, a reward module that sleeps at import": lambda: parse(small_run(
+        "--reward-timeout 1, a reward module that sleeps at import": lambda: flags.parse_args(small_run(
             bench, fresh_out(), "--reward", f"{slow}:fn", "--reward-timeout", "1")),
-        "--lora-target-modules lm_head": lambda: parse(small_run(bench, fresh_out(), "--lora-target-modules", "lm_head")),
-        "--report-to tensorboard,bogus": lambda: parse(small_run(bench, fresh_out(), "--report-to", "tensorboard,bogus")),
+        "--lora-target-modules lm_head": lambda: flags.parse_args(small_run(bench, fresh_out(), "--lora-target-modules", "lm_head")),
+        "--report-to tensorboard,bogus": lambda: flags.parse_args(small_run(bench, fresh_out(), "--report-to", "tensorboard,bogus")),
     }
     probes = [Probe("flags", name, run, limit_s=20) for name, run in cases.items()]
     probes += [
