@@ -21,9 +21,9 @@ One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
               clipped surrogate (+ k3 KL to the adapter-disabled model when β > 0), backward into
               the LoRA parameters only, μ AdamW steps per rollout
 
-There is one model in memory: the sampler and the trainer are the same modules, so there is no
-weight sync, and the only sampler/trainer mismatch is the numerics of decode vs dense attention
-(logged as `sampling/sampling_logp_difference/mean`). The KV cache is released before backward.
+One model in memory: the sampler and the trainer are the same modules, so there is no weight sync, and
+the only sampler/trainer mismatch is the numerics of decode vs dense attention (logged as
+`sampling/sampling_logp_difference/mean`). The KV cache is released before backward.
 
 build_policy turns the flags into a `Policy`: the model with its adapters, AdamW and its schedule, the
 grpo.GRPOConfig and aqn.AQNConfig of the flags, the sampler and the step plan. Each step
@@ -32,20 +32,18 @@ score the generation batch: `Group`s, one prompt with its G completions and thei
 (advantages, the training forward and backward in micro-batches, AdamW); `train_loop` then evaluates,
 and `end_step` logs, tells the callbacks and checkpoints. Steps count from 1 on screen, in metrics.jsonl
 and in the checkpoints' names alike. Everything that can be refused (flags, datasets, reward functions)
-is, before the model loads. `train(args, callbacks)` is the run, for the command line (`main`: its flags,
-then train) and for Python (flags.config: the same settings as keywords, rows in memory, reward
-functions in TRL's signature; `Callback`: step ends, evaluations, saves).
+is, before the model loads. `train(args, callbacks)` is the run for the command line (`main`) and for
+Python (flags.config: the settings as keywords, rows in memory, reward functions; `Callback`).
 
 What a run says rather than do silently: RewardWatch's warning when the rewards carry no signal for
 steps on end; a step whose every update was skipped (a gradient not finite), and a stop after
-MAX_IDLE_STEPS of them in a row, the last checkpoint intact; the updates actually applied beside the
-steps in its last line; on Ctrl-C, where it stopped and how to continue. A resumed run with no step
-left before --stop-at or --max-steps is refused before anything loads; a larger --max-steps extends a
-finished run, its AQN schedule kept (steps past --aqn-steps stay in the last stage).
+MAX_IDLE_STEPS of them in a row, the last checkpoint intact; the updates applied beside the steps in
+its last line; on Ctrl-C, where it stopped and how to continue; a finished run resumed, that it has
+nothing to do (a larger --max-steps extends it, its AQN schedule kept: --aqn-steps).
 
 Around the loop: flags.py (the flags, --config, --resume, config()), checks.py (what each setting must
-be), run_data.py (the checked
-datasets, prompts and reward functions), report.py (the progress line, sampled completions, trackers),
+be), run_data.py (the checked datasets, prompts and reward functions), report.py (the progress line,
+sampled completions, trackers, callbacks),
 logprobs.py (the batch as training tensors, the chunked log-probs), plan.py (how a step uses the GPU's
 memory: micro-batch sizes, recomputation, what stays resident), run_dir.py (run_config.json,
 metrics.jsonl, plots.png, crash-safe checkpoints that --resume continues from) and distributed.py
@@ -367,7 +365,7 @@ def train_step(policy: Policy, groups: list[Group], noise: dict, pad_id: int, ar
 
 
 # ----------------------------------------------------------------------------------------------
-# the run
+# one step of the method
 
 
 def optimizer_step(step: int, policy: Policy, stream: PromptStream, tokenizer, args) -> tuple[dict, Rollout]:
@@ -521,25 +519,24 @@ def start_policy(args, device, resume_from: str | None, world: int) -> tuple:
     return tokenizer, stream, eval_set, policy, start
 
 
-def check_start(args, resume_from: str | None) -> None:
-    """A resumed run must have steps left to take before --stop-at and --max-steps: else one line, before
-    anything loads (nothing was done, and exit 0 would say it was)."""
+def check_start(args, resume_from: str | None) -> int:
+    """The step the run resumes after (0 for a new run), from the checkpoint's name; a --stop-at at or below
+    it is refused before anything loads (the run would train on to --max-steps)."""
     m = CHECKPOINT_RE.fullmatch(os.path.basename(resume_from or ""))
     start = int(m.group(1)) if m else 0
     if args.stop_at is not None and args.stop_at <= start:
         raise SystemExit(f"error: --stop-at {args.stop_at} is not after step {start}, where the run in "
                          f"{args.output_dir} resumes")
-    if start >= args.max_steps:
-        raise SystemExit(f"error: the run in {args.output_dir} has done {start} steps, and --max-steps is "
-                         f"{args.max_steps}: pass a larger --max-steps to extend it (at each resume of an extended "
-                         f"run: its run_config.json keeps its first)")
+    return start
 
 
 def train(args, callbacks=()) -> dict:
     """Train as args says (flags.parse_args of a command line, or flags.config in Python); callbacks are
     Callback objects, told of step ends, evaluations and saves. -> {"step": steps done, "updates": optimizer
     updates applied, "output_dir", and the last evaluation's "eval/accuracy", "eval/step", "eval/updates"}.
-    Ctrl-C says where the run stopped and how to continue it, then raises KeyboardInterrupt."""
+    A resumed run that has done its --max-steps says so and returns at once, nothing loaded ("updates":
+    None): resuming a finished run is safe to repeat. Ctrl-C says where the run stopped and how to
+    continue it, then raises KeyboardInterrupt."""
     if os.environ.get(reward_worker.WORKER_ENV):
         raise SystemExit("error: train.train was called in a reward worker, which imported a script that defines "
                          "reward functions: keep the script's training under `if __name__ == \"__main__\":`")
@@ -548,7 +545,11 @@ def train(args, callbacks=()) -> dict:
     resume_from = prepare_output_dir(args, write=rank == 0)
     state = None
     try:
-        check_start(args, resume_from)
+        start = check_start(args, resume_from)
+        if start >= args.max_steps:
+            log(f"the run in {args.output_dir} has done {start} steps, and --max-steps is {args.max_steps}: nothing "
+                f"to do (a larger --max-steps extends it; an extended run takes it again at each resume)")
+            return {"step": start, "updates": None, "output_dir": args.output_dir}
         if world > 1:
             torch.distributed.barrier()  # every rank has checked the directory before rank 0 writes to it
         tokenizer, stream, eval_set, policy, start = start_policy(args, device, resume_from, world)

@@ -411,11 +411,12 @@ def test_train_from_python_with_rows_a_lambda_and_callbacks(tiny_model, tmp_path
 
     with pytest.raises(flags.ConfigError, match="--dataset python: 15 rows, .* differs from the run's python: 16"):
         flags.config(**{**settings, "train_dataset": rows[:15], "resume": True})
-    with pytest.raises(SystemExit, match="has done 3 steps, and --max-steps is 3"):
-        train.train(flags.config(**settings, resume=True))
+    again = train.train(flags.config(**settings, resume=True))   # a finished run: said, nothing loaded
+    assert again == {"step": 3, "updates": None, "output_dir": out}
+    assert "has done 3 steps, and --max-steps is 3: nothing to do" in capsys.readouterr().out
 
 
-def test_a_finished_run_extends_with_its_aqn_schedule_kept(tiny_model, tmp_path):
+def test_a_finished_run_extends_with_its_aqn_schedule_kept(tiny_model, tmp_path, capsys):
     """A 3-step run resumed with --max-steps 5 takes steps 4 and 5 in the last AQN stage (its schedule spans
     the first 3 steps: --aqn-steps), and its run_config.json stays the one its checkpoints were written with."""
     import aqn
@@ -429,8 +430,10 @@ def test_a_finished_run_extends_with_its_aqn_schedule_kept(tiny_model, tmp_path)
     schedule = [aqn.sigma_at(s, 3, aqn.AQNConfig()) for s in range(5)]
     assert [r["aqn/sigma"] for r in rows] == schedule and schedule[3] == schedule[4] == aqn.AQNConfig().sigma_end
     assert open(os.path.join(out, run_dir.RUN_CONFIG)).read() == config
-    with pytest.raises(SystemExit, match="has done 5 steps, and --max-steps is 3: pass a larger --max-steps"):
-        train.main(["--resume", out])
+    capsys.readouterr()
+    assert train.main(["--resume", out])["step"] == 5   # its record's --max-steps is 3: nothing to do, and said
+    assert "has done 5 steps, and --max-steps is 3: nothing to do (a larger --max-steps extends it" in \
+        capsys.readouterr().out
 
 
 def test_the_python_example_trains_and_tells_its_callbacks(tiny_model, tmp_path):

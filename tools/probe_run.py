@@ -100,8 +100,6 @@ def flag_probes(bench: Bench) -> list[Probe]:
             lambda out: (with_reward(bench, out, "unrecorded_reward"),
                          edit_record(out, lambda r: r.update(reward_sources=[])))),
         "--stop-at at the step the run resumes from": resumed(lambda out: None, "--stop-at", "3", run=train.main),
-        "--max-steps at the step the run resumes from (a finished run)": resumed(
-            lambda out: None, "--max-steps", "3", run=train.main),
         "--output-dir ''": lambda: flags.parse_args(small_run(bench, "")),
         "--device cuda:99": lambda: flags.parse_args(small_run(bench, fresh_out(), "--device", "cuda:99")),
         "--model: a directory without config.json": lambda: flags.parse_args(small_run(bench, fresh_out(), "--model", bench.work)),
@@ -120,6 +118,9 @@ def flag_probes(bench: Bench) -> list[Probe]:
         Probe("flags", "the run with its reward file unchanged resumes",
               resumed(lambda out: with_reward(bench, out, "kept_reward")), expect="accept",
               check=lambda a: None if len(a.reward) == 2 else f"reward {a.reward}"),
+        Probe("flags", "a finished run resumed (--max-steps at its step): nothing to do, said, nothing loaded",
+              resumed(lambda out: None, "--max-steps", "3", run=train.main), expect="accept",
+              check=lambda s: None if s == {"step": 3, "updates": None, "output_dir": s["output_dir"]} else f"{s}"),
         Probe("flags", "a larger --max-steps extends the run, its AQN schedule kept", resumed(
             lambda out: None, "--max-steps", "400"), expect="accept",
               check=lambda a: None if (a.max_steps, a.aqn_steps) == (400, 200) else f"{a.max_steps}, {a.aqn_steps}"),
