@@ -69,7 +69,7 @@ class AQNConfig:
     sigma_start: float = field(default=1e-2, metadata={"help": "σ of the first noisy stage"})   # stage 1
     sigma_end: float = field(default=5e-4, metadata={"help": "σ of the last stage"})            # stage K-1
     stages: int = field(default=10, metadata={       # K: stage 0 is noise-free, 1..K-1 decay geometrically
-        "flag": "aqn_stages", "help": "stages K over --max-steps (stage 0 is noise-free)"})
+        "flag": "aqn_stages", "help": "stages K over --aqn-steps (stage 0 is noise-free)"})
     rollout_only: bool = field(default=False, metadata={   # the reference code's choice
         "flag": "aqn_rollout_only", "help": "noise in rollout only (the reference code)"})
 

@@ -1,4 +1,4 @@
-"""Dataset sources: the rows of a Hugging Face Hub dataset or of a local file or directory.
+"""Dataset sources: the rows of a Hugging Face Hub dataset, of a local file or directory, or in memory.
 
     rows("openai/gsm8k", "train", config="main")   a Hub dataset, through datasets.load_dataset
     rows("data/train.jsonl")                       one JSONL file (read here: errors name the line)
@@ -6,10 +6,14 @@
     rows("data/", "test")                          data/test.jsonl | .csv | .parquet | .json
     rows("saved/", "test")                         a datasets.save_to_disk directory (a dataset or a
                                                    DatasetDict, whose split is taken)
+    Rows([{"prompt": ..., "answer": ...}, ...])    rows in memory (flags.config's dataset=): a list of
+                                                   dicts or a datasets.Dataset
 
 A row is a plain dict of one record's columns; tasks.py turns rows into Examples (which column is
 the prompt, which the answer). A single file is one split: the split asked for is ignored, so the
-same file serves training and evaluation unless another is given.
+same file serves training and evaluation unless another is given; so do rows in memory. Rows in memory
+carry a label, "python: <n> rows, sha256 <12 hex digits>" of their content, which run_config.json keeps
+in the dataset's place: a resumed run is refused unless it is handed the same rows.
 
 `datasets` is imported only when a source needs it (a Hub id, a CSV, Parquet or JSON file, a saved
 directory): a JSONL file and the built-in addition task read without it.
@@ -25,6 +29,7 @@ message).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -35,12 +40,43 @@ FILE_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "p
 LOCAL_FIX = ("pass a local file or directory (--dataset path/to/train.jsonl, .csv, .parquet or a "
              "datasets.save_to_disk directory)")
 OFFLINE_FIX = LOCAL_FIX + ", or set HF_HUB_OFFLINE=1 to read a copy already in the cache"
+IN_MEMORY = "python: "   # the start of a label of rows in memory (Rows)
 
 
 class DatasetError(ValueError):
     """A dataset that cannot be used as it is (bad bytes, bad JSON, missing columns, an unreachable
     Hub, no rows): the message names the source and, for a file, the line; train.py and eval.py print
     it as one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# rows in memory
+
+
+class Rows:
+    """A dataset handed over in memory: a list (or tuple) of dicts, or a datasets.Dataset, in TRL's columns
+    (a prompt, a string or a list of messages; the gold answer; any others for reward functions). `label`
+    names it by its size and the sha256 of its content (JSON, keys sorted): what run_config.json records."""
+
+    def __init__(self, rows):
+        if hasattr(rows, "to_list") and not isinstance(rows, (list, tuple)):   # a datasets.Dataset
+            rows = rows.to_list()
+        elif isinstance(rows, dict):   # a DatasetDict, or a dict of columns
+            raise ValueError(f"a dataset in memory is a list of rows (dicts) or a datasets.Dataset, not a "
+                             f"{type(rows).__name__} (a DatasetDict: pass one split, e.g. dataset['train'])")
+        if not isinstance(rows, (list, tuple)):
+            raise ValueError(f"a dataset in memory is a list of rows (dicts) or a datasets.Dataset, not a "
+                             f"{type(rows).__name__}")
+        self.rows = list(rows)
+        text = json.dumps(self.rows, sort_keys=True, default=repr, ensure_ascii=False)
+        self.label = f"{IN_MEMORY}{len(self.rows)} rows, sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+    def __str__(self) -> str:
+        return self.label
+
+    def records(self) -> list[tuple[object, str]]:
+        """[(row, where)], as the file sources give them."""
+        return [(r, f"row {i} of the rows in memory") for i, r in enumerate(self.rows)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -130,14 +130,15 @@ def rank_times(metrics: dict) -> dict:
 # machines without a shared disk
 
 
-def check_ranks(args, ckpt: str | None) -> None:
+def check_ranks(settings: dict, ckpt: str | None) -> int:
     """At start, on every rank, before anything loads (a barrier too): stop, on every rank alike, where a
-    rank's flags differ from rank 0's (PER_RANK_FLAGS aside), or where a rank's --output-dir holds a
-    newer checkpoint than rank 0's. ckpt: the checkpoint this rank's own directory would resume from."""
-    if rank_world()[1] == 1:
-        return
-    flags = {k: v for k, v in vars(args).items() if k not in PER_RANK_FLAGS}
+    rank's settings (flags.record) differ from rank 0's (PER_RANK_FLAGS aside), or where a rank's
+    --output-dir holds a newer checkpoint than rank 0's. ckpt: the checkpoint this rank's own directory
+    would resume from. -> the step the run resumes after: rank 0's checkpoint's (0 for a new run)."""
     step = int(CHECKPOINT_RE.fullmatch(os.path.basename(ckpt)).group(1)) if ckpt else 0
+    if rank_world()[1] == 1:
+        return step
+    flags = {k: v for k, v in settings.items() if k not in PER_RANK_FLAGS}
     parts = gather((flags, step, os.path.basename(ckpt) if ckpt else "none"))
     first = parts[0][0]
     for r, (other, _, _) in enumerate(parts[1:], 1):
@@ -153,6 +154,7 @@ def check_ranks(args, ckpt: str | None) -> None:
                          f"({parts[0][2]}): rank 0 reads and writes the run, so start the machine that holds it "
                          f"as rank 0 (torchrun --node-rank 0 with --master-addr: c10d's rendezvous orders "
                          f"machines by host name)")
+    return parts[0][1]
 
 
 def _broadcast_file(path: str, size: int, send: bool, device) -> None:

@@ -5,9 +5,11 @@
 Each question is formatted with the tokenizer's chat template and a system prompt (final answer in
 \\boxed{}), sampled by the same paged engine that training uses (rollout.py), and scored by the
 training reward's correctness check (rewards.reward: numeric equality for GSM8K-style answers,
-math-verify for MATH). Accuracy is the mean over questions and samples. For GSM8K it also reports
-lm-evaluation-harness' two matchers (strict: the `#### N` line; flexible: the last number) so
-the numbers can be set beside published ones; both read the same completions.
+math-verify for MATH). Accuracy is the mean over questions and samples. On GSM8K-style data (a gold
+solution ending in a `#### N` line) it also reports lm-evaluation-harness' two matchers (strict: the
+`#### N` line; flexible: the last number) so the numbers can be set beside published ones; both read the
+same completions. Elsewhere (MATH, the arithmetic tasks, data without worked solutions) they would
+measure a format the model was never asked for, and are left out.
 
 The prompt is the one the model was trained on: for an adapter inside a train.py run directory
 (runs/x/checkpoint-N), the system prompt and chat-template variables of its run_config.json, unless
@@ -39,7 +41,7 @@ import tasks
 from checkpoint import load_model, load_tokenizer
 from data import one_line
 from flags import HelpFormatter, add_column_flags, add_precision_flags
-from run_dir import MANIFEST, RUN_CONFIG, verify_adapter
+from run_dir import MANIFEST, RUN_CONFIG, run_settings, verify_adapter
 
 # ----------------------------------------------------------------------------------------------
 
@@ -58,7 +60,7 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256, system_
             texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
             scores = [rewards.reward(e, t, stats) for t in texts]
             correct += scores
-            if e.kind == "numeric":
+            if "####" in e.solution:   # a GSM8K-style gold: lm-eval's matchers mean something here
                 strict += [rewards.gsm8k_strict_match(t, e.answer) for t in texts]
                 flexible += [rewards.gsm8k_flexible_match(t, e.answer) for t in texts]
             records.append({"question": e.question, "answer": e.answer, "completions": texts, "scores": scores,
@@ -76,20 +78,11 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256, system_
 
 def run_prompt(adapter: str | None) -> dict | str:
     """The prompt settings (system_prompt, chat_template_kwargs) of the train.py run an adapter was saved
-    in (its parent directory's run_config.json), {} for an adapter outside a run, or, as a string, why
-    the run's settings cannot be read (the prompt the adapter was trained on is then unknown)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(adapter)), RUN_CONFIG) if adapter else None
-    if not path or not os.path.exists(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            run = json.load(f)
-    except (OSError, ValueError) as e:   # ValueError: bad JSON or bad UTF-8
-        return f"{path} is unreadable ({type(e).__name__}: {e})"
-    if not isinstance(run, dict) or not isinstance(run.get("system_prompt", ""), str) \
-            or not isinstance(run.get("chat_template_kwargs") or {}, dict):
-        return f"{path} does not hold the run's prompt settings as train.py writes them"
-    return {k: run[k] for k in ("system_prompt", "chat_template_kwargs") if k in run}
+    in (run_dir.run_settings: its parent directory's run_config.json), {} for an adapter outside a run, or,
+    as a string, why the run's settings cannot be read (the prompt the adapter was trained on is then
+    unknown)."""
+    run = run_settings(adapter)
+    return run if isinstance(run, str) else {k: run[k] for k in ("system_prompt", "chat_template_kwargs") if k in run}
 
 
 def output_problem(path: str) -> str | None:

@@ -1,6 +1,6 @@
 """export.py: what leaves a run, in the three forms the Hugging Face stack and vLLM read.
 
-    python export.py --model Qwen/Qwen2.5-7B-Instruct --adapter runs/gsm8k/checkpoint-000200 --out exported
+    python export.py --adapter runs/gsm8k/checkpoint-000200 --out exported      # or --adapter runs/gsm8k
 
 writes, each with the base model's tokenizer beside it:
 
@@ -20,8 +20,17 @@ Serving and evaluating them:
     python eval.py --model exported/merged --quant bf16 --dataset gsm8k          # the merged model
     python eval.py --model exported/nvfp4 --adapter exported/adapter --dataset gsm8k   # base + adapter
 
---formats picks a subset. The base is loaded as the run trained on it (--quant, default NVFP4), on
-the CPU unless --device says otherwise.
+The run decides. An adapter inside a train.py run directory (or the run directory itself: its newest
+checkpoint that verifies) brings the run's run_config.json: the base (--model), the format it trained
+on (--quant: a merged model of an NVFP4 run is its dequantized 4-bit base plus the adapter, of a bf16
+run the bf16 base plus the adapter) and its prompt. A flag given overrides the run's, and a --quant
+other than the run's is said on screen. The run's system prompt and chat-template variables become the
+defaults of the exported tokenizers' chat template (tasks.template_with_defaults): a server that applies
+the model's template to a user's messages without a system message prompts it as training did. An
+adapter from elsewhere needs --model (and --system-prompt for a template default). --formats picks a
+subset (default: all three, without nvfp4 for a bf16 base). The base loads on the CPU unless --device
+says otherwise. Every adapter_config.json written (here and in a run's checkpoints) names the base as
+PEFT can load it from anywhere: a local directory by its absolute path.
 
 What is checked. --adapter is verified as --resume verifies a checkpoint (run_dir.verify_adapter: its
 manifest's sizes and sha256; a train.py checkpoint without a manifest is refused), and --model's
@@ -30,8 +39,10 @@ are written under <out>/.tmp-export-<pid>/ and each takes its place only once al
 failed export leaves the previous ones as they were; an existing one is replaced only with
 --overwrite. The exported adapter carries a manifest of its own, so eval.py verifies it too.
 
-Test: tests/test_export.py (each export loaded by transformers / PEFT against our model; refusals;
-a failed --overwrite keeps the previous exports); tests/test_probes.py (corrupted adapters).
+Test: tests/test_export.py (each export loaded by transformers / PEFT against our model; a bf16 and an
+NVFP4 run exported with no flag but --adapter: the merged model gives the run's logits, its template the
+run's prompt; refusals; a failed --overwrite keeps the previous exports); tests/test_probes.py
+(corrupted adapters).
 """
 import argparse
 import json
@@ -45,7 +56,7 @@ import lora
 import tasks
 from checkpoint import load_model, load_tokenizer, save_pretrained
 from model import Transformer
-from run_dir import verify_adapter, write_manifest
+from run_dir import RUN_CONFIG, resume_checkpoint, run_settings, verify_adapter, write_manifest
 
 FORMATS = ("adapter", "merged", "nvfp4")
 
@@ -79,12 +90,14 @@ def out_problem(out: str) -> str | None:
 
 
 def write_exports(args, formats: list[str], staging: str) -> None:
-    """Each format into staging/<format>, each with the tokenizer; the adapter with a manifest."""
+    """Each format into staging/<format>, each with the tokenizer (its chat template defaulting to the
+    run's prompt, run_template); the adapter with a manifest."""
     try:
         tokenizer = load_tokenizer(args.model)
         model = load_model(args.model, quant=args.quant, device=args.device, dtype=torch.bfloat16)
     except (OSError, ValueError) as e:  # offline, a damaged checkpoint
         raise SystemExit(f"error: --model: {tasks.load_problem(args.model, e)}") from None
+    run_template(tokenizer, args)
     if "nvfp4" in formats:                                 # the base first, while it has no adapters
         save_pretrained(model, os.path.join(staging, "nvfp4"))
     try:
@@ -101,18 +114,69 @@ def write_exports(args, formats: list[str], staging: str) -> None:
         write_manifest(os.path.join(staging, "adapter"))
 
 
+def run_template(tokenizer, args) -> None:
+    """Make the run's system prompt and chat-template variables the defaults of the tokenizer's chat
+    template (tasks.template_with_defaults), so that the exported model, served, prompts as the run trained
+    it; a tokenizer without a template, or an adapter from outside a run without --system-prompt, is left
+    as it is, and said."""
+    if args.system_prompt is None:
+        print("note: the adapter comes from outside a train.py run and --system-prompt is not given: the chat "
+              "template is exported as the base has it")
+    elif not getattr(tokenizer, "chat_template", None):
+        print("warning: the base's tokenizer has no chat template: the run's system prompt cannot be made its default")
+    else:
+        tokenizer.chat_template = tasks.template_with_defaults(tokenizer.chat_template, args.system_prompt,
+                                                               args.chat_template_kwargs)
+
+
+def resolve_run(p, args) -> None:
+    """Fill in what the run recorded (run_dir.run_settings): the base (--model), its format (--quant) and
+    the prompt (--system-prompt, --chat-template-kwargs), where not given; a --quant other than the run's
+    is said. An --adapter that is a run directory means its newest checkpoint that verifies."""
+    if os.path.isfile(os.path.join(args.adapter, RUN_CONFIG)) and not os.path.exists(
+            os.path.join(args.adapter, lora.ADAPTER_CONFIG)):
+        ckpt = resume_checkpoint(args.adapter)
+        if ckpt is None:
+            p.error(f"--adapter: the run in {args.adapter} has no checkpoint yet")
+        args.adapter = ckpt
+    run = run_settings(args.adapter)
+    if isinstance(run, str):
+        p.error(f"--adapter: {run}, so the base and prompt it was trained with are unknown: restore it")
+    if args.quant and run.get("quant") and args.quant != run["quant"]:
+        print(f"warning: --quant {args.quant}, but the run trained on a {run['quant']} base: the exports will not "
+              f"be the model the run trained")
+    args.model = args.model or run.get("model")
+    args.quant = args.quant or run.get("quant", "nvfp4")
+    if args.system_prompt is None:
+        args.system_prompt = run.get("system_prompt")
+    if args.chat_template_kwargs is None:
+        args.chat_template_kwargs = run.get("chat_template_kwargs")
+    if not args.model:
+        p.error("--model is required: the adapter is not in a train.py run directory that names its base")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Export a run's adapter, a merged bf16 model and the NVFP4 base")
-    p.add_argument("--model", required=True, help="the base the run trained: a Hub id or a local checkpoint dir")
-    p.add_argument("--adapter", required=True, help="the run's PEFT adapter directory (a checkpoint-<step>/)")
+    p.add_argument("--adapter", required=True, help="a checkpoint-<step>/ of a run, its run directory (the newest "
+                                                     "checkpoint), or any PEFT adapter directory")
     p.add_argument("--out", required=True, help="directory that receives adapter/, merged/, nvfp4/")
-    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
-    p.add_argument("--quant", choices=["nvfp4", "bf16"], default="nvfp4", help="the base format the run trained on")
+    p.add_argument("--model", default=None, help="the base the run trained: a Hub id or a local checkpoint dir "
+                                                 "(default: the run's, from its run_config.json)")
+    p.add_argument("--quant", choices=["nvfp4", "bf16"], default=None,
+                   help="the base format the run trained on (default: the run's, else nvfp4)")
+    p.add_argument("--system-prompt", default=None, help="the default system prompt of the exported chat template "
+                                                         "(default: the run's; '' for none)")
+    p.add_argument("--chat-template-kwargs", type=tasks.parse_chat_template_kwargs, default=None, metavar="JSON",
+                   help="template variables the exported chat template sets by default (default: the run's)")
+    p.add_argument("--formats", default=None, help=f"comma-separated, of {', '.join(FORMATS)} (default: all; "
+                                                   f"without nvfp4 for a bf16 base)")
     p.add_argument("--device", default="cpu", help="where to load the base (cpu needs the bf16 model's RAM)")
     p.add_argument("--overwrite", action="store_true", help="replace existing exports in --out (once the new "
                                                              "ones are complete)")
     args = p.parse_args(argv)
-    formats = [f for f in args.formats.split(",") if f]
+    resolve_run(p, args)
+    formats = [f for f in args.formats.split(",") if f] if args.formats is not None else \
+        [f for f in FORMATS if f != "nvfp4" or args.quant == "nvfp4"]
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
         p.error(f"--formats: unknown {bad or '(none)'}; choose from {', '.join(FORMATS)}")
@@ -127,6 +191,7 @@ def main(argv=None):
     for flag, problem in problems.items():
         if problem:
             p.error(f"{flag}: {problem}")
+    print(f"exporting {args.adapter} on {args.model} ({args.quant}) to {args.out}: {', '.join(formats)}")
 
     staging = os.path.join(args.out, f".tmp-export-{os.getpid()}")
     try:

@@ -1,5 +1,5 @@
-"""train.py's command line: every flag with its help and default, a config file, --resume, and the
-checks that run before anything loads.
+"""train.py's settings: every flag with its help and default, a config file (with TRL's names), --resume,
+and the same settings from Python (`config`), each checked (checks.py) before anything loads.
 
 Every flag is a field of a config dataclass, which holds its default and its help text:
 lora.LoRAConfig (--lora-*), aqn.AQNConfig (--aqn, --sigma-*, --aqn-*), grpo.GRPOConfig (the objective,
@@ -7,78 +7,90 @@ dynamic sampling, --group-size, --max-new-tokens, --updates-per-rollout) and Tra
 model, data, reward, sampling, optimization and records). build_parser lays them out in --help's
 SECTIONS, and to_config(args, cls) turns the parsed flags back into the dataclass train.py builds on.
 
-Three sources, in rising precedence: the defaults, a --config file (JSON, or YAML with PyYAML; its
-keys are the flag names, with dashes or underscores; a key that is no flag is refused by name), and the
-command line. --resume RUN_DIR (or --resume with --output-dir) reads the run's run_config.json: every
-setting comes from there, so `python train.py --resume runs/x` continues the run with no other flag. A
-flag given again (on the command line or in a --config file) must equal the recorded value, or the run
-is refused naming each flag that differs: a resumed run is the same run. Only the flags of RESUMABLE
-may change, as they change where and how fast the run goes and what it reports, never what it
-computes.
+Three sources, in rising precedence: the defaults, a --config file (JSON, or YAML with PyYAML; its keys
+are the flag names, with dashes or underscores, or TRL's names for the same settings, TRL_NAMES; a key
+that is neither is refused by name), and the command line. From Python, `config(**settings)` takes the
+keywords of the call in the command line's place (the same names; beyond it, a dataset may be rows in
+memory and a reward a Python function). Every value is parsed as its flag's command-line value would
+be, so it meets the same types and choices.
 
-Then parse_args checks every value against its accepted range (FLAG_RANGES, the range stated in the
-message), the rules that tie flags together, the dataset sources and columns, the reward functions
-(imported here), local paths, the reporting packages and the output directory, so that a bad value is
-one line and exit code 2 before a model or a dataset is read.
+--resume RUN_DIR (or --resume with --output-dir) reads the run's run_config.json: every setting comes
+from there, so `python train.py --resume runs/x` continues the run with no other flag. The file is
+checked as a config file is, more strictly: it is the one the run's checkpoints were written with (its
+sha256 is in each manifest), every flag is there with a value of its type (a flag added since has the
+value runs used before it existed: RECORDED_BEFORE), and each reward function still resolves to the file
+the run used, unchanged (reward_funcs.source_changes), before any of them is imported. A flag given again
+must equal the recorded value, or the run is refused naming each flag that differs: a resumed run is the
+same run. Only the flags of RESUMABLE may change, as they change where and how fast the run goes, how
+long it runs and what it reports, never what a step computes (a longer --max-steps extends a finished
+run; the AQN schedule keeps its length, --aqn-steps).
 
-Test: tests/test_flags.py (help, --config, --resume); tests/test_integrity.py (every bad flag is
-refused at parse time, by name).
+Then checks.py checks every value (its range, the rules that tie flags together, the data, the reward
+functions, the model, the device, the output directory), so that a bad value is one line (exit code 2;
+a ConfigError from `config`) before a model or a dataset is read.
+
+Test: tests/test_flags.py (help, --config, TRL's names, --resume, config()); tests/test_integrity.py and
+tests/test_probes.py (bad flags and run files are refused at parse time, by name).
 """
 import argparse
 import dataclasses
 import difflib
-import importlib.util
 import json
-import math
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 
-import torch
-
 import aqn
+import data
 import grpo
 import lora
 import reward_funcs
 import tasks
-from checkpoint import random_init_config
-from run_dir import RUN_CONFIG
+from checks import REPORTERS, check, range_problem
+from run_dir import RUN_CONFIG, config_problem
 
-# The accepted range of every numeric flag (an unset optional one, None, is not checked):
-# name -> (the range as the error states it, the test). Floats must also be finite.
-FLAG_RANGES = {
-    **dict.fromkeys(("prompts_per_step", "max_new_tokens", "micro_batch", "max_steps", "lora_rank", "max_prompt_len",
-                     "keep_checkpoints", "logprob_chunk", "save_every", "eval_max_new_tokens", "stop_at",
-                     "max_sampling_rounds", "updates_per_rollout"), (">= 1", lambda v: v >= 1)),
-    **dict.fromkeys(("eval_limit", "eval_every", "warmup_steps", "overlong_cache", "weight_decay", "beta",
-                     "log_every", "log_completions", "format_weight"), (">= 0", lambda v: v >= 0)),
-    **dict.fromkeys(("lr", "lora_alpha", "epsilon_high", "importance_sampling_max", "importance_sampling_min",
-                     "reward_timeout"), ("> 0", lambda v: v > 0)),
-    **dict.fromkeys(("sigma_start", "sigma_end"), ("> 0 (the AQN schedule is geometric)", lambda v: v > 0)),
-    "group_size": (">= 2: GRPO advantages compare samples of one prompt", lambda v: v >= 2),
-    "aqn_stages": (">= 2: stage 0 is noise-free, the others carry the noise", lambda v: v >= 2),
-    "temperature": ("> 0: training log-probs are taken under logits / temperature", lambda v: v > 0),
-    "max_grad_norm": ("> 0 (clipping to <= 0 reverses or zeroes every update)", lambda v: v > 0),
-    "top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "epsilon": ("in (0, 1)", lambda v: 0 < v < 1),
-    "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1),
-    "dynamic_sampling_threshold": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "seed": ("in [0, 2**63)", lambda v: 0 <= v < 2 ** 63),
-}
-
-# Flags a resumed run may change: where it runs, its speed and memory, when it stops, saves and
+# Flags a resumed run may change: where it runs, its speed and memory, how long it runs (a larger
+# --max-steps extends a finished run; the AQN schedule keeps its --aqn-steps), when it saves and
 # evaluates, and what it reports. Every other flag must equal the run's recorded value.
-RESUMABLE = {"resume", "config", "output_dir", "device", "stop_at", "save_every", "keep_checkpoints", "eval_every",
-             "micro_batch", "grad_checkpointing", "gpu_memory_utilization", "logprob_chunk", "log_every",
+RESUMABLE = {"resume", "config", "output_dir", "device", "stop_at", "max_steps", "save_every", "keep_checkpoints",
+             "eval_every", "micro_batch", "grad_checkpointing", "gpu_memory_utilization", "logprob_chunk", "log_every",
              "log_completions", "report_to", "reward_timeout"}
 
 # Flags of one invocation only: a resumed run does not take them from the run's record.
 PER_INVOCATION = {"resume", "config", "stop_at"}
 REPEATABLE = {"reward"}   # the Append flags: a list in a --config file is their values
 
-# --report-to -> the package it needs (imported only when chosen).
-REPORTERS = {"none": None, "tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+# What train.py records in run_config.json beside the flags (flags.record and train.py's run facts).
+NOT_FLAGS = {"world_size", "step_plan", "reward_sources"}
+
+# TRL's names (GRPOConfig and its TrainingArguments, trl.ModelConfig, trl's ScriptArguments, GRPOTrainer's
+# arguments) for settings that mean the same here -> the flag. A --config file or config() may use either;
+# the names that are the same in both (beta, epsilon, epsilon_high, loss_type, scale_rewards, temperature,
+# top_p, max_steps, seed, output_dir, warmup_steps, weight_decay, max_grad_norm, report_to, reward_weights,
+# chat_template_kwargs, lora_alpha, lora_dropout, lora_target_modules, dataset_config, eval_dataset) need
+# no entry. docs/usage.md has the table.
+TRL_NAMES = {"learning_rate": "lr", "num_generations": "group_size", "max_completion_length": "max_new_tokens",
+             "num_iterations": "updates_per_rollout", "mask_truncated_completions": "mask_truncated",
+             "logging_steps": "log_every", "save_steps": "save_every", "save_total_limit": "keep_checkpoints",
+             "eval_steps": "eval_every", "gradient_checkpointing": "grad_checkpointing",
+             "model_name_or_path": "model", "lora_r": "lora_rank", "dataset_name": "dataset",
+             "dataset_train_split": "dataset_split", "dataset_test_split": "eval_split",
+             "train_dataset": "dataset", "reward_funcs": "reward"}
+# TRL's names for settings that differ here: each is refused with what to use instead.
+TRL_DIFFERENT = {
+    "per_device_train_batch_size": "TRL's counts completions per device; here a step is --prompts-per-step "
+                                   "prompts x --group-size completions",
+    "gradient_accumulation_steps": "a step here is one generation batch, trained in micro-batches sized to the "
+                                   "memory (--micro-batch)",
+    "generation_batch_size": "here a step samples --prompts-per-step prompts x --group-size",
+    "max_prompt_length": "TRL cuts longer prompts; here --max-prompt-len drops them",
+    "lr_scheduler_type": "the schedule here is a linear warm-up (--warmup-steps), then constant: TRL's "
+                         "constant_with_warmup",
+    "num_train_epochs": "a run here is --max-steps steps long",
+    "bf16": "--dtype (activations and adapters) and --quant (the base weights)",
+    "use_vllm": "qerl samples with its own engine, on the same weights",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,13 +114,35 @@ class Append(argparse.Action):
                                        else []) + [values])
 
 
+def parse_reporters(text: str) -> str:
+    """--report-to: one or more of REPORTERS, comma-separated ('tensorboard,wandb'), or 'none' alone (so is
+    nothing at all: TRL's report_to []; an argparse type)."""
+    names = [n.strip() for n in text.split(",") if n.strip()] or ["none"]
+    if any(n not in REPORTERS for n in names) or ("none" in names and len(names) > 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: want 'none', or one or more of "
+                                         f"{', '.join(r for r in REPORTERS if r != 'none')}, comma-separated")
+    return ",".join(dict.fromkeys(names))
+
+
+class Reporters(argparse.Action):
+    """--report-to, repeatable: each use adds its backends to those of the uses before it (not to the default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        before = current if isinstance(current, str) and current is not self.default else None
+        try:
+            setattr(namespace, self.dest, parse_reporters(f"{before},{values}" if before else values))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+
+
 @dataclass
 class TrainConfig:
     """The flags train.py reads itself (args.<field>): the run, the model, the data, the reward, sampling,
     optimization and the records. With the fields of lora.LoRAConfig, aqn.AQNConfig and grpo.GRPOConfig
     they are the whole command line: a field's metadata holds its help and, where the type does not say
     it all, argparse's choices, metavar, type, action or nargs. The values come checked by check()
-    (FLAG_RANGES and the rules between flags), whose messages name the flags."""
+    (checks.py), whose messages name the flags."""
     # ---- run
     config: str | None = field(default=None, metadata={"metavar": "FILE", "help": (
         "JSON or YAML file of flags (keys: flag names); the command line overrides it (default: none)")})
@@ -156,9 +190,9 @@ class TrainConfig:
                 "default: none"})
     # ---- reward
     reward: list[str] = field(default_factory=lambda: [reward_funcs.BUILTIN], metadata={
-        "action": Append, "metavar": "NAME|MODULE:FN", "help": (
-            "a reward term, repeatable: 'correctness' (the gold answer's guarded check) or "
-            "module:function called as TRL's reward_funcs (reward_funcs.py)")})
+        "action": Append, "metavar": "SPEC", "help": (
+            "a reward term, repeatable: correctness | path/file.py:function | package.module:function (the current "
+            "directory is not searched), called as TRL's reward_funcs (reward_funcs.py)")})
     reward_weights: list[float] | None = field(default=None, metadata={
         "type": reward_funcs.parse_weights, "metavar": "W1,W2,...",
         "help": "one weight per --reward (default: 1 each)"})
@@ -181,9 +215,12 @@ class TrainConfig:
     logprob_chunk: int = field(default=1024, metadata={"help": "tokens per lm_head chunk"})
     grad_checkpointing: bool | None = field(default=None, metadata={
         "help": "recompute each layer in the backward (default: only where memory needs it, plan.py)"})
-    max_steps: int = field(default=200, metadata={"help": "the run's length (sets the AQN schedule)"})
+    max_steps: int = field(default=200, metadata={
+        "help": "the run's length (a larger one on --resume extends a finished run)"})
     stop_at: int | None = field(default=None, metadata={
         "help": "checkpoint and exit after this step (default: --max-steps)"})
+    aqn_steps: int | None = field(default=None, metadata={"help": (
+        "steps the AQN schedule spans (default: the run's first --max-steps; steps past it stay in the last stage)")})
     # ---- evaluation, checkpoints and records
     eval_every: int = field(default=0, metadata={"help": "steps between evaluations (0 = only at the end)"})
     eval_max_new_tokens: int | None = field(default=None, metadata={"help": "default: --max-new-tokens"})
@@ -192,8 +229,9 @@ class TrainConfig:
     log_every: int = field(default=10, metadata={"help": "steps between progress lines (0 = the bar only)"})
     log_completions: int = field(default=4, metadata={
         "help": "completions of each step written to completions.jsonl (prompt, completion, reward)"})
-    report_to: str = field(default="none", metadata={"choices": tuple(REPORTERS),
-                                                     "help": "also send the metrics there"})
+    report_to: str = field(default="none", metadata={
+        "type": parse_reporters, "action": Reporters, "metavar": "NAME[,NAME]",
+        "help": f"also send the metrics there: {' | '.join(REPORTERS)}; several comma-separated or repeated"})
 
 
 CONFIGS = (TrainConfig, lora.LoRAConfig, aqn.AQNConfig, grpo.GRPOConfig)
@@ -205,8 +243,9 @@ SECTIONS = {
     "data": ("dataset", "dataset_config", "dataset_split", "eval_dataset", "eval_dataset_config", "eval_split",
              "prompt_column", "answer_column", "eval_limit", "max_prompt_len", "system_prompt", "chat_template_kwargs"),
     "reward": ("reward", "reward_weights", "format_weight", "reward_timeout"),
-    "LoRA": ("lora_rank", "lora_alpha", "lora_dropout"),
-    "AQN (adaptive quantization noise)": ("aqn", "sigma_start", "sigma_end", "aqn_stages", "aqn_rollout_only"),
+    "LoRA": ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"),
+    "AQN (adaptive quantization noise)": ("aqn", "sigma_start", "sigma_end", "aqn_stages", "aqn_steps",
+                                          "aqn_rollout_only"),
     "rollout": ("group_size", "prompts_per_step", "max_new_tokens", "temperature", "top_p", "gpu_memory_utilization"),
     "objective": ("loss_type", "epsilon", "epsilon_high", "beta", "scale_rewards", "dynamic_sampling",
                   "dynamic_sampling_threshold", "max_sampling_rounds", "overlong_cache", "mask_truncated",
@@ -273,7 +312,11 @@ def to_config(args, cls):
 
 
 # ----------------------------------------------------------------------------------------------
-# the sources: command line, --config file, the resumed run
+# the sources: command line, --config file, Python, the resumed run
+
+
+class ConfigError(ValueError):
+    """A setting config() refuses: the line the command line would print, raised instead of an exit."""
 
 
 def given_flags(parser, argv) -> dict:
@@ -285,10 +328,89 @@ def given_flags(parser, argv) -> dict:
     return {k: v for k, v in vars(ns).items() if v is not unset}
 
 
+def as_json(value):
+    """A flag's value as run_config.json records it: rows in memory and in-process reward functions by
+    their labels, tuples as lists."""
+    if isinstance(value, (data.Rows, reward_funcs.InProcess)):
+        return value.label
+    if isinstance(value, (list, tuple)):
+        return [as_json(v) for v in value]
+    return value
+
+
+def record(args) -> dict:
+    """The flags as run_config.json records them (train.py writes it; trackers and the log show it)."""
+    return {k: as_json(v) for k, v in vars(args).items()}
+
+
+def _tokens(dest: str, value, defaults: dict) -> list[str] | None:
+    """A value as the command-line tokens that give it; None where the value is set as it is (a
+    store_true flag left off)."""
+    flag = "--" + dest.replace("_", "-")
+    if value is False and defaults[dest] is False:
+        return None
+    if dest == "scale_rewards" and isinstance(value, bool):   # TRL's True / False: group / none
+        return [flag, "group" if value else "none"]
+    if isinstance(value, bool):
+        return [flag if value else f"--no-{dest.replace('_', '-')}"]
+    if isinstance(value, list) and dest in REPEATABLE:
+        return [t for v in value for t in (flag, str(v))]
+    if isinstance(value, (list, tuple)):
+        return [flag, ",".join(map(str, value))]
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
+
+
+def read_values(p, where: str, values: dict, defaults: dict, strict: bool = False) -> dict:
+    """{dest: value} of a mapping of flag names (or TRL's names for them, TRL_NAMES) to values, each value
+    parsed as its flag's command-line value would be, so it meets the same types and choices; p.error
+    naming `where` and the key on anything else. A list is a repeatable flag's values (--reward) or
+    comma-separated ones (--reward-weights, --report-to, --lora-target-modules); null leaves a flag whose
+    default is None unset and is refused for any other. strict (a run's record): each value must be of the
+    type train.py writes, not merely text that parses as one. TRL names read are said in one line."""
+    tokens, direct, given, renamed = [], {}, {}, []
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        dest = TRL_NAMES.get(name, name)
+        if name in TRL_DIFFERENT:
+            p.error(f"{where}: {key!r} is TRL's name for a setting that differs here: {TRL_DIFFERENT[name]}")
+        if dest not in defaults or dest == "config":
+            known = [d for d in [*defaults, *TRL_NAMES] if d != "config"]
+            close = difflib.get_close_matches(name, known, n=1)
+            p.error(f"{where}: unknown key {key!r} (not a train.py flag, nor TRL's name for one)"
+                    + (f"; did you mean {close[0]!r}?" if close else ""))
+        if dest in given:
+            p.error(f"{where}: {given[dest]!r} and {key!r} both set --{dest.replace('_', '-')}")
+        given[dest] = key
+        if dest != name:
+            renamed.append(f"{name} as --{dest.replace('_', '-')}")
+        if value is None:
+            if defaults[dest] is not None:
+                p.error(f"{where}: {key!r} is null, and --{dest.replace('_', '-')} needs a value (leave the key "
+                        f"out for its default, {defaults[dest]!r})")
+            direct[dest] = None
+            continue
+        t = _tokens(dest, value, defaults)
+        if t is None:
+            direct[dest] = value
+        else:
+            tokens += t
+    fp = build_parser()  # its errors carry where the values came from
+    fp.error = lambda message: p.error(f"{where}: {message}")
+    parsed = {**given_flags(fp, tokens), **direct}
+    for dest, value in parsed.items() if strict else ():
+        raw = values[given[dest]]
+        if as_json(value) != raw or type(raw) is str and not isinstance(value, str):
+            p.error(f"{where}: {given[dest]!r} holds {raw!r}, a {type(raw).__name__}, where train.py records "
+                    f"{json.dumps(as_json(value))}: not as train.py writes it; restore it")
+    if renamed:
+        print(f"{where}: TRL's names read as qerl's flags: {', '.join(renamed)}", file=sys.stderr)
+    return parsed
+
+
 def read_config(p, path: str, defaults: dict) -> dict:
-    """{dest: value} of a --config file, each value parsed as its flag's command-line value would be
-    (so it meets the same types and choices); p.error naming the file and key on anything else.
-    A list is a repeatable flag's values (--reward) or comma-separated ones (--reward-weights)."""
+    """{dest: value} of a --config file (read_values); p.error naming the file and key on anything else."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".json", ".yaml", ".yml"):
         p.error(f"--config {path}: want a .json, .yaml or .yml file")
@@ -313,34 +435,11 @@ def read_config(p, path: str, defaults: dict) -> dict:
             p.error(f"--config {path}: not valid YAML ({' '.join(str(e).split())})")
     if not isinstance(values, dict):
         p.error(f"--config {path}: want a mapping of flag names to values, got {type(values).__name__}")
-    tokens, direct = [], {}
-    for key, value in values.items():
-        dest = str(key).replace("-", "_")
-        if dest not in defaults or dest == "config":
-            close = difflib.get_close_matches(dest, [d for d in defaults if d != "config"], n=1)
-            p.error(f"--config {path}: unknown key {key!r} (not a train.py flag)"
-                    + (f"; did you mean {close[0]!r}?" if close else ""))
-        flag = "--" + dest.replace("_", "-")
-        if value is None:
-            continue
-        if value is False and defaults[dest] is False:      # a store_true flag left off
-            direct[dest] = False
-        elif isinstance(value, bool):
-            tokens.append(flag if value else f"--no-{dest.replace('_', '-')}")
-        elif isinstance(value, list) and dest in REPEATABLE:
-            tokens += [t for v in value for t in (flag, str(v))]
-        elif isinstance(value, (list, dict)):
-            tokens += [flag, ",".join(map(str, value)) if isinstance(value, list) else json.dumps(value)]
-        else:
-            tokens += [flag, str(value)]
-    fp = build_parser()  # its errors carry the file's name
-    fp.error = lambda message: p.error(f"--config {path}: {message}")
-    return {**given_flags(fp, tokens), **direct}
+    return read_values(p, f"--config {path}", values, defaults)
 
 
-def recorded_run(p, out: str) -> dict:
-    """The flags a run recorded in its run_config.json ({} when there is none yet)."""
-    path = os.path.join(out, RUN_CONFIG)
+def recorded_run(p, path: str) -> dict:
+    """The JSON object of a run's run_config.json at path ({} when there is none yet)."""
     if not os.path.exists(path):
         return {}
     try:
@@ -353,17 +452,71 @@ def recorded_run(p, out: str) -> dict:
     return recorded
 
 
+def check_sources(p, where: str, raw: dict) -> None:
+    """A resumed run's reward functions must be the code the run used: each user function of the record
+    resolves to the file its reward_sources row names, with the same sha256 (nothing is imported)."""
+    specs = [s for s in raw.get("reward") or () if isinstance(s, str) and s != reward_funcs.BUILTIN
+             and not s.startswith(reward_funcs.IN_PROCESS)]
+    rows = raw.get("reward_sources")
+    if rows is None:
+        if specs:
+            print(f"warning: {where} records no reward sources (written before runs kept them): {specs} are not "
+                  f"checked against the files the run used", file=sys.stderr)
+        return
+    if not isinstance(rows, list):
+        p.error(f"{where}: reward_sources is a {type(rows).__name__}, not the list train.py writes; restore it")
+    unrecorded = [s for s in specs if s not in {r.get("spec") for r in rows if isinstance(r, dict)}]
+    problems = [f"it records no source (file and sha256) of --reward {s}" for s in unrecorded]
+    problems += reward_funcs.source_changes(rows)
+    if problems:
+        p.error(f"{where}: " + "; ".join(problems) + ". A resumed run scores with the code it started with: "
+                "restore it, or start a new --output-dir")
+
+
+def resumed_flags(p, out: str, defaults: dict) -> dict:
+    """The flags the run in `out` recorded ({} when it has none yet), the record checked before any of it is
+    used: it is the run_config.json the run's checkpoints were written with (run_dir.config_problem), it holds
+    every flag (RECORDED_BEFORE gives a flag added since the value runs used before it) and no unknown key,
+    its reward functions are the code the run used (check_sources), and each value is of its flag's type
+    and in its range. Every refusal names the file and the key."""
+    path = os.path.join(out, RUN_CONFIG)
+    raw = recorded_run(p, path)
+    if not raw:
+        return {}
+    where = f"--resume: {path}"
+    why = config_problem(out)
+    if why:
+        p.error(f"{where}: {why}")
+    unknown = sorted(set(raw) - set(defaults) - NOT_FLAGS)
+    if unknown:
+        p.error(f"{where}: unknown key {unknown[0]!r} (train.py records no such flag); restore the file")
+    missing = [k for k in defaults if k not in raw and k not in RECORDED_BEFORE and k not in PER_INVOCATION]
+    if missing:
+        p.error(f"{where} lacks {', '.join(map(repr, missing[:3]))}{' and more' if len(missing) > 3 else ''}: "
+                f"not as train.py writes it; restore it")
+    check_sources(p, where, raw)
+    recorded = read_values(p, where, {k: v for k, v in raw.items() if k in defaults and k not in PER_INVOCATION},
+                           defaults, strict=True)
+    for name, value in recorded.items():
+        problem = range_problem(name, value)
+        if problem:
+            p.error(f"{where}: {name!r} {problem}")
+    return {**RECORDED_BEFORE, **recorded}
+
+
 def resume_conflicts(chosen: dict, recorded: dict) -> list[str]:
     """'--flag given differs from the run's recorded' for each chosen flag outside RESUMABLE."""
     def show(v):
+        v = as_json(v)
         return v if isinstance(v, str) and v else json.dumps(v)
     return [f"--{k.replace('_', '-')} {show(v)} differs from the run's {show(recorded[k])}"
-            for k, v in sorted(chosen.items()) if k not in RESUMABLE and k in recorded and v != recorded[k]]
+            for k, v in sorted(chosen.items())
+            if k not in RESUMABLE and k in recorded and as_json(v) != as_json(recorded[k])]
 
 
 # Flags added after runs were recorded without them, with the value those runs used: a resumed run
-# computes what it computed before, not what a new default would.
-RECORDED_BEFORE = {"dynamic_sampling_threshold": 0.0}
+# computes what it computed before, not what a new default would. aqn_steps None: the run's --max-steps.
+RECORDED_BEFORE = {"dynamic_sampling_threshold": 0.0, "aqn_steps": None, "lora_target_modules": lora.DEFAULT_TARGETS}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,101 +524,64 @@ RECORDED_BEFORE = {"dynamic_sampling_threshold": 0.0}
 
 
 def parse_args(argv=None):
+    """train.py's command line -> its checked settings (an argparse.Namespace): one line and exit 2 on a refusal."""
     p = build_parser()
     defaults = vars(p.parse_args([]))
     chosen = given_flags(p, argv)
     if chosen.get("config"):
         chosen = {**read_config(p, chosen["config"], defaults), **chosen}   # the command line wins
+    return resolve(p, chosen, defaults)
+
+
+def config(**settings):
+    """train.train's settings from Python, checked as the command line's are: keywords named as the flags
+    (lr=1e-5, max_new_tokens=64) or as TRL names them (learning_rate, num_generations, ...: TRL_NAMES),
+    each value parsed as its flag's. Beyond the command line, dataset (TRL: train_dataset) and eval_dataset
+    may be rows in memory, a list of dicts or a datasets.Dataset in TRL's columns (data.Rows), and reward
+    (TRL: reward_funcs) may list Python functions in TRL's signature beside the specs
+    (reward_funcs.spec_of: a module-level function runs in its worker, any other callable in this process).
+    Raises ConfigError, one line, on what the command line would refuse."""
+    p = build_parser()
+
+    def refuse(message):
+        raise ConfigError(message)
+    p.error = refuse
+    defaults = vars(p.parse_args([]))
+    both = [(name, trl) for trl, name in TRL_NAMES.items() if trl in settings and name in settings]
+    if both:
+        refuse(f"config(): {both[0][0]!r} and {both[0][1]!r} both set --{both[0][0].replace('_', '-')}")
+    direct = {}
+    try:
+        for key in ("dataset", "train_dataset", "eval_dataset"):
+            if settings.get(key) is not None and not isinstance(settings[key], str):
+                direct[TRL_NAMES.get(key, key)] = data.Rows(settings.pop(key))
+        for key in ("reward", "reward_funcs"):
+            funcs = settings.get(key)
+            funcs = list(funcs) if isinstance(funcs, (list, tuple)) else [funcs] if funcs is not None else []
+            if any(callable(f) for f in funcs):
+                direct["reward"] = [reward_funcs.spec_of(f) if callable(f) else f for f in funcs]
+                settings.pop(key)
+    except ValueError as e:
+        refuse(str(e))
+    chosen = {**read_values(p, "config()", settings, defaults), **direct}
+    return resolve(p, chosen, defaults)
+
+
+def resolve(p, chosen: dict, defaults: dict):
+    """The run's settings from the flags chosen and, with --resume, the run's record; then checked."""
     recorded = {}
     if chosen.get("resume"):
         out = chosen["resume"] if isinstance(chosen["resume"], str) else chosen.get("output_dir", defaults["output_dir"])
         if chosen.get("output_dir", out) != out:
             p.error(f"--resume {out} and --output-dir {chosen['output_dir']} name different directories")
         chosen.update(output_dir=out, resume=True)
-        recorded = {k: v for k, v in recorded_run(p, out).items() if k in defaults and k not in PER_INVOCATION}
-        recorded = {**RECORDED_BEFORE, **recorded} if recorded else recorded
+        recorded = resumed_flags(p, out, defaults)
         conflicts = resume_conflicts(chosen, recorded)
         if conflicts:
             p.error("; ".join(conflicts) + f". A resumed run keeps its settings: drop "
                     f"{'these flags' if len(conflicts) > 1 else 'the flag'}, or start a new --output-dir")
     args = argparse.Namespace(**{**defaults, **recorded, **chosen})
+    if args.aqn_steps is None:   # the schedule spans the run's first --max-steps, which its record keeps
+        args.aqn_steps = recorded.get("max_steps", args.max_steps)
     check(p, args)
     return args
-
-
-def check(p, args) -> None:
-    """Every check that needs no model and no data read: p.error (one line, exit 2) on the first failure."""
-    if not args.model:
-        p.error("--model is required (or --resume RUN_DIR of a run, or a --config file that names it)")
-    for name, (rule, ok) in FLAG_RANGES.items():
-        v = getattr(args, name)
-        if v is not None and not (math.isfinite(v) and ok(v)):
-            p.error(f"--{name.replace('_', '-')} must be {rule}, got {v}")
-    if args.overlong_cache >= args.max_new_tokens:
-        p.error(f"--overlong-cache must be < --max-new-tokens ({args.max_new_tokens}), got {args.overlong_cache}")
-    if None not in (args.importance_sampling_min, args.importance_sampling_max) and \
-            args.importance_sampling_min > args.importance_sampling_max:
-        p.error(f"--importance-sampling-min ({args.importance_sampling_min}) must be <= --importance-sampling-max "
-                f"({args.importance_sampling_max})")
-    if args.importance_sampling is not None and args.top_p < 1:
-        p.error("--importance-sampling needs --top-p 1: with top-p the sampler's log-probs are of a truncated "
-                "distribution")
-    check_data(p, args)
-    check_rewards(p, args)
-    if args.random_init:
-        try:
-            random_init_config(args.model)
-        except ValueError as e:
-            p.error(f"--model: {e}")
-    for flag, path in (("--model", None if args.random_init else args.model), ("--tokenizer", args.tokenizer)):
-        if path and tasks.local_path_missing(path):
-            p.error(f"{flag}: {path} does not exist (and is not a Hugging Face hub id)")
-    try:
-        torch.device(args.device or "cpu")
-    except (RuntimeError, ValueError) as e:
-        p.error(f"--device: {e}")
-    package = REPORTERS[args.report_to]
-    if package and importlib.util.find_spec(package) is None:
-        p.error(f"--report-to {args.report_to} needs the {package} package: pip install {package}")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        p.error(f"--output-dir: {args.output_dir} is a file, not a directory")
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
-    if args.prompts_per_step % world:
-        p.error(f"--prompts-per-step ({args.prompts_per_step}, the global count) must divide by the "
-                f"number of processes ({world})")
-
-
-def eval_source(args) -> tuple[str, str | None]:
-    """(evaluation dataset, its Hub config): --eval-dataset's, else --dataset's."""
-    if args.eval_dataset:
-        return args.eval_dataset, args.eval_dataset_config
-    return args.dataset, args.eval_dataset_config or args.dataset_config
-
-
-def check_data(p, args) -> None:
-    columns = tasks.Columns(args.prompt_column, args.answer_column)
-    eval_set, eval_config = eval_source(args)
-    checks = [("--dataset", args.dataset, args.dataset_split, args.dataset_config)]
-    if args.eval_limit:
-        checks.append(("--eval-dataset", eval_set, args.eval_split, eval_config))
-    for flag, source, split, config in checks:
-        problem = tasks.source_problem(source, split, config, columns)
-        if problem:
-            p.error(f"{flag}: {problem}" + ("" if flag == "--dataset" or args.eval_dataset else
-                                            " (the default: --dataset's --eval-split; --eval-limit 0 skips evaluation)"))
-
-
-def check_rewards(p, args) -> None:
-    weights = args.reward_weights
-    if weights is not None and len(weights) != len(args.reward):
-        p.error(f"--reward-weights has {len(weights)} weight(s) for {len(args.reward)} reward(s) ({args.reward})")
-    funcs = []
-    for spec in args.reward:
-        try:
-            funcs.append(reward_funcs.load(spec))
-        except ValueError as e:
-            p.error(f"--reward: {e}")
-    names = [f.name for f in funcs]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        p.error(f"--reward: two terms are named {twice[0]!r}; the metrics need distinct names")

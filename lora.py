@@ -70,6 +70,22 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 # config
 
 
+def parse_targets(text: str) -> tuple:
+    """--lora-target-modules: PEFT's target_modules, comma-separated ('q_proj,v_proj'; a module path such as
+    'layers.0.self_attn.q_proj' too), or PEFT's 'all-linear' for every projection of DEFAULT_TARGETS. A name
+    must end in one of them: the decoder has no other linears, and lm_head and the embeddings take no
+    adapter (an argparse type)."""
+    import argparse
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all-linear"]:
+        return DEFAULT_TARGETS
+    bad = [n for n in names if n.rpartition(".")[2] not in DEFAULT_TARGETS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: want linears of the decoder, comma-separated, of "
+                                         f"{', '.join(DEFAULT_TARGETS)} (or all-linear)")
+    return tuple(dict.fromkeys(names))
+
+
 @dataclass
 class LoRAConfig:
     """The adapters' shape and scale. A field with a help text is a train.py flag (flags.py builds the
@@ -79,7 +95,9 @@ class LoRAConfig:
         "flag": "lora_alpha", "help": "adapter scale α (the update is α/r · BA)"})
     dropout: float = field(default=0.0, metadata={                   # in train mode only
         "flag": "lora_dropout", "help": "dropout on the adapter's input"})
-    target_modules: tuple = DEFAULT_TARGETS      # module names matched as a suffix of the path
+    target_modules: tuple = field(default=DEFAULT_TARGETS, metadata={   # names matched as a suffix of the path
+        "flag": "lora_target_modules", "type": parse_targets, "metavar": "NAMES",
+        "help": "the linears that get adapters, PEFT's names, comma-separated (all-linear: all seven)"})
     use_rslora: bool = False                     # scaling alpha/sqrt(r) instead of alpha/r
 
     def __post_init__(self):
@@ -274,8 +292,12 @@ def _target_names(model: nn.Module, mods: dict) -> list[str]:
 
 
 def save_adapter(model: nn.Module, dir: str, base_model_name_or_path: str | None = None) -> None:
-    """Write adapter_config.json + adapter_model.safetensors in PEFT's format (fp32 tensors)."""
+    """Write adapter_config.json + adapter_model.safetensors in PEFT's format (fp32 tensors). The base is
+    recorded as PEFT loads it from anywhere: a local directory as its absolute path (~ expanded), a Hub id
+    as it is."""
     from safetensors.torch import save_file
+    if base_model_name_or_path and os.path.isdir(os.path.expanduser(base_model_name_or_path)):
+        base_model_name_or_path = os.path.abspath(os.path.expanduser(base_model_name_or_path))
     mods = lora_modules(model)
     if not mods:
         raise ValueError("save_adapter: the model has no LoRA adapters (call apply_lora first)")

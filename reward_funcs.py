@@ -10,6 +10,13 @@ math-verify, plus --format-weight for a complete \boxed{}) or a function of the 
 
 Nothing else is searched: the current directory is not added to the Python path, so a module that
 merely sits where train.py is started (say, inside a run directory) is never imported by accident.
+From Python (flags.config's reward=), a function itself may stand in a spec's place (`spec_of`): one
+defined at the top level of a file, a script's included, is named by its file and runs in a worker like
+any spec (a script must then keep its training under `if __name__ == "__main__":`, as multiprocessing
+asks too, since the worker imports it; train.train refuses to start inside a worker). Anything a worker
+cannot import by name (a lambda, a closure, a bound method, a callable object) runs in this process
+(`InProcess`, recorded as "python:<module>.<qualname>"), with a note: the same checks of what it
+returns, but an exception is all it can be stopped by (no timeout kill, and a crash ends the run).
 The function is called the way TRL's GRPOTrainer calls its reward_funcs:
 
     fn(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list[float | None]
@@ -21,22 +28,8 @@ dataset comes by its own name, one value per completion. A function gets the key
 of them if it takes **kwargs). None is "no opinion": the term is left out of that completion's sum.
 A completion's reward is Σ_i weight_i · r_i over the terms (--reward-weights, default all 1).
 
-The worker. Each user function runs in a process of its own (`Worker`), started when the spec is
-loaded: the module is imported there, never in the training process, and each batch goes there and
-back over a private pipe pair (rewards.Child: the arguments pickled by us, the values back as one JSON
-line, so this process never unpickles what user code made). The function's module-level state lives
-in the worker from call to call, as it would in-process. What a process boundary buys:
-  - a deadline that always holds: past --reward-timeout the worker is killed (SIGKILL), which stops
-    C code holding the GIL too, where an in-process timer cannot;
-  - sys.exit, os._exit, a segfault or the out-of-memory killer end the worker, not the run, and
-    become a RewardError naming the function; a thread the function leaves running dies with it;
-  - a module that blocks or exits while importing is named at parse time (a note after
-    IMPORT_NOTE_S, an error at the timeout) instead of hanging flag parsing without a word.
-It costs the pickling of the batch and a pipe round trip per call: for a trivial function on 64
-completions, 0.5 ms at 200 tokens each, 3 ms at 1000, 12 ms at 4000 on a 2-core CPU (in-process: under
-a µs; tests/test_reward_funcs.py measures the first), nothing beside a training step of seconds. A
-reward model on the GPU loads in the worker's own CUDA context. The worker guards against accidents,
-not malice: it runs as the same user, with the same rights.
+The worker. Each user function runs in a process of its own (reward_worker.py: what a process
+boundary buys, and what it costs), started when the spec is loaded and kept for the run (`_WORKERS`).
 
 The guard. The built-in check scores 0, and counts, whatever goes wrong with a completion (rewards.py).
 A user function is the user's code: its failure stops the run with one line that names it, rather than
@@ -61,35 +54,26 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import importlib
 import importlib.machinery
-import importlib.util
 import inspect
-import json
 import math
 import os
-import pickle
 import sys
 import time
-import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import rewards
+from reward_worker import RewardError, Worker, as_reply, fitted, parameters, search_path, what_raised  # noqa: F401 (RewardError: this module's too)
 
 BUILTIN = "correctness"
 RESERVED = ("prompts", "completions", "completion_ids")   # the arguments every function may take
 TIMEOUT_S = 120.0        # --reward-timeout's default: one call on a batch; also a module's import
-IMPORT_NOTE_S = 5.0      # an import still running after this is announced on stderr
 # The largest |reward| taken. Advantages are computed in float32, whose spacing at 1e6 is 1/16: past
 # it two rewards 0.1 apart may become equal, and a group's spread is lost. Real rewards are O(1) to
 # O(100); a value past 1e6 is a sentinel (-1e9 for "invalid"), a float max or an unscaled count.
 MAX_ABS_REWARD = 1e6
 PATIENCE = 5             # RewardWatch: steps in a row without signal before it says so
-
-
-class RewardError(Exception):
-    """A user reward function failed: it raised, exited, crashed, overran, or returned something that is
-    not one finite number (or None) per completion. The message names the function; train.py stops on it."""
+IN_PROCESS = "python:"   # the label's start of a function that runs in this process (InProcess)
 
 
 @dataclass(frozen=True)
@@ -102,16 +86,33 @@ class Source:
     sha256: str
 
 
+@dataclass(frozen=True, eq=False)
+class InProcess:
+    """A Python reward function that no worker can import by name (a lambda, a closure, a bound method,
+    a callable object): it runs in this process. `label` is what run_config.json records of it."""
+    fn: object
+
+    @property
+    def label(self) -> str:
+        qual = getattr(self.fn, "__qualname__", type(self.fn).__qualname__)
+        return f"{IN_PROCESS}{getattr(self.fn, '__module__', None) or '?'}.{qual}"
+
+    def __str__(self) -> str:
+        return self.label
+
+
 @dataclass(frozen=True)
 class RewardFunc:
-    """One term of the reward. source None is the built-in correctness check; name is the term's name
-    in the metrics (rewards/<name>/mean), TRL's: the function's __name__; params the function's
-    (name, kind, has a default) as the worker's inspect.signature saw them (None: it has none)."""
+    """One term of the reward: the built-in correctness check (spec BUILTIN), a function in its worker
+    (source: where its code is) or one in this process (fn). name is the term's name in the metrics
+    (rewards/<name>/mean), TRL's: the function's __name__; params the function's (name, kind, has a
+    default) as inspect.signature saw them (None: it has none)."""
     spec: str
     weight: float = 1.0
     source: Source | None = None
     name: str = BUILTIN
     params: tuple | None = None
+    fn: object = field(default=None, compare=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,11 +122,6 @@ class RewardFunc:
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def search_path() -> list[str]:
-    """sys.path without '', the entry `python -c` and the REPL put first to mean "the current directory"."""
-    return [p for p in sys.path if p]
 
 
 def _module_file(module: str, spec: str) -> str:
@@ -167,6 +163,9 @@ def _run_dir_above(path: str) -> str | None:
 
 def resolve(spec: str) -> Source:
     """The Source of a 'module:function' or 'file.py:function' spec; ValueError naming what is wrong."""
+    if spec.startswith(IN_PROCESS):
+        raise ValueError(f"{spec!r} is a Python function that ran in the process that started the run "
+                         f"(flags.config's reward=): resume the run from Python, with the same function")
     target, _, attr = spec.rpartition(":")
     if not target or not attr or not all(p.isidentifier() for p in attr.split(".")):
         raise ValueError(f"{spec!r}: want '{BUILTIN}', 'module:function' (e.g. my_rewards:brevity) or "
@@ -185,6 +184,25 @@ def resolve(spec: str) -> Source:
                          f"code is never loaded from a run directory, which anyone may have written; keep "
                          f"reward functions elsewhere")
     return Source(spec, module, file, attr, _sha256(file))
+
+
+def spec_of(fn) -> str | InProcess:
+    """A Python reward function as a --reward term. One defined at the top level of a module's file (a
+    script's too) is named by it, 'package.module:name' where that name resolves to the same file, else
+    'path/file.py:name': it runs in its worker, as any spec does. Anything a worker cannot import by name
+    (a lambda, a closure, a bound method, a callable object, a function typed into the REPL) is InProcess."""
+    qual = getattr(fn, "__qualname__", "")
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    file = getattr(module, "__file__", None)
+    if not (inspect.isfunction(fn) and qual.isidentifier() and file and getattr(module, qual, None) is fn):
+        return InProcess(fn)
+    if fn.__module__ != "__main__":
+        try:
+            if resolve(f"{fn.__module__}:{qual}").file == os.path.abspath(file):
+                return f"{fn.__module__}:{qual}"
+        except ValueError:   # not importable by that name from the Python path: by its file
+            pass
+    return f"{os.path.abspath(file)}:{qual}"
 
 
 def record(funcs: list[RewardFunc]) -> list[dict]:
@@ -215,76 +233,7 @@ def source_changes(recorded: list[dict]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# the worker
-
-
-class Worker:
-    """One user module in a process of its own (the module docstring), its functions called by name:
-    `describe` says a function's name and parameters, `call` runs it on a batch, `close` ends the
-    process. The functions of one module share its state, as they would in-process. A worker whose
-    call failed is gone; the next load starts another."""
-
-    def __init__(self, source: Source, timeout_s: float):
-        job = json.dumps({"path": search_path(), "module": source.module, "file": source.file})
-        self.child = rewards.Child(f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                                   f"import reward_funcs; reward_funcs._serve()", (job,), quiet=False)
-        what = f"{source.spec!r}: importing {source.file}"
-        line = self.child.read_line(time.monotonic() + min(IMPORT_NOTE_S, timeout_s))
-        if line is None and self.child.usable() and timeout_s > IMPORT_NOTE_S:
-            print(f"reward {source.spec}: still importing {source.file} after {IMPORT_NOTE_S:g} s "
-                  f"(waiting up to {timeout_s:g} s)", file=sys.stderr, flush=True)
-            line = self.child.read_line(time.monotonic() + timeout_s - IMPORT_NOTE_S)
-        if line is None:
-            if self.child.usable():
-                self.close()
-                raise ValueError(f"{what} took more than {timeout_s:g} s (does it block at import?)")
-            raise ValueError(f"{what} ended its worker process ({self.child.exit_status()}) (does the module "
-                             f"exit or crash at import?)")
-        reply = json.loads(line)
-        if "error" in reply:
-            self.close()
-            raise ValueError(f"{what} failed: {reply['error']}")
-
-    def _ask(self, request: tuple, timeout_s: float | None, spec: str) -> dict:
-        """Send one request, return its JSON reply; RewardError if the worker overran, exited or crashed."""
-        try:
-            payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
-            raise RewardError(f"reward {spec}: the batch's arguments cannot be sent to its worker "
-                              f"({type(e).__name__}: {e})") from None
-        t0 = time.monotonic()
-        deadline = t0 + (math.inf if timeout_s is None else timeout_s)
-        sent = self.child.send(len(payload).to_bytes(8, "little") + payload, deadline)
-        line = self.child.read_line(deadline) if sent else None
-        if line is not None:
-            return json.loads(line)
-        if self.child.usable():
-            self.close()
-            raise RewardError(f"reward {spec} took more than --reward-timeout {timeout_s:g} s on {request[2]} "
-                              f"completions ({time.monotonic() - t0:.1f} s): stopped")
-        raise RewardError(f"reward {spec} ended its worker process during a call ({self.child.exit_status()}): "
-                          f"a reward function must return its values, not exit or crash")
-
-    def describe(self, attr: str, timeout_s: float, spec: str) -> tuple[str, tuple | None]:
-        """(the function's __name__, its parameters as (name, kind, has a default), or None when it has
-        no signature); ValueError when the module has no such function."""
-        try:
-            reply = self._ask((attr, None, 0), timeout_s, spec)
-        except RewardError as e:
-            raise ValueError(str(e)) from None
-        if "error" in reply:
-            raise ValueError(f"{spec!r}: {reply['error']}")
-        return reply["name"], reply["params"] and tuple(map(tuple, reply["params"]))
-
-    def call(self, attr: str, kwargs: dict, n: int, timeout_s: float | None, spec: str) -> dict:
-        """The worker's reply to one batch of n completions (see _reply)."""
-        return self._ask((attr, kwargs, n), timeout_s, spec)
-
-    def usable(self) -> bool:
-        return self.child.usable()
-
-    def close(self) -> None:
-        self.child.kill()
+# the workers
 
 
 _WORKERS: dict[tuple, Worker] = {}   # (file, sha256) -> its worker: flags.py and run_data.py share one
@@ -293,7 +242,7 @@ _WORKERS: dict[tuple, Worker] = {}   # (file, sha256) -> its worker: flags.py an
 def _worker(source: Source, timeout_s: float) -> Worker:
     key = (source.file, source.sha256)
     if key not in _WORKERS or not _WORKERS[key].usable():
-        _WORKERS[key] = Worker(source, timeout_s)
+        _WORKERS[key] = Worker(source.spec, source.module, source.file, timeout_s)
     return _WORKERS[key]
 
 
@@ -305,118 +254,30 @@ def close_workers() -> None:
     _WORKERS.clear()
 
 
-def _where(e: BaseException) -> str:
-    frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-    return f" (at {frame.filename}:{frame.lineno})" if frame else ""
-
-
-def _named(e: BaseException) -> str:
-    """What user code raised, with where: 'KeyError: 'x' (at f.py:3)', or 'sys.exit(0) (at f.py:3)'."""
-    what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"[:500].rstrip(": ")
-    return what + _where(e)
-
-
-def _reply(out, n: int) -> dict:
-    """The worker's JSON reply for what the function returned: {"values": [...]} with a {"bad": repr}
-    for an entry that is not a number or None, else {"container": type} or {"length": k}."""
-    if isinstance(out, (list, tuple)):
-        values = list(out)
-    elif hasattr(out, "tolist") and getattr(out, "ndim", None) == 1:   # a numpy array, a torch tensor
-        values = out.tolist()
-    else:
-        return {"container": type(out).__name__}
-    if len(values) != n:
-        return {"length": len(values)}
-    entries = []
-    for v in values:
-        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:   # numpy / torch scalars
-            v = v.item()
-        if v is None:
-            entries.append(None)
-        elif isinstance(v, bool) or not isinstance(v, (int, float)):
-            entries.append({"bad": repr(v)[:80]})
-        else:
-            try:
-                entries.append(float(v))   # nan and inf too: the parent names them
-            except OverflowError:
-                entries.append({"bad": "an integer past the float range"})
-    return {"values": entries}
-
-
-def _function(module, attr: str) -> tuple:
-    """(fn, its parameters as JSON lists or None, whether it takes every keyword) of module.attr."""
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-    if not callable(fn):
-        raise LookupError(f"{module.__name__} has no function {attr!r}")
-    try:
-        params = [(p.name, p.kind.name, p.default is not p.empty) for p in inspect.signature(fn).parameters.values()]
-    except (TypeError, ValueError):
-        params = None   # a builtin without a signature: found out on the first call
-    return fn, params, params is None or any(kind == "VAR_KEYWORD" for _, kind, _ in params)
-
-
-def _serve() -> None:
-    """The worker's life: import the module (sys.path the parent's search_path()), say "ready", then per request a
-    pickled (function, kwargs, n) in and one JSON reply out, until the parent closes the pipe; kwargs
-    None asks for the function's name and parameters."""
-    requests, out = rewards.child_pipes()
-    job = json.loads(sys.argv[3])
-    sys.path[:] = job["path"]
-
-    def reply(obj):
-        out.write(json.dumps(obj).encode() + b"\n")
-
-    try:
-        if job["module"] is None:
-            name = os.path.splitext(os.path.basename(job["file"]))[0]
-            name = name if name not in sys.modules else f"{name}_reward"   # a json.py must not replace json
-            spec = importlib.util.spec_from_file_location(name, job["file"])
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module   # dataclasses and pickle look their module up there
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(job["module"])
-    except BaseException as e:   # SystemExit and KeyboardInterrupt at import too
-        reply({"error": _named(e)})
-        os._exit(0)
-    reply({"ready": True})
-    functions = {}
-    while head := requests.read(8):
-        attr, kwargs, n = pickle.loads(requests.read(int.from_bytes(head, "little")))   # our parent's own bytes
-        try:
-            if attr not in functions:
-                functions[attr] = _function(module, attr)
-            fn, params, takes_all = functions[attr]
-            if kwargs is None:
-                reply({"name": getattr(fn, "__name__", attr), "params": params})
-                continue
-            if not takes_all:
-                kwargs = {k: v for k, v in kwargs.items() if k in {p[0] for p in params}}
-            result = _reply(fn(**kwargs), n)
-        except LookupError as e:
-            result = {"error": str(e)} if kwargs is None else {"error": f"raised {_named(e)}"}
-        except SystemExit as e:
-            result = {"error": f"called {_named(e)}: a reward function must return its values, not exit"}
-        except BaseException as e:   # KeyboardInterrupt, RecursionError, ...: named, not fatal here
-            result = {"error": f"raised {_named(e)}"}
-        for stream in (sys.stdout, sys.stderr):   # what the function printed shows before the run moves on
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):   # a function that closed or replaced it
-                pass
-        reply(result)
-    os._exit(0)   # not sys.exit: a thread the function left running must not keep the worker alive
-
-
 # ----------------------------------------------------------------------------------------------
 # loading and checking (before any model loads)
 
 
-def load(spec: str, weight: float = 1.0, timeout_s: float = TIMEOUT_S) -> RewardFunc:
-    """'correctness' or a function spec -> RewardFunc, its worker started (the module imported there);
-    ValueError naming what is wrong with spec, or with its import."""
+_NOTED = set()   # labels of the InProcess functions whose note has been printed
+
+
+def _in_process(f: InProcess, weight: float) -> RewardFunc:
+    if f.label not in _NOTED:
+        _NOTED.add(f.label)
+        print(f"note: reward {f.label} runs in this process (a worker cannot import it by name): what it returns is "
+              f"checked, but --reward-timeout cannot stop it and a crash ends the run; define it at the top level of "
+              f"a file to run it in a worker", file=sys.stderr)
+    params = parameters(f.fn)
+    params = params and tuple(map(tuple, params))
+    name = getattr(f.fn, "__name__", type(f.fn).__name__)
+    return RewardFunc(f.label, weight, None, name, params, f.fn)
+
+
+def load(spec, weight: float = 1.0, timeout_s: float = TIMEOUT_S) -> RewardFunc:
+    """'correctness', a function spec or an InProcess function -> RewardFunc, a spec's worker started (its
+    module imported there); ValueError naming what is wrong with spec, or with its import."""
+    if isinstance(spec, InProcess):
+        return _in_process(spec, weight)
     if spec == BUILTIN:
         return RewardFunc(spec, weight)
     source = resolve(spec)
@@ -432,7 +293,7 @@ def check(funcs: list[RewardFunc], examples: list) -> None:
     if clash:
         raise ValueError(f"the dataset has column(s) {clash}, the names of reward function arguments: rename them")
     for f in funcs:
-        if f.source is None:
+        if f.spec == BUILTIN:
             unanswered = sum(e.answer is None for e in examples)
             if unanswered:
                 raise ValueError(f"the {BUILTIN} reward needs a gold answer, and {unanswered} of {len(examples)} "
@@ -474,10 +335,13 @@ def arguments(examples: list, completions: list[str], completion_ids: list | Non
 
 
 def call(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> list[float | None]:
-    """One user function on one batch of n completions, in its worker, under the guard of the module
-    docstring: its values, or a RewardError naming it."""
-    worker = _worker(f.source, TIMEOUT_S if timeout_s is None else timeout_s)
-    reply = worker.call(f.source.attr, kwargs, n, timeout_s, f.spec)
+    """One user function on one batch of n completions, in its worker (or, InProcess, here), under the
+    guard of the module docstring: its values, or a RewardError naming it."""
+    if f.fn is not None:
+        reply = _call_here(f, kwargs, n, timeout_s)
+    else:
+        worker = _worker(f.source, TIMEOUT_S if timeout_s is None else timeout_s)
+        reply = worker.call(f.source.attr, kwargs, n, timeout_s, f.spec)
     if "error" in reply:
         raise RewardError(f"reward {f.spec} {reply['error']}")
     if "container" in reply:
@@ -495,6 +359,22 @@ def call(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> list[f
     return values
 
 
+def _call_here(f: RewardFunc, kwargs: dict, n: int, timeout_s: float | None) -> dict:
+    """An InProcess function on one batch, its reply as a worker's would be (_reply); past timeout_s once
+    it returns, an error: nothing here can stop it sooner."""
+    t0 = time.monotonic()
+    try:
+        out = f.fn(**fitted(kwargs, f.params))
+    except SystemExit as e:
+        return {"error": f"called {what_raised(e)}: a reward function must return its values, not exit"}
+    except Exception as e:
+        return {"error": f"raised {what_raised(e)}"}
+    took = time.monotonic() - t0
+    if timeout_s is not None and took > timeout_s:
+        return {"error": f"took {took:.1f} s on {n} completions, past --reward-timeout {timeout_s:g} s"}
+    return as_reply(out, n)
+
+
 def score(funcs: list[RewardFunc], examples: list, completions: list[str], stats=None, *, completion_ids=None,
           timeout_s: float | None = TIMEOUT_S, format_weight: float = 0.0) -> tuple[list[float], dict]:
     """The reward of each completion (examples aligned with completions: repeat a prompt's example G
@@ -502,7 +382,7 @@ def score(funcs: list[RewardFunc], examples: list, completions: list[str], stats
     totals, terms = [0.0] * len(completions), {}
     kwargs = None
     for f in funcs:
-        if f.source is None:  # looked up at call time: tests replace rewards.rewards
+        if f.spec == BUILTIN:  # looked up at call time: tests replace rewards.rewards
             values = rewards.rewards(examples, completions, stats, format_weight=format_weight)
         else:
             kwargs = kwargs or arguments(examples, completions, completion_ids)

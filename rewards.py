@@ -44,7 +44,7 @@ at most the budget plus MIN_TIMEOUT_S each (tests/test_rewards.py times both).
 For eval.py there are also lm-evaluation-harness's GSM8K matchers: "strict" (the first
 `#### N`) and "flexible" (the last number), with its exact-match normalisation.
 
-Test: python -m pytest tests/test_rewards.py; self-check: python tasks.py ../shared/data/gsm8k test
+Test: python -m pytest tests/test_rewards.py; self-check: python tasks.py tests/data/gsm8k test
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The run directory: the arguments, the metrics, the checkpoints, the plots, and one writer at a time.
 
     <output-dir>/run_config.json        the flags of the run (--resume reads them: flags.py)
-                 metrics.jsonl          one JSON line per step, TRL's metric names where they exist
+                 metrics.jsonl          one JSON line per step (numbered from 1, as on screen), TRL's
+                                        metric names where they exist
                  completions.jsonl      a few of each step's completions with their rewards (report.py)
                  plots.png              reward, eval accuracy, loss, grad norm, AQN σ, step time, entropy
                                         and completion length against step, redrawn at each evaluation
@@ -32,7 +33,7 @@ missing, names a checkpoint that does not verify, or points outside the director
 passed over. A directory whose checkpoints all fail is refused with each one's reason, and nothing is
 changed. Resuming never deletes a checkpoint newer than the one it resumed from (one that failed
 verification is moved aside under a .unverified-* name when the run writes that step again), and
-metrics.jsonl keeps every row before the resumed step (completions.jsonl too); a row of those steps
+metrics.jsonl keeps every row up to the checkpoint's step (completions.jsonl too); a row of those steps
 that is missing or repeated (a file deleted, cut or copied over) is said on screen. Loading refuses
 non-finite values too, naming the tensor. trainer_state.pt is read with torch.load(weights_only=True):
 tensors and numbers, never code; a file that is not that, or whose state does not fit, is one line.
@@ -309,6 +310,47 @@ def verify_checkpoint(path: str, root: str | None = None) -> str | None:
     return why
 
 
+def config_problem(out: str) -> str | None:
+    """Why <out>/run_config.json is not the one the run's checkpoints were written with (each manifest
+    records its sha256), else None. It reads the manifests and that file only, so that --resume refuses an
+    edited run_config.json before anything it names is used (verify_checkpoint checks each checkpoint whole)."""
+    recorded = []
+    for _, name in reversed(checkpoints(out)):
+        try:
+            with open(os.path.join(out, name, MANIFEST), encoding="utf-8") as f:
+                sha = json.load(f).get(RUN_CONFIG)
+        except (OSError, ValueError, AttributeError):   # a damaged checkpoint: resume_checkpoint names it
+            continue
+        if isinstance(sha, str):
+            recorded.append((name, sha))
+    if not recorded or _sha256(os.path.join(out, RUN_CONFIG)) in {sha for _, sha in recorded}:
+        return None
+    return (f"it is not the {RUN_CONFIG} {recorded[0][0]} was written with (its sha256 differs from the manifest's): "
+            f"edited or damaged since; restore it (a flag that may change is given on the command line)")
+
+
+# What eval.py and export.py read of the run an adapter was saved in, and the type each must have.
+RUN_SETTINGS = {"model": str, "quant": str, "system_prompt": str, "chat_template_kwargs": (dict, type(None))}
+
+
+def run_settings(adapter: str | None) -> dict | str:
+    """What the train.py run an adapter directory was saved in (runs/x/checkpoint-N: its parent holds the
+    run_config.json) recorded of its base and its prompt, the keys of RUN_SETTINGS it has; {} for an
+    adapter outside a run; or, as a string, why that file cannot be read: what the adapter was trained
+    with is then unknown."""
+    path = os.path.join(os.path.dirname(os.path.abspath(adapter)), RUN_CONFIG) if adapter else None
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)
+    except (OSError, ValueError) as e:   # ValueError: bad JSON or bad UTF-8
+        return f"{path} is unreadable ({type(e).__name__}: {e})"
+    if not isinstance(run, dict) or not all(isinstance(run[k], t) for k, t in RUN_SETTINGS.items() if k in run):
+        return f"{path} does not hold the run's model and prompt settings as train.py writes them"
+    return {k: run[k] for k in RUN_SETTINGS if k in run}
+
+
 def verify_adapter(path: str) -> str | None:
     """Why the adapter directory `path` (eval.py's and export.py's --adapter) must not be loaded, else
     None: it lacks the PEFT files, its manifest does not verify, or it is a train.py checkpoint without
@@ -349,7 +391,7 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
                     keep_rate: float = 1.0):
     """checkpoint-<step>/ = PEFT adapter + trainer_state.pt + manifest.json, written as .tmp-... and
     renamed; then `latest`, then the oldest beyond `keep` go. Checkpoints newer than this one stay.
-    data_pos and keep_rate (grpo.fill_batch's) are what the next step's sampling starts from."""
+    data_pos and keep_rate (grpo.fill_batch's) are what the next step's sampling starts from. -> its path."""
     names = {id(p): n for n, p in model.named_parameters()}
     bad = _nonfinite((n, p) for n, p in model.named_parameters() if p.requires_grad)
     bad = bad or _nonfinite(_optimizer_tensors(optimizer, names))
@@ -375,6 +417,14 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, data_pos: 
     older = [d for s, d in checkpoints(out) if s < step]
     for d in older[:max(0, len(older) - (keep - 1))]:
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+    return final
+
+
+def last_checkpoint(out: str) -> str:
+    """Where a run that stops now can be resumed from, in words."""
+    found = checkpoints(out)
+    return (f"{os.path.join(out, found[-1][1])} (step {found[-1][0]}) is the last checkpoint, intact" if found
+            else "no checkpoint was written yet")
 
 
 def load_checkpoint(ckpt: str, model, optimizer, scheduler, base_model: str) -> dict:
@@ -428,8 +478,8 @@ def _spans(steps: list[int]) -> str:
 
 
 def _one_row_per_step(path: str, rows: list, step: int) -> list:
-    """metrics.jsonl's rows before `step` hold each step 0..step-1 once: a repeated step keeps its first
-    row, and a repeat or a gap (a row deleted, or cut) is said on screen rather than carried on."""
+    """metrics.jsonl's rows up to `step` hold each step 1..step once: a repeated step keeps its first row,
+    and a repeat or a gap (a row deleted, or cut) is said on screen rather than carried on."""
     seen, out, repeated = set(), [], []
     for row, line in rows:
         s = row.get("step") if isinstance(row, dict) else None
@@ -440,7 +490,7 @@ def _one_row_per_step(path: str, rows: list, step: int) -> list:
         out.append((row, line))
     if repeated:
         print(f"warning: {path} has more than one row for step(s) {_spans(sorted(set(repeated)))}: the first is kept")
-    missing = [s for s in range(step) if s not in seen]
+    missing = [s for s in range(1, step + 1) if s not in seen]
     if missing:
         print(f"warning: {path} has no row for step(s) {_spans(missing)} of the {step} before the resumed step "
               f"(deleted or cut?): the run goes on, and its record of those steps stays missing")
@@ -448,18 +498,19 @@ def _one_row_per_step(path: str, rows: list, step: int) -> list:
 
 
 def truncate_rows(out: str, name: str, step: int) -> None:
-    """Keep the lines of <out>/<name> (metrics.jsonl, completions.jsonl) of steps before `step`, byte for
-    byte: a resumed run rewrites what came after. The file is rewritten only if a line goes; a line that
-    is not UTF-8 or not JSON (but the last, cut by a kill) stops the run with path:line rather than be
-    dropped. metrics.jsonl holds one row per step: a gap or a repeat before `step` is said (and a
+    """Keep the lines of <out>/<name> (metrics.jsonl, completions.jsonl) of steps 1..`step` (the steps a
+    run resumed after step `step` has done; a row's step counts from 1, as the progress line does), byte
+    for byte: a resumed run rewrites what came after. The file is rewritten only if a line goes; a line
+    that is not UTF-8 or not JSON (but the last, cut by a kill) stops the run with path:line rather than
+    be dropped. metrics.jsonl holds one row per step: a gap or a repeat up to `step` is said (and a
     repeat dropped), and so is the file's absence once steps were taken."""
     path = os.path.join(out, name)
     if not os.path.exists(path):
         if name == METRICS and step > 0:
-            print(f"warning: {path} is missing: the record of steps 0-{step - 1} is lost; the run goes on")
+            print(f"warning: {path} is missing: the record of steps 1-{step} is lost; the run goes on")
         return
     rows = [(row, line) for row, line in read_jsonl_rows(path)
-            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] >= step)]
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step)]
     if name == METRICS:
         rows = _one_row_per_step(path, rows, step)
     keep = "".join(line + "\n" for _, line in rows)
@@ -473,7 +524,8 @@ PLOTS = ("reward", "eval/accuracy", "loss", "grad_norm", "aqn/sigma", "step_time
 
 
 def plot_metrics(out: str) -> None:
-    """plots.png: each of PLOTS against step (eval accuracy against the updates it was measured after)."""
+    """plots.png: each of PLOTS against step (eval accuracy after the step it was measured at; step 0 is
+    before training)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -481,9 +533,8 @@ def plot_metrics(out: str) -> None:
     fig, axes = plt.subplots(2, 4, figsize=(16, 6.4))
     for ax, key in zip(axes.flat, PLOTS):
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        if key == "eval/accuracy":  # x = optimizer updates applied when it was measured
-            pts = [(0, r["eval/accuracy_initial"]) for r in rows if "eval/accuracy_initial" in r]
-            pts += [(r["eval/updates"], r[key]) for r in rows if key in r]
+        if key == "eval/accuracy":  # the first point is the model before training
+            pts = [(0, r["eval/accuracy_initial"]) for r in rows if "eval/accuracy_initial" in r] + pts
         if pts:
             ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None)
         ax.set(title=key, xlabel="step")

@@ -9,6 +9,7 @@ columns). Sources (`load_task(source, split, config=..., columns=...)`):
                                 which learns it more slowly than addition (README's learning figures)
     "org/name" (+ config)       any Hub dataset, through `datasets` (data.py)
     "file.jsonl|.csv|.parquet"  a local file; "dir/": dir/<split>.<ext> or a datasets.save_to_disk directory
+    data.Rows(rows)             rows in memory: a list of dicts or a datasets.Dataset (flags.config's dataset=)
 
 Columns. The prompt is the --prompt-column, else the first of PROMPT_COLUMNS a row has; the gold answer
 the --answer-column, else `answer` when the first row has it (then every row needs one). A prompt is TRL's "standard" format, a string (the
@@ -31,7 +32,7 @@ The model sees its prompt through the tokenizer's own chat template, after the s
 asks it to reason and put its final answer in \boxed{}) unless the conversation brings its own.
 rewards.py scores what comes back.
 
-Test: python -m pytest tests/test_tasks.py tests/test_data.py; self-check: python tasks.py ../shared/data/gsm8k test
+Test: python -m pytest tests/test_tasks.py tests/test_data.py; self-check: python tasks.py tests/data/gsm8k test
 """
 from __future__ import annotations
 
@@ -207,7 +208,9 @@ def load_task(source: str, split: str = "train", *, limit: int | None = None, se
     problem = source_problem(source, split, config, columns)
     if problem:
         raise DatasetError(problem)
-    if source in ARITHMETIC:
+    if isinstance(source, data.Rows):
+        examples = examples_from_rows(source.records(), source.label, columns)
+    elif source in ARITHMETIC:
         examples = arithmetic_task(source, split, seed)
     elif source in HUB:
         repo, cfg = HUB[source]
@@ -221,7 +224,16 @@ def load_task(source: str, split: str = "train", *, limit: int | None = None, se
 
 def source_problem(source: str, split: str, config: str | None = None, columns: Columns = Columns()) -> str | None:
     """What load_task would refuse before reading a row, else None: the check train.py and eval.py make
-    at parse time, before any model loads (a Hub dataset's existence is known only when it is read)."""
+    at parse time, before any model loads (a Hub dataset's existence is known only when it is read; rows in
+    memory are all read here, they are at hand)."""
+    if isinstance(source, data.Rows):
+        if config:
+            return "rows in memory: --dataset-config is for Hub datasets"
+        try:
+            examples_from_rows(source.records(), source.label, columns)
+        except DatasetError as e:
+            return str(e)
+        return None
     if source in BUILTIN:
         if config or columns != Columns():
             return f"{source} is built in, with its own configuration and columns: --dataset-config, " \
@@ -342,6 +354,35 @@ def build_prompt(tokenizer, prompt, system_prompt: str = SYSTEM_PROMPT, chat_tem
     if isinstance(prompt, str):
         return f"{system_prompt}\n\nQuestion: {prompt}\nAnswer:"
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+
+
+def _jinja(value) -> str:
+    """A JSON value as a Jinja literal (true, none, "text", [..], {..})."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "none"}[value]
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_jinja, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)   # a string (escapes Jinja reads as Python's) or a number
+
+
+def template_with_defaults(template: str, system_prompt: str, chat_template_kwargs: dict | None = None) -> str:
+    """A chat template that renders a caller's messages as build_prompt does with this system prompt and
+    these template variables: the system message goes first unless the messages hold one (as
+    `conversation` does; none when system_prompt is empty), and each variable is set unless the caller
+    sets it. export.py writes it into the exported tokenizers, so that a server applying the model's own
+    template to a user's messages prompts it as training did."""
+    head = []
+    for key, value in (chat_template_kwargs or {}).items():
+        if not str(key).isidentifier():
+            raise ValueError(f"chat template variable {key!r} is not a name a template can read")
+        head.append(f"{{%- if {key} is not defined %}}{{%- set {key} = {_jinja(value)} %}}{{%- endif %}}")
+    if system_prompt:
+        head.append("{%- if messages | selectattr('role', 'equalto', 'system') | list | length == 0 %}"
+                    f"{{%- set messages = [{{'role': 'system', 'content': {_jinja(system_prompt)}}}] + messages %}}"
+                    "{%- endif %}")
+    return "".join(head) + template
 
 
 def encode_prompt(tokenizer, prompt, system_prompt: str = SYSTEM_PROMPT, chat_template_kwargs: dict | None = None) -> list[int]:

@@ -2,6 +2,10 @@
 
     python train.py --model Qwen/Qwen2.5-7B-Instruct --dataset gsm8k --output-dir runs/gsm8k
 
+    import flags, train                                      # the same run from Python
+    train.train(flags.config(model="Qwen/Qwen2.5-7B-Instruct", dataset=rows, reward=[my_reward]),
+                callbacks=[MyCallback()])
+
 One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
 
     σ_step  = aqn.sigma_at(step)                     noise level of this step's stage
@@ -17,18 +21,29 @@ One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
               clipped surrogate (+ k3 KL to the adapter-disabled model when β > 0), backward into
               the LoRA parameters only, μ AdamW steps per rollout
 
-There is one model in memory: the sampler and the trainer are the same modules, so there is no
-weight sync, and the only sampler/trainer mismatch is the numerics of decode vs dense attention
-(logged as `sampling/sampling_logp_difference/mean`). The KV cache is released before backward.
+One model in memory: the sampler and the trainer are the same modules, so there is no weight sync, and
+the only sampler/trainer mismatch is the numerics of decode vs dense attention (logged as
+`sampling/sampling_logp_difference/mean`). The KV cache is released before backward.
 
 build_policy turns the flags into a `Policy`: the model with its adapters, AdamW and its schedule, the
 grpo.GRPOConfig and aqn.AQNConfig of the flags, the sampler and the step plan. Each step
 (`optimizer_step`) reads as the method's stages: the AQN noise of its stage, `rollout_step` (sample and
 score the generation batch: `Group`s, one prompt with its G completions and their rewards), `train_step`
-(advantages, the training forward and backward in micro-batches, AdamW); `train_loop` then logs,
-evaluates and checkpoints. Everything that can be refused (flags, datasets, reward functions) is, before
-the model loads. Around the loop: flags.py (the flags, --config, --resume), run_data.py (the checked
-datasets, prompts and reward functions), report.py (the progress line, sampled completions, trackers),
+(advantages, the training forward and backward in micro-batches, AdamW); `train_loop` then evaluates,
+and `end_step` logs, tells the callbacks and checkpoints. Steps count from 1 on screen, in metrics.jsonl
+and in the checkpoints' names alike. Everything that can be refused (flags, datasets, reward functions)
+is, before the model loads. `train(args, callbacks)` is the run for the command line (`main`) and for
+Python (flags.config: the settings as keywords, rows in memory, reward functions; `Callback`).
+
+What a run says rather than do silently: RewardWatch's warning when the rewards carry no signal for
+steps on end; a step whose every update was skipped (a gradient not finite), and a stop after
+MAX_IDLE_STEPS of them in a row, the last checkpoint intact; the updates applied beside the steps in
+its last line; on Ctrl-C, where it stopped and how to continue; a finished run resumed, that it has
+nothing to do (a larger --max-steps extends it, its AQN schedule kept: --aqn-steps).
+
+Around the loop: flags.py (the flags, --config, --resume, config()), checks.py (what each setting must
+be), run_data.py (the checked datasets, prompts and reward functions), report.py (the progress line,
+sampled completions, trackers, callbacks),
 logprobs.py (the batch as training tensors, the chunked log-probs), plan.py (how a step uses the GPU's
 memory: micro-batch sizes, recomputation, what stays resident), run_dir.py (run_config.json,
 metrics.jsonl, plots.png, crash-safe checkpoints that --resume continues from) and distributed.py
@@ -37,14 +52,14 @@ order, AQN noise, sampling) is seeded from (seed, step), and a checkpoint carrie
 dynamic sampling's keep rate, so a resumed run samples what the uninterrupted run would have.
 
 Left out here: a learning-rate decay schedule.
-Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run);
-tests/test_distributed.py (2 CPU processes over gloo give the single-process update; two machines
-without a shared disk, killed and resumed).
+Tests: tests/test_train.py (2 steps, resume, eval on a tiny random model; a SIGKILL mid-run; the
+Python API, callbacks, an extended run); tests/test_distributed.py (2 CPU processes over gloo give the
+single-process update; two machines without a shared disk, killed and resumed); tests/test_probes.py
+(Ctrl-C, skipped updates, bad flags and run files).
 """
-import functools
-import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -59,6 +74,7 @@ import torch
 from tqdm import tqdm
 
 import aqn
+import checks
 import grpo
 import lora
 import ops
@@ -66,32 +82,30 @@ import plan
 import flags
 import report
 import reward_funcs
+import reward_worker
 import rewards
 import rollout
-from checkpoint import build_model, load_model, load_tokenizer, random_init_config
-from run_data import encode, load_data
-from data import one_line
+import tasks
+from checkpoint import build_model, load_model, random_init_config
+from report import Callback, notify  # noqa: F401 (Callback: train.Callback, the API's)
+from run_data import PromptStream, load_prompts, step_seed
 from eval import evaluate  # eval.py imports nothing from here
 from flags import parse_args
 from logprobs import collate, completion_logprobs, micro_batches
 from distributed import (all_reduce_grads, barrier, check_ranks, dist_setup, from_rank0, gather, rank_times,
                          rank_world)
-from run_dir import (COMPLETIONS, METRICS, RUN_CONFIG, load_checkpoint, plot_metrics, prepare_output_dir,
-                     save_checkpoint, truncate_rows, unlock_run_dir, write_atomic)
+from run_dir import (COMPLETIONS, METRICS, RUN_CONFIG, last_checkpoint, load_checkpoint, plot_metrics,
+                     prepare_output_dir, save_checkpoint, truncate_rows, unlock_run_dir, write_atomic)
 
 # ----------------------------------------------------------------------------------------------
 # constants
+
+MAX_IDLE_STEPS = 3   # steps in a row whose every update was skipped (non-finite gradients) before the run stops
 
 # grpo.policy_loss metric -> the name TRL logs it under.
 METRIC_NAMES = {"logprob_mismatch": "sampling/sampling_logp_difference/mean",
                 "is_weight_mean": "sampling/importance_sampling_ratio/mean",
                 "is_touched_frac": "sampling/importance_sampling_touched/mean"}
-
-
-def step_seed(seed: int, step: int, stream: str) -> int:
-    """A distinct, reproducible seed for each (run seed, step, stream): resume-safe randomness."""
-    digest = hashlib.sha256(f"{seed}/{step}/{stream}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def clock(device) -> float:
@@ -133,25 +147,14 @@ class Policy:
     device: torch.device
 
 
-class PromptStream:
-    """The training prompts in a per-epoch seeded order and the reward terms that score their completions.
-    `position` counts the prompts taken so far and `keep_rate` is the share of informative groups the last
-    step drew (1.0 before the first; it sizes dynamic sampling's rounds): a checkpoint stores both, so a
-    resumed run takes the prompts, and sizes its rounds, as the uninterrupted run would have."""
-
-    def __init__(self, examples: list, ids: list, funcs: list, seed: int):
-        self.examples, self.ids, self.funcs, self.seed = examples, ids, funcs, seed
-        self.position, self.keep_rate = 0, 1.0
-
-    @functools.lru_cache(maxsize=2)
-    def _order(self, epoch: int) -> list:
-        gen = torch.Generator().manual_seed(step_seed(self.seed, epoch, "data"))
-        return torch.randperm(len(self.examples), generator=gen).tolist()
-
-    def take(self, n: int) -> list[int]:
-        """The next n prompt indices."""
-        start, self.position = self.position, self.position + n
-        return [self._order(i // len(self.examples))[i % len(self.examples)] for i in range(start, self.position)]
+@dataclass
+class Rollout:
+    """A step's generation batch and what was said of it: rollout_step's result."""
+    groups: list                  # [Group] of every rank: the batch train_step trains on
+    metrics: dict                 # time, tokens, sampling rounds, each reward term's mean, ...
+    samples: list                 # this rank's completions as completions.jsonl rows: prompt, completion, reward, terms
+    totals: list                  # reward_funcs.score's total for each completion of the step (every round, every rank)
+    terms: dict                   # {term: its value for each of those completions (None: no opinion)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,11 +168,18 @@ def build_policy(args, device) -> Policy:
     device."""
     gcfg, acfg = flags.to_config(args, grpo.GRPOConfig), flags.to_config(args, aqn.AQNConfig)
     dtype = getattr(torch, args.dtype)
-    if args.random_init:
-        model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype, seed=args.seed)
-    else:
-        model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
-    lora.apply_lora(model, flags.to_config(args, lora.LoRAConfig), generator=torch.Generator().manual_seed(args.seed))
+    try:
+        if args.random_init:
+            model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype,
+                                seed=args.seed)
+        else:
+            model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
+    except (OSError, ValueError) as e:  # offline, a damaged checkpoint, a model that does not fit
+        raise SystemExit(f"error: --model: {tasks.load_problem(args.model, e)}") from None
+    try:
+        lora.apply_lora(model, flags.to_config(args, lora.LoRAConfig), generator=torch.Generator().manual_seed(args.seed))
+    except ValueError as e:  # a target name that matches no linear of this model
+        raise SystemExit(f"error: --lora-target-modules: {e}") from None
     params = lora.lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -203,12 +213,12 @@ def rollout_step(step: int, policy: Policy, stream: PromptStream, noise: dict, t
     need not divide by world); every rank returns the whole batch, and computes the next rate from the
     gathered rewards, so all size their rounds alike. The KV cache (and the CUDA graphs that point into
     it) stays for the next step where it takes at most the step plan's keep_cache_bytes, else it is
-    freed for the training pass. -> (groups [Group], metrics, this rank's samples [{prompt, completion,
-    reward, terms}])."""
+    freed for the training pass. -> a Rollout: the groups, the metrics, this rank's samples and the whole
+    step's reward totals and terms (every round's, every rank's: what RewardWatch reads)."""
     rank, world = rank_world()
     per_rank = f"/rank{rank}" if world > 1 else ""   # the ranks' own streams (AQN noise is the same on all)
     gcfg, G = policy.grpo_cfg, policy.grpo_cfg.group_size
-    stats, completions, samples, term_sums = rewards.RewardStats(), [], [], {}
+    stats, completions, samples, totals_all, terms_all = rewards.RewardStats(), [], [], [], {}
 
     def sample_prompts(r, idx):  # round r on this rank's prompts -> (their rewards (len(idx)·G,), groups)
         sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
@@ -226,10 +236,9 @@ def rollout_step(step: int, policy: Policy, stream: PromptStream, noise: dict, t
         if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
             lens = torch.tensor([len(c.token_ids) for c in flat])
             shaped = rs + grpo.overlong_penalty(lens, gcfg.max_completion_len, gcfg.overlong_cache_len)
+        totals_all.extend(totals)
         for name, values in terms.items():
-            found = [v for v in values if v is not None]
-            total, count = term_sums.get(name, (0.0, 0))
-            term_sums[name] = (total + sum(found), count + len(found))
+            terms_all.setdefault(name, []).extend(values)
         samples.extend({"prompt": e.prompt, "answer": e.answer, "completion": t, "reward": round(float(v), 6),
                         **{f"rewards/{name}": values[j] for name, values in terms.items()}}
                        for j, (e, t, v) in enumerate(zip(examples, texts, shaped)))
@@ -257,23 +266,21 @@ def rollout_step(step: int, policy: Policy, stream: PromptStream, noise: dict, t
         policy.engine.free_cache(keep_warm=True)  # the KV cache goes before the backward pass needs the memory
     t_rollout = time.perf_counter() - t0
     new_tokens = sum(len(c.token_ids) for c in completions)   # of all ranks
+    parts = gather((totals_all, terms_all))  # every rank's scores, in rank order: the whole step's
+    totals, terms = [t for p, _ in parts for t in p], {k: [v for _, p in parts for v in p[k]] for k in terms_all}
     metrics = {"time/rollout": t_rollout, "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
-               "sampling/prompts": prompts, **sizing, **reward_metrics(stats, term_sums, completions)}
-    return groups, metrics, samples
+               "sampling/prompts": prompts, **sizing, **reward_metrics(stats, terms, completions)}
+    return Rollout(groups, metrics, samples, totals, terms)
 
 
-def reward_metrics(stats: rewards.RewardStats, term_sums: dict, completions: list) -> dict:
+def reward_metrics(stats: rewards.RewardStats, terms: dict, completions: list) -> dict:
     """A rollout's reward records over all ranks: the reward functions' errors and timeouts, each term's mean
-    over the completions it scored, the completions' mean length and the share cut at the length limit.
-    stats and term_sums ({term: (sum, count)}) are this rank's; completions are every rank's."""
+    over the completions it scored (None: no opinion), the completions' mean length and the share cut at
+    the length limit. stats are this rank's; terms and completions are every rank's."""
     errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
-    term_means = {}
-    for part in gather(term_sums):
-        for name, (total, count) in part.items():
-            t, c = term_means.get(name, (0.0, 0))
-            term_means[name] = (t + total, c + count)
+    found = {name: [v for v in values if v is not None] for name, values in terms.items()}
     return {"reward_errors": errors, "reward_timeouts": timeouts,
-            **{f"rewards/{name}/mean": total / count for name, (total, count) in term_means.items() if count},
+            **{f"rewards/{name}/mean": sum(vs) / len(vs) for name, vs in found.items() if vs},
             "completions/mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
             "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}
 
@@ -360,31 +367,32 @@ def train_step(policy: Policy, groups: list[Group], noise: dict, pad_id: int, ar
 
 
 # ----------------------------------------------------------------------------------------------
-# the run
+# one step of the method
 
 
-def optimizer_step(step: int, policy: Policy, stream: PromptStream, tokenizer, args) -> tuple[dict, list]:
-    """One step of the method: the AQN noise of the step's stage, rollout_step, train_step (skipped when
-    dynamic sampling kept fewer groups than there are ranks) -> (its metrics, this rank's samples)."""
+def optimizer_step(step: int, policy: Policy, stream: PromptStream, tokenizer, args) -> tuple[dict, Rollout]:
+    """One step of the method (step counts from 0 here, in the seeds): the AQN noise of the step's stage,
+    rollout_step, train_step (skipped when dynamic sampling kept fewer groups than there are ranks) ->
+    (its metrics, the Rollout)."""
     world = rank_world()[1]
     per_rank = f"/rank{rank_world()[0]}" if world > 1 else ""
     torch.manual_seed(step_seed(args.seed, step, "torch" + per_rank))  # LoRA dropout: the same after a resume
-    sigma = aqn.sigma_at(step, args.max_steps, policy.aqn_cfg)
+    sigma = aqn.sigma_at(step, args.aqn_steps, policy.aqn_cfg)  # past --aqn-steps: the last stage's
     noise = aqn.sample_noise(policy.model, sigma, torch.Generator().manual_seed(step_seed(args.seed, step, "aqn")))
     try:
-        groups, rollout_metrics, samples = rollout_step(step, policy, stream, noise, tokenizer, args)
+        ro = rollout_step(step, policy, stream, noise, tokenizer, args)
     except reward_funcs.RewardError as e:  # the user's reward function: its own line, no traceback
-        raise SystemExit(f"error: at step {step}: {e}") from None
-    m = {"aqn/sigma": sigma, **rollout_metrics}
-    if len(groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
-        return {**m, "skipped": True}, samples
+        raise SystemExit(f"error: at step {step + 1}: {e}") from None
+    m = {"aqn/sigma": sigma, **ro.metrics}
+    if len(ro.groups) < world:  # dynamic sampling kept no informative group (or fewer than ranks)
+        return {**m, "skipped": True}, ro
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    m.update(train_step(policy, groups, noise, pad_id, args))
-    scores = torch.cat([g.rewards for g in groups])                                     # (P·G,)
+    m.update(train_step(policy, ro.groups, noise, pad_id, args))
+    scores = torch.cat([g.rewards for g in ro.groups])                                  # (P·G,)
     rg = scores.view(-1, policy.grpo_cfg.group_size)                                    # (P, G)
     m.update({"reward": scores.mean().item(), "reward_std": rg.std(1).mean().item(),
               "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
-    return m, samples
+    return m, ro
 
 
 def evaluate_policy(policy: Policy, tokenizer, eval_set: list, args) -> dict:
@@ -397,72 +405,99 @@ def evaluate_policy(policy: Policy, tokenizer, eval_set: list, args) -> dict:
     return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
 
 
-def load_prompts(args) -> tuple:
-    """The datasets, the reward functions and the tokenizer, each refused with one line where it cannot be
-    used -> (tokenizer, the PromptStream of the training prompts that fit, the encoded eval examples)."""
-    progress = rank_world()[0] == 0
-    train_set, eval_set, funcs = load_data(args, log)
-    try:
-        tokenizer = load_tokenizer(args.tokenizer or args.model)
-    except (OSError, ValueError) as e:  # a Hub id that cannot be fetched (offline), a directory without one
-        raise SystemExit(f"error: --{'tokenizer' if args.tokenizer else 'model'}: {one_line(e)}; pass a local "
-                         f"directory, or set HF_HUB_OFFLINE=1 to use a cached copy") from None
-    train_set, train_ids = encode(train_set, tokenizer, args, "train", log, progress=progress)
-    if not train_set:
-        raise SystemExit(f"error: no training prompt of {args.dataset} fits --max-prompt-len {args.max_prompt_len}")
-    eval_set = encode(eval_set, tokenizer, args, "eval", log, progress=progress)[0]
-    return tokenizer, PromptStream(train_set, train_ids, funcs, args.seed), eval_set
+# ----------------------------------------------------------------------------------------------
+# the run
 
 
-def train_loop(args, policy: Policy, stream: PromptStream, tokenizer, eval_set: list, start: int):
-    """Steps start .. --max-steps (or --stop-at): each optimizer_step, then evaluate, record (rank 0) and
-    checkpoint. -> the last evaluation (updates, accuracy), or None."""
+@dataclass
+class RunState:
+    """Where a run stands and who hears of it: train_loop's state, which train reports from."""
+    step: int                          # steps done (a resumed run starts at its checkpoint's)
+    updates: int                       # optimizer updates applied: AdamW's own count, a skipped one not counted
+    callbacks: list                    # [Callback]: told of step ends, evaluations and saves (rank 0)
+    tracker: report.Tracker            # --report-to's trackers
+    watch: reward_funcs.RewardWatch    # says when the rewards carry no signal, step after step
+    idle: int = 0                      # steps in a row whose every update was skipped (a non-finite gradient)
+    last_eval: dict | None = None      # the last evaluation: {"eval/accuracy", "eval/step", "eval/updates"}
+
+
+def applied_updates(optimizer) -> int:
+    """The optimizer updates applied so far: AdamW's count, which a checkpoint carries and a skipped update
+    (a non-finite gradient) does not raise."""
+    state = next(iter(optimizer.state.values()), None)
+    return int(state["step"]) if state else 0
+
+
+def train_loop(args, policy: Policy, stream: PromptStream, tokenizer, eval_set: list, state: RunState) -> None:
+    """Steps state.step + 1 .. --max-steps (or --stop-at): each optimizer_step, then its evaluation when due,
+    and end_step's records and checkpoint. The bar counts the steps done: it ends at N/N."""
     rank = rank_world()[0]
-    tracker = report.Tracker(args.report_to if rank == 0 else "none", args.output_dir, vars(args))
-    initial, last_eval = {}, None
-    if eval_set and args.eval_every and start == 0:  # the starting point of the learning curve
+    initial = {}
+    if eval_set and args.eval_every and state.step == 0:  # the starting point of the learning curve
         initial = {"eval/accuracy_initial": evaluate_policy(policy, tokenizer, eval_set, args)["eval/accuracy"]}
         log(f"eval accuracy before training: {initial['eval/accuracy_initial']:.4f} ({len(eval_set)} questions)")
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="train", disable=rank > 0)
+        if rank == 0:
+            notify(state.callbacks, "on_evaluate", 0, {"eval/accuracy": initial["eval/accuracy_initial"]})
+    bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=rank > 0)
     try:
-        for step in bar:
+        for step in range(state.step, args.max_steps):
             t_step = time.perf_counter()
-            m, samples = optimizer_step(step, policy, stream, tokenizer, args)
-            m = {"step": step, **(initial if step == 0 else {}), **m}
+            m, ro = optimizer_step(step, policy, stream, tokenizer, args)
+            state.step, state.updates = step + 1, applied_updates(policy.optimizer)
+            m = {"step": step + 1, **(initial if step == 0 else {}), **m}
             if eval_set and ((args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.max_steps):
-                m.update(evaluate_policy(policy, tokenizer, eval_set, args), **{"eval/updates": step + 1})
-                last_eval = (step + 1, m["eval/accuracy"])
+                m.update(evaluate_policy(policy, tokenizer, eval_set, args), **{"eval/updates": state.updates})
+                state.last_eval = {"eval/accuracy": m["eval/accuracy"], "eval/step": step + 1,
+                                   "eval/updates": state.updates}
             m["step_time"] = time.perf_counter() - t_step
             m.update(rank_times(m))  # each rank's rollout, training and waiting time (distributed.py)
             if policy.device.type == "cuda":
                 m["memory/peak_gib"] = torch.cuda.max_memory_allocated(policy.device) / 2 ** 30
                 torch.cuda.reset_peak_memory_stats(policy.device)
-            stop = step + 1 == args.max_steps or step + 1 == args.stop_at
-            if rank == 0:
-                report.record(args, m, samples, tracker, stop)
+            bar.update()
             bar.set_postfix(reward=f"{m.get('reward', float('nan')):.3f}", sigma=f"{m['aqn/sigma']:.1e}",
                             zero_std=f"{m.get('frac_reward_zero_std', float('nan')):.2f}")   # groups without signal
-            if ((step + 1) % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
-                save_checkpoint(args.output_dir, step + 1, policy.model, policy.optimizer, policy.scheduler,
-                                stream.position, args.model, args.keep_checkpoints, stream.keep_rate)
-            barrier()  # rank 0 has finished the checkpoint before any rank goes on
-            if stop:
+            if end_step(args, policy, stream, state, m, ro):
                 break
     finally:
         bar.close()
-        tracker.close()
-    return last_eval
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    rank, world, device = dist_setup(args.device)
-    log(json.dumps(vars(args), indent=None))
-    resume_from = prepare_output_dir(args, write=rank == 0)
-    check_ranks(args, resume_from)  # same flags, rank 0 holds the newest checkpoint; then rank 0 writes
+def end_step(args, policy: Policy, stream: PromptStream, state: RunState, m: dict, ro: Rollout) -> bool:
+    """A step's end: the reward watch's warnings and a step whose every update was skipped said on screen,
+    the records and callbacks (rank 0), the checkpoint when due; MAX_IDLE_STEPS such steps in a row stop
+    the run before it saves, the last checkpoint intact. -> whether the run stops after this step."""
+    rank, world = rank_world()
+    step, stop = m["step"], m["step"] in (args.max_steps, args.stop_at)
+    for line in state.watch.update(step, ro.totals, ro.terms):
+        log(line)
+    if m.get("skipped_nonfinite_updates", 0) == policy.grpo_cfg.updates_per_rollout:
+        state.idle += 1
+        log(f"warning: step {step}: every update was skipped, the gradient not finite (NaN or Inf): the adapters "
+            f"did not change")
+    elif not m.get("skipped"):
+        state.idle = 0
+    if rank == 0:
+        report.record(args, m, ro.samples, state.tracker, stop)
+        notify(state.callbacks, "on_step_end", step, m)
+        if "eval/accuracy" in m:
+            notify(state.callbacks, "on_evaluate", step, {k: v for k, v in m.items() if k.startswith("eval/")})
+    if state.idle >= MAX_IDLE_STEPS:
+        raise SystemExit(f"error: steps {step - MAX_IDLE_STEPS + 1}-{step} skipped every update, their gradients "
+                         f"not finite (NaN or Inf), so the run stops; {last_checkpoint(args.output_dir)}. Lower "
+                         f"--lr or --max-grad-norm, or look at the rewards and losses in metrics.jsonl")
+    if (step % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
+        path = save_checkpoint(args.output_dir, step, policy.model, policy.optimizer, policy.scheduler,
+                               stream.position, args.model, args.keep_checkpoints, stream.keep_rate)
+        notify(state.callbacks, "on_save", step, path)
+    barrier()  # rank 0 has finished the checkpoint before any rank goes on
+    return stop
 
-    # ---- data, rewards, tokenizer, then the policy: model, adapters, optimizer, sampler
-    tokenizer, stream, eval_set = load_prompts(args)
+
+def start_policy(args, device, resume_from: str | None, world: int) -> tuple:
+    """The data, the policy, run_config.json (written once, by rank 0) and the checkpoint resumed from ->
+    (tokenizer, the PromptStream, the eval examples, the Policy, the step the run starts after)."""
+    tokenizer, stream, eval_set = load_prompts(args, log)
     t0 = time.perf_counter()
     log(f"loading {args.model} ({'random init, ' if args.random_init else ''}{args.quant}) on {device} ...")
     policy = build_policy(args, device)
@@ -471,8 +506,9 @@ def main(argv=None):
     log(line)
     for w in slow:
         log(f"warning: {w}")
-    if rank == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):  # it exists once it can start
-        record = {**vars(args), "world_size": world, "step_plan": policy.step_plan.as_dict()}
+    if rank_world()[0] == 0 and not os.path.exists(os.path.join(args.output_dir, RUN_CONFIG)):
+        record = {**flags.record(args), "world_size": world, "step_plan": policy.step_plan.as_dict(),
+                  "reward_sources": reward_funcs.record(stream.funcs)}
         write_atomic(os.path.join(args.output_dir, RUN_CONFIG), json.dumps(record, indent=2))
     start = 0
     with from_rank0(resume_from) as ckpt:  # rank 0's checkpoint, sent to ranks on machines without its disk
@@ -480,21 +516,83 @@ def main(argv=None):
             state = load_checkpoint(ckpt, policy.model, policy.optimizer, policy.scheduler, args.model)
             start, stream.position, stream.keep_rate = state["step"], state["data_pos"], state["keep_rate"]
             log(f"resumed from {resume_from} at step {start}")
-    if rank == 0:
+    if rank_world()[0] == 0:
         for name in (METRICS, COMPLETIONS):
             truncate_rows(args.output_dir, name, start)
+    return tokenizer, stream, eval_set, policy, start
 
-    # ---- the loop: noise, rollout + reward, train, log / eval / checkpoint
-    last_eval = train_loop(args, policy, stream, tokenizer, eval_set, start)
-    if rank == 0:
-        plot_metrics(args.output_dir)
-        unlock_run_dir(args.output_dir)  # the OS would at exit; a second run in this process may follow
-    if last_eval:
-        log(f"eval accuracy after {last_eval[0]} updates: {last_eval[1]:.4f} ({len(eval_set)} questions of "
-            f"{flags.eval_source(args)[0]} [{args.eval_split}])")
+
+def check_start(args, start: int) -> None:
+    """A --stop-at at or below the step the run resumes after is refused before anything loads (the run
+    would train on to --max-steps)."""
+    if args.stop_at is not None and args.stop_at <= start:
+        raise SystemExit(f"error: --stop-at {args.stop_at} is not after step {start}, where the run in "
+                         f"{args.output_dir} resumes")
+
+
+def train(args, callbacks=()) -> dict:
+    """Train as args says (flags.parse_args of a command line, or flags.config in Python); callbacks are
+    Callback objects, told of step ends, evaluations and saves. -> {"step": steps done, "updates": optimizer
+    updates applied, "output_dir", and the last evaluation's "eval/accuracy", "eval/step", "eval/updates"}.
+    A resumed run that has done its --max-steps says so and returns at once, nothing loaded ("updates":
+    None): resuming a finished run is safe to repeat. Ctrl-C says where the run stopped and how to
+    continue it, then raises KeyboardInterrupt."""
+    if os.environ.get(reward_worker.WORKER_ENV):
+        raise SystemExit("error: train.train was called in a reward worker, which imported a script that defines "
+                         "reward functions: keep the script's training under `if __name__ == \"__main__\":`")
+    rank, world, device = dist_setup(args.device)
+    log(json.dumps(flags.record(args), indent=None))
+    resume_from = prepare_output_dir(args, write=rank == 0)
+    state = None
+    try:
+        start = check_ranks(flags.record(args), resume_from)  # same flags everywhere; rank 0's step
+        check_start(args, start)
+        if start >= args.max_steps:
+            log(f"the run in {args.output_dir} has done {start} steps, and --max-steps is {args.max_steps}: nothing "
+                f"to do (a larger --max-steps extends it; an extended run takes it again at each resume)")
+            return {"step": start, "updates": None, "output_dir": args.output_dir}
+        tokenizer, stream, eval_set, policy, start = start_policy(args, device, resume_from, world)
+        tracker = report.Tracker(args.report_to if rank == 0 else "none", args.output_dir, flags.record(args))
+        state = RunState(start, applied_updates(policy.optimizer), list(callbacks), tracker, reward_funcs.RewardWatch())
+        try:
+            train_loop(args, policy, stream, tokenizer, eval_set, state)
+        finally:
+            tracker.close()
+        if rank == 0:
+            plot_metrics(args.output_dir)
+    except KeyboardInterrupt:
+        if rank == 0:
+            at = f"during step {state.step + 1}" if state else "before training began"
+            print(f"interrupted {at}: {last_checkpoint(args.output_dir)}; continue with: python train.py --resume "
+                  f"{args.output_dir}", file=sys.stderr)
+        raise
+    finally:
+        if rank == 0:
+            unlock_run_dir(args.output_dir)  # the OS would at exit; a second run in this process may follow
+    return finish(args, state, eval_set)
+
+
+def finish(args, state: RunState, eval_set: list) -> dict:
+    """The run's last lines and its summary (train's result)."""
+    if state.last_eval:
+        e = state.last_eval
+        log(f"eval accuracy after {e['eval/step']} steps ({e['eval/updates']} updates): {e['eval/accuracy']:.4f} "
+            f"({len(eval_set)} questions of {checks.eval_source(args)[0]} [{args.eval_split}])")
+    if state.updates == 0:
+        log("warning: no update was applied (each step skipped): the adapters are as they started")
     log(f"done: {args.output_dir}")
-    if world > 1:
+    if rank_world()[1] > 1:
         torch.distributed.destroy_process_group()
+    return {"step": state.step, "updates": state.updates, "output_dir": args.output_dir, **(state.last_eval or {})}
+
+
+def main(argv=None):
+    """The command line: its flags (flags.parse_args), then train. Ctrl-C ends it with exit code 130."""
+    args = parse_args(argv)
+    try:
+        return train(args)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -58,11 +58,10 @@ def run(arm: str, seed: int, args) -> list[dict]:
 
 
 def curve(rows: list[dict], key: str) -> dict[int, float]:
-    """{x: value}: eval accuracy at the updates it was measured after (0: before training), else per step."""
-    if key == "eval/accuracy":
-        pts = {0: r["eval/accuracy_initial"] for r in rows if "eval/accuracy_initial" in r}
-        return pts | {r["eval/updates"]: r[key] for r in rows if key in r}
-    return {r["step"]: r[key] for r in rows if key in r}
+    """{step: value}, steps counted from 1 as metrics.jsonl counts them; eval accuracy also at 0, before
+    training."""
+    pts = {0: r["eval/accuracy_initial"] for r in rows if "eval/accuracy_initial" in r} if key == "eval/accuracy" else {}
+    return pts | {r["step"]: r[key] for r in rows if key in r}
 
 
 def summarise(runs: dict[str, list[list[dict]]]) -> dict:

@@ -280,7 +280,7 @@ def print_table(t: dict) -> None:
     print("| piece | GiB | " + " | ".join(PHASES) + " |\n|---|---|" + "---|" * len(PHASES))
     for label, bts, phases in t["rows"]:
         print(f"| {label} | {bts / GIB:.2f} | " + " | ".join("x" if ph in phases else "" for ph in PHASES) + " |")
-    print(f"| **total** | | " + " | ".join(f"**{t['totals'][ph] / GIB:.2f}**" for ph in PHASES) + " |")
+    print("| **total** | | " + " | ".join(f"**{t['totals'][ph] / GIB:.2f}**" for ph in PHASES) + " |")
     print(f"| headroom to {t['budget'] / GIB:g} GiB | | "
           + " | ".join(f"{(t['budget'] - t['totals'][ph]) / GIB:.2f}" for ph in PHASES) + " |")
 

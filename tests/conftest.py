@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")   # tests/data: rows of GSM8K, MATH500
 SMOLLM2_DEFAULT = os.path.expanduser("~/.cache/qerl/SmolLM2-135M-Instruct")
 
 # Tiny configs: every linear's input dim is a multiple of 16 (the NVFP4 block), GQA 4/2 heads.
@@ -131,7 +131,8 @@ def smollm2_path():
     Skips when it is absent, unless QERL_REQUIRE_SMOLLM2=1 (CI sets it), where absence fails."""
     path = os.environ.get("QERL_SMOLLM2", SMOLLM2_DEFAULT)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
-        msg = f"SmolLM2 not found at {path}: run python tools/get_smollm2.py"
+        msg = (f"needs SmolLM2-135M-Instruct, not at {path}: build it with `python tools/get_smollm2.py` "
+               f"(or point QERL_SMOLLM2 at a copy) to run these tests")
         if os.environ.get("QERL_REQUIRE_SMOLLM2") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
@@ -149,12 +150,10 @@ def smollm2_tokenizer(request):
 
 
 @pytest.fixture(scope="session")
-def shared_data():
-    """Path to ../shared/data (GSM8K and MATH500 JSONL); read in place, never copied."""
-    path = os.path.join(SHARED, "data")
-    if not os.path.isdir(path):
-        pytest.skip(f"{path} not found")
-    return path
+def test_data():
+    """tests/data: the first 100 rows of GSM8K's test split and of MATH500, and MATH500's 500 gold answers
+    (tests/data/README.md names their sources and licences)."""
+    return DATA
 
 
 @pytest.fixture

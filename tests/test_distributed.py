@@ -7,7 +7,6 @@ LoRA update (fp32, to rounding) for every loss type, and the two replicas must s
 The tiny model, the fake rollout groups and the one-step update come from test_train.py.
 """
 import argparse
-import json
 import os
 import signal
 import socket
@@ -104,7 +103,7 @@ def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("resumed from") == 1, "only rank 0 prints"
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "eval/accuracy" in rows[3], rows
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "eval/accuracy" in rows[3], rows
     assert all("loss" in r for r in rows), rows
     # The data order's answers (even: a spread), a budget of 2 rounds · 4 = 8 prompts a step.
     # step 0, rate 1: 128 137 52 122 (3 of 4), then round_size(1, 3/4, 4) = 3 (n = 2: 1.5 - 0.61 < 1):
@@ -146,12 +145,13 @@ def _separate_disks_worker(rank: int, port: int, tmp: str) -> None:
     with distributed.from_rank0(mine if rank == 1 else None) as got:   # rank 0 resumes nothing: nobody does
         seen["none"] = got
     args = argparse.Namespace(lr=1e-5, seed=0, output_dir=mine, device="cpu")
-    distributed.check_ranks(args, mine)             # the same flags but the directory: accepted
+    distributed.check_ranks(vars(args), mine)       # the same flags but the directory: accepted
+    seen["start"] = distributed.check_ranks(vars(args), mine if rank == 0 else None)  # rank 1 holds none
     errors = []
     for a, ckpt in ((argparse.Namespace(**{**vars(args), "lr": 2e-5 if rank else 1e-5}), mine),
                     (args, os.path.join(tmp, "checkpoint-000004") if rank else mine)):
         try:
-            distributed.check_ranks(a, ckpt)
+            distributed.check_ranks(vars(a), ckpt)
         except SystemExit as e:
             errors.append(str(e))
     if rank == 1:
@@ -167,7 +167,8 @@ def _separate_disks_worker(rank: int, port: int, tmp: str) -> None:
 def test_rank_0s_checkpoint_reaches_a_rank_without_its_disk(tmp_path):
     """from_rank0 gives rank 1 a copy of rank 0's directory, byte for byte (files larger than a broadcast
     included), under rank 0's name, removed afterwards; check_ranks refuses other flags and a newer
-    checkpoint on rank 1, on both ranks alike; rank_times reports each rank's wait."""
+    checkpoint on rank 1, on both ranks alike, and gives every rank rank 0's step; rank_times reports
+    each rank's wait."""
     port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
     torch.multiprocessing.spawn(_separate_disks_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
@@ -176,6 +177,7 @@ def test_rank_0s_checkpoint_reaches_a_rank_without_its_disk(tmp_path):
     assert s0["own"] and not s1["own"] and s1["name"] == "checkpoint-000003" and s1["removed"]
     assert s1["files"] == s0["files"] and len(s0["files"]["big.bin"]) == 2500 and s0["files"]["empty"] == b""
     assert s0["none"] is None and s1["none"] is None
+    assert s0["start"] == s1["start"] == 3          # the step rank 0 resumes after, on every rank
     assert s0["errors"] == s1["errors"] and len(s0["errors"]) == 2, s0["errors"]
     assert "rank 1 was started with other flags than rank 0: --lr 2e-05 (rank 0: 1e-05)" in s0["errors"][0]
     assert "rank 1's --output-dir holds checkpoint-000004, newer than rank 0's (checkpoint-000003)" in s0["errors"][1]
@@ -248,7 +250,7 @@ def test_two_machines_without_a_shared_disk_killed_and_resumed_exactly(tiny_mode
     assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k), "the adapters never moved"
     untimed = [[{k: v for k, v in r.items() if not k.startswith("time") and k not in ("step_time", "rollout/tokens_per_s")}
                 for r in read_metrics(d)] for d in (ref[0], run[0])]
-    assert untimed[0] == untimed[1] and [r["step"] for r in untimed[0]] == list(range(5))
+    assert untimed[0] == untimed[1] and [r["step"] for r in untimed[0]] == list(range(1, 6))
     rows = read_metrics(run[0])
     assert all(r["time/rank1/wait"] >= 0 and "time/rank0/rollout" in r and "time/wait" in r for r in rows), rows[0]
 

@@ -83,3 +83,43 @@ def test_bad_requests_are_refused_before_loading(run, tmp_path, capsys):
     with pytest.raises(SystemExit):
         export.main(["--model", path, "--adapter", adapter, "--out", out, "--formats", "adapter"])
     assert "exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
+def test_a_run_exports_with_its_own_base_and_prompt(quant, smollm2_tokenizer, tmp_path, monkeypatch):
+    """Two steps of a bf16 and of an NVFP4 run (the tiny model, a reward that varies, so the adapters move),
+    then `export.py --adapter <checkpoint> --out X` and no other flag: the exports are of the run's base
+    format, the merged model gives the logits of our model with the adapter on the same prompt, built by
+    the exported template without a system message, which is the run's prompt; PEFT loads every
+    checkpoint's adapter from its adapter_config.json alone (the base named by its absolute path)."""
+    import train
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import tasks
+    from test_train import FAST, make_tiny_model
+    monkeypatch.setattr(train.rewards, "rewards", lambda exs, texts, stats=None, **kw: [float(len(t) % 2) for t in texts])
+    monkeypatch.chdir(tmp_path)                                    # the base named by a relative path
+    make_tiny_model(smollm2_tokenizer, "base")
+    system = "Answer in one line: a + b = c."
+    train.main(["--model", "base", "--output-dir", "run", "--quant", quant, "--system-prompt", system, *FAST,
+                "--max-steps", "2", "--save-every", "1", "--lr", "1e-2", "--eval-limit", "0"])
+    ckpt = os.path.join("run", "checkpoint-000002")
+    for step in (1, 2):
+        peft = AutoPeftModelForCausalLM.from_pretrained(os.path.join("run", f"checkpoint-{step:06d}"))
+        assert peft.peft_config["default"].base_model_name_or_path == str(tmp_path / "base")
+
+    export.main(["--adapter", ckpt, "--out", "exported"])
+    assert sorted(os.listdir("exported")) == sorted(["adapter", "merged"] + (["nvfp4"] if quant == "nvfp4" else []))
+    question = "What is 17 + 25?"
+    served = AutoTokenizer.from_pretrained("exported/merged").apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    assert served == tasks.build_prompt(AutoTokenizer.from_pretrained("base"), question, system)
+    x = torch.tensor([tasks.encode_prompt(AutoTokenizer.from_pretrained("base"), question, system)])
+    ours = lora.load_adapter(load_model("base", quant=quant, device="cpu", dtype=torch.float32), ckpt)
+    assert any(m.lora_B.abs().max() > 0 for m in lora.lora_modules(ours).values()), "the adapters never moved"
+    merged = AutoModelForCausalLM.from_pretrained("exported/merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got = ours(x).float(), merged(x).logits
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 3e-2, f"{quant} run: merged vs our model + adapter, max relative error {err:.2e}"
+    assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax()), "the merged model's greedy next token"

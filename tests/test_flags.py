@@ -104,8 +104,14 @@ def test_config_yaml_merges_too(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"model": "m", "learning_rate": 1e-5}', "unknown key 'learning_rate' (not a train.py flag)"),
-    ('{"model": "m", "lora_rnak": 8}', "unknown key 'lora_rnak' (not a train.py flag); did you mean 'lora_rank'?"),
+    ('{"model": "m", "learning_rte": 1e-5}', "unknown key 'learning_rte' (not a train.py flag, nor TRL's name for "
+                                             "one); did you mean 'learning_rate'?"),
+    ('{"model": "m", "lora_rnak": 8}', "unknown key 'lora_rnak' (not a train.py flag, nor TRL's name for one); did you "
+                                       "mean 'lora_rank'?"),
+    ('{"model": "m", "per_device_train_batch_size": 8}', "'per_device_train_batch_size' is TRL's name for a setting "
+                                                         "that differs here: TRL's counts completions per device"),
+    ('{"model": "m", "lr": null}', "'lr' is null, and --lr needs a value"),
+    ('{"model": "m", "lr": 1e-5, "learning_rate": 1e-4}', "'lr' and 'learning_rate' both set --lr"),
     ('{"model": "m", "lr": "fast"}', "argument --lr: invalid float value: 'fast'"),
     ('{"model": "m", "quant": "int3"}', "argument --quant: invalid choice: 'int3'"),
     ('{"model": "m", "config": "other.json"}', "unknown key 'config'"),
@@ -124,9 +130,10 @@ def recorded_run(tmp_path, **changes):
     """A run directory whose run_config.json records the flags of `--model m --dataset addition --lr 1e-05
     --lora-rank 4 --max-steps 7` (every other flag its default), as train.py writes it."""
     out = tmp_path / "run"
-    out.mkdir()
-    rec = {**vars(flags.build_parser().parse_args([])), "model": "m", "dataset": "addition", "lr": 1e-5,
-           "lora_rank": 4, "max_steps": 7, "stop_at": 3, "output_dir": str(out), "world_size": 1, **changes}
+    out.mkdir(parents=True)
+    rec = {**flags.record(flags.build_parser().parse_args([])), "model": "m", "dataset": "addition", "lr": 1e-5,
+           "lora_rank": 4, "max_steps": 7, "aqn_steps": 7, "stop_at": 3, "output_dir": str(out), "world_size": 1,
+           **changes}
     (out / "run_config.json").write_text(json.dumps(rec))
     return str(out)
 
@@ -204,3 +211,93 @@ def test_eval_takes_the_runs_prompt(tmp_path):
                                                                 "chat_template_kwargs": {"enable_thinking": False}}
     assert qeval.run_prompt(str(tmp_path)) == {} and qeval.run_prompt(None) == {}
     assert tasks.SYSTEM_PROMPT and reward_funcs.BUILTIN == "correctness"
+
+
+def test_trl_names_read_as_the_flags_they_mean(tmp_path, capsys):
+    """A --config file (and config()) may use TRL's names for the same settings; the mapping is said in
+    one line, and TRL's names for settings that differ here are refused with what to use instead."""
+    cfg = write(tmp_path / "trl.json", json.dumps({
+        "model_name_or_path": "m", "learning_rate": 3e-6, "num_generations": 4, "max_completion_length": 64,
+        "num_iterations": 2, "mask_truncated_completions": True, "logging_steps": 5, "save_steps": 25,
+        "save_total_limit": 3, "eval_steps": 10, "gradient_checkpointing": True, "lora_r": 8, "lora_alpha": 16,
+        "lora_target_modules": ["q_proj", "v_proj"], "beta": 0.04, "epsilon_high": 0.28, "loss_type": "bnpo",
+        "scale_rewards": False, "report_to": [], "dataset_name": "addition", "dataset_train_split": "train",
+        "dataset_test_split": "test", "max_steps": 9, "seed": 3, "warmup_steps": 2, "max_grad_norm": 0.5}))
+    args = parse_args(["--config", cfg])
+    assert (args.model, args.lr, args.group_size, args.max_new_tokens, args.updates_per_rollout) == ("m", 3e-6, 4, 64, 2)
+    assert (args.mask_truncated, args.log_every, args.save_every, args.keep_checkpoints, args.eval_every) == (True, 5, 25, 3, 10)
+    assert (args.grad_checkpointing, args.lora_rank, args.lora_target_modules, args.scale_rewards) == \
+        (True, 8, ("q_proj", "v_proj"), "none")
+    assert (args.dataset, args.dataset_split, args.eval_split, args.max_steps, args.seed) == ("addition", "train", "test", 9, 3)
+    err = capsys.readouterr().err
+    assert "TRL's names read as qerl's flags: model_name_or_path as --model, learning_rate as --lr" in err
+    assert set(flags.TRL_NAMES) & set(flags.FLAGS) == set() and set(flags.TRL_DIFFERENT) & set(flags.FLAGS) == set()
+    assert set(flags.TRL_NAMES.values()) <= set(flags.FLAGS)
+    with pytest.raises(flags.ConfigError, match="'gradient_accumulation_steps' is TRL's name for a setting that differs"):
+        flags.config(model="m", gradient_accumulation_steps=4)
+    assert flags.config(model="m", learning_rate=2e-5, num_generations=4).group_size == 4
+
+
+def test_config_from_python_is_checked_as_the_command_line(tmp_path):
+    """flags.config: the same parse and checks (types, choices, ranges), raised as ConfigError, one line."""
+    assert flags.config(model="m", lr=1e-4, dataset="addition").lr == 1e-4
+    for settings, message in [(dict(model="m", lr="fast"), "config(): argument --lr: invalid float value: 'fast'"),
+                              (dict(model="m", temperature=0), "--temperature must be > 0"),
+                              (dict(model="m", quant="int3"), "invalid choice: 'int3'"),
+                              (dict(model="m", dataset={"train": []}), "a DatasetDict: pass one split"),
+                              (dict(model="m", dataset=[{"prompt": ""}]), "the prompt (column 'prompt') is empty"),
+                              (dict(model="m", lora_target_modules="lm_head"), "want linears of the decoder")]:
+        with pytest.raises(flags.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            flags.config(**settings)
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--report-to", "tensorboard,wandb"], "tensorboard,wandb"),
+    (["--report-to", "wandb", "--report-to", "trackio"], "wandb,trackio"),
+    (["--report-to", "none"], "none"),
+])
+def test_several_report_to_backends(argv, want, monkeypatch):
+    import checks
+    monkeypatch.setattr(checks.importlib.util, "find_spec", lambda name: object())   # as if all were installed
+    assert parse_args(["--model", "m", *argv]).report_to == want
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--report-to", "none,wandb"], "want 'none', or one or more of"),
+    (["--stop-at", "300"], "--stop-at 300 is past --max-steps 200"),
+    (["--output-dir", ""], "--output-dir is empty"),
+    (["--device", "cuda:99"], "--device cuda:99"),
+    (["--lora-target-modules", "q_proj,embed_tokens"], "want linears of the decoder"),
+])
+def test_more_refusals_at_parse_time(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_lora_target_modules_take_peft_names():
+    assert parse_args(["--model", "m"]).lora_target_modules == lora.DEFAULT_TARGETS
+    assert parse_args(["--model", "m", "--lora-target-modules", "all-linear"]).lora_target_modules == lora.DEFAULT_TARGETS
+    args = parse_args(["--model", "m", "--lora-target-modules", "q_proj,v_proj"])
+    assert flags.to_config(args, lora.LoRAConfig).target_modules == ("q_proj", "v_proj")
+
+
+def test_a_resumed_runs_record_is_checked_by_name(tmp_path, capsys):
+    """run_config.json's values are parsed as flags, strictly: a wrong type, a missing flag or an unknown
+    key is refused naming the file and the key (the run here has no checkpoint, so no manifest to check)."""
+    for changes, message in [({"lr": "1e-05"}, "'lr' holds '1e-05', a str, where train.py records 1e-05"),
+                             ({"lora_rank": 4.5}, "argument --lora-rank: invalid int value: '4.5'"),
+                             ({"max_steps": 0}, "'max_steps' must be >= 1, got 0"),
+                             ({"lr_decay": 0.1}, "unknown key 'lr_decay'")]:
+        out = recorded_run(tmp_path / str(len(os.listdir(tmp_path))), **changes)
+        with pytest.raises(SystemExit):
+            parse_args(["--resume", out])
+        err = capsys.readouterr().err
+        assert f"--resume: {out}/run_config.json: {message}" in err, err
+    out = recorded_run(tmp_path / "missing")
+    rec = json.load(open(os.path.join(out, "run_config.json")))
+    del rec["lora_alpha"]
+    open(os.path.join(out, "run_config.json"), "w").write(json.dumps(rec))
+    with pytest.raises(SystemExit):
+        parse_args(["--resume", out])
+    assert "run_config.json lacks 'lora_alpha'" in capsys.readouterr().err

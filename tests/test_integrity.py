@@ -97,7 +97,7 @@ def test_a_second_run_on_a_live_directory_refuses_at_once(tiny_model, tmp_path, 
         assert time.monotonic() - t0 < 5.0, "the refusal must come before any model or data loads"
     assert first.wait() == 0, first.stderr.read()[-2000:]
     train.main([*flags, "--output-dir", solo])   # the same run, alone
-    assert [r["step"] for r in rows(out)] == list(range(5))
+    assert [r["step"] for r in rows(out)] == list(range(1, 6))
     assert [r["reward"] for r in rows(out)] == [r["reward"] for r in rows(solo)]
     assert_same_adapter(ck(out, 5), ck(solo, 5))
     assert all(run_dir.verify_checkpoint(ck(out, s)) is None for s in (4, 5))
@@ -190,7 +190,7 @@ def kill_and_resume(model, tmp_path, steps, kills, seed):
         seen.append(max([0] + [step for step, _ in run_dir.checkpoints(out)]))
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert [r["step"] for r in rows(out)] == list(range(steps)), [r["step"] for r in rows(out)]
+    assert [r["step"] for r in rows(out)] == list(range(1, steps + 1)), [r["step"] for r in rows(out)]
     assert [r["reward"] for r in rows(out)] == [r["reward"] for r in rows(ref)]
     assert_same_adapter(ck(out, steps), ck(ref, steps))
     assert not [d for d in os.listdir(out) if d.startswith(".tmp-")]

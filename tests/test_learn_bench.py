@@ -32,10 +32,10 @@ def test_two_arms_two_seeds_summary_and_figure(smollm2_tokenizer, tmp_path, caps
             cfg = json.load(open(os.path.join(run_dir, "run_config.json")))
             assert cfg["quant"] == quant and cfg["aqn"] == (arm == "nvfp4+aqn") and cfg["seed"] == seed
             runs.append([json.loads(ln) for ln in open(os.path.join(run_dir, "metrics.jsonl"))])
-        for step in (0, 1):                    # the summary is the mean and range over the seeds' own rows
-            vals = [r[step]["reward"] for r in runs]
+        for step in (1, 2):                    # the summary is the mean and range over the seeds' own rows
+            vals = [r[step - 1]["reward"] for r in runs]
             assert summary[arm]["reward"][str(step)] == [sum(vals) / 2, min(vals), max(vals)]
-        assert set(summary[arm]["eval/accuracy"]) == {"0", "1", "2"}      # before training, after 1 and 2 updates
+        assert set(summary[arm]["eval/accuracy"]) == {"0", "1", "2"}      # before training, after steps 1 and 2
     mtime = os.path.getmtime(os.path.join(out, "bf16-seed0", "metrics.jsonl"))
     learn.main(argv)                                                     # finished runs are reused, not rerun
     assert os.path.getmtime(os.path.join(out, "bf16-seed0", "metrics.jsonl")) == mtime

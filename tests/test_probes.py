@@ -1,6 +1,7 @@
 """tools/probe_integrity.py's probes, run in CI: corruptions of checkpoints, adapters, run directories
-and model directories, rows that cannot train, hostile reward functions and modules, and a run
-directory that plants code for `train.py --resume .`. Nothing may be silently wrong, hang, end in a
+and model directories, rows that cannot train, hostile reward functions and modules, a run directory
+that plants code for `train.py --resume .`, flags and run records train.py must refuse at once, and
+runs that go wrong on the way (rewards without signal, gradients not finite, Ctrl-C). Nothing may be silently wrong, hang, end in a
 traceback or run planted code, and every control must still work.
 
 CI runs the whole catalogue but for the slowest duplicates (the forged adapters given to export.py as
@@ -46,4 +47,6 @@ def test_nothing_is_silently_wrong_hangs_tracebacks_or_runs_from_a_run_dir(tiny_
     count = lambda cls, expect="refuse": sum(p.cls == cls and p.expect == expect for p in probes)  # noqa: E731
     assert count("checkpoint") + count("resume") + count("model") >= 50, "the corruptions"
     assert count("rewards") >= 20 and count("run_dir") >= 2 and count("data") >= 10
+    assert count("flags") >= 15 and count("train") >= 3
     assert count("checkpoint", "accept") and count("resume", "warn") and count("rewards", "accept")
+    assert count("flags", "accept") and count("train", "warn") and count("train", "accept")

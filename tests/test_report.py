@@ -2,7 +2,7 @@
 
 The trackers are stood in for by recording fakes put in sys.modules under the real package names, so
 the test checks the calls train.py's Tracker makes (init with the run's name and config, one log per
-step with its step number, finish), not the trackers themselves.
+step with its step number, finish; several at once), not the trackers themselves.
 """
 import sys
 import types
@@ -15,9 +15,9 @@ import report
 def test_progress_line_shows_what_the_step_has():
     m = {"step": 11, "reward": 0.3125, "loss": 0.00412, "grad_norm": 0.2104, "aqn/sigma": 0.0069, "step_time": 14.23,
          "eval/accuracy": 0.285}
-    assert report.progress_line(m, 50) == ("step 12/50 | reward 0.312 | loss 0.0041 | grad_norm 0.21 | σ 6.9e-03 | "
+    assert report.progress_line(m, 50) == ("step 11/50 | reward 0.312 | loss 0.0041 | grad_norm 0.21 | σ 6.9e-03 | "
                                            "14.2 s/step | eval 0.285")
-    assert report.progress_line({"step": 0, "aqn/sigma": 0.0, "skipped": True, "step_time": 2.0}, 3) == \
+    assert report.progress_line({"step": 1, "aqn/sigma": 0.0, "skipped": True, "step_time": 2.0}, 3) == \
         "step 1/3 | σ 0.0e+00 | 2.0 s/step | skipped: no group with a reward spread"
 
 
@@ -66,7 +66,7 @@ def test_tracker_none_does_nothing(tmp_path):
     t = report.Tracker("none", str(tmp_path), {})
     t.log({"step": 0, "reward": 1.0}, 0)
     t.close()
-    assert t.run is None and list(tmp_path.iterdir()) == []
+    assert t.runs == {} and list(tmp_path.iterdir()) == []
 
 
 def test_tensorboard_writes_event_files(tmp_path):
@@ -75,3 +75,18 @@ def test_tensorboard_writes_event_files(tmp_path):
     t.log({"step": 0, "reward": 1.0}, 0)
     t.close()
     assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir())
+
+
+def test_several_trackers_each_get_every_step(monkeypatch, tmp_path):
+    """--report-to wandb,trackio: both receive the step's numbers, and both are closed."""
+    calls = {"wandb": [], "trackio": []}
+    wandb, trackio = types.ModuleType("wandb"), types.ModuleType("trackio")
+    wandb.init = lambda **kw: FakeRun(calls["wandb"])
+    run = FakeRun(calls["trackio"])
+    trackio.init, trackio.log, trackio.finish = (lambda **kw: None), run.log, run.finish
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "trackio", trackio)
+    t = report.Tracker("wandb,trackio", str(tmp_path), {"lr": 1e-5})
+    t.log({"step": 1, "reward": 0.5}, 1)
+    t.close()
+    assert calls["wandb"] == calls["trackio"] == [("log", {"reward": 0.5}, 1), ("finish",)] and t.runs == {}

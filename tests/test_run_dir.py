@@ -60,7 +60,7 @@ def make_run(out, steps=(1, 2, 3, 4), keep=10):
     run_dir.write_atomic(os.path.join(out, run_dir.RUN_CONFIG), json.dumps(vars(args_for(out))))
     model, opt, sched = toy()
     with open(os.path.join(out, run_dir.METRICS), "w") as f:
-        f.writelines(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(max(steps)))
+        f.writelines(json.dumps({"step": s, "reward": s / 10}) + "\n" for s in range(1, max(steps) + 1))
     for s in steps:
         with torch.no_grad():
             for p in lora.lora_parameters(model):
@@ -258,8 +258,8 @@ def test_nonfinite_values_are_not_loaded(tmp_path):
 @pytest.mark.parametrize("name", [run_dir.METRICS, run_dir.COMPLETIONS])
 def test_truncate_rows_keeps_earlier_rows_byte_for_byte(tmp_path, name):
     path = tmp_path / name
-    rows = [json.dumps({"step": s, "reward": 0.1 * s, "note": "é"}, ensure_ascii=False) + "\n" for s in range(5)]
-    path.write_text("".join(rows) + '{"step": 5, "rew', encoding="utf-8")   # the last line cut by a kill
+    rows = [json.dumps({"step": s, "reward": 0.1 * s, "note": "é"}, ensure_ascii=False) + "\n" for s in range(1, 6)]
+    path.write_text("".join(rows) + '{"step": 6, "rew', encoding="utf-8")   # the last line cut by a kill
     run_dir.truncate_rows(str(tmp_path), name, 3)
     assert path.read_text(encoding="utf-8") == "".join(rows[:3])
     ino = os.stat(path).st_ino
@@ -271,7 +271,7 @@ def test_truncate_rows_keeps_earlier_rows_byte_for_byte(tmp_path, name):
                                           (b'{"step": 1, ', r"metrics.jsonl:2: malformed JSON")])
 def test_a_bad_metrics_line_stops_with_file_and_line(tmp_path, bad, message):
     path = tmp_path / run_dir.METRICS
-    data = b'{"step": 0}\n' + bad + b'\n{"step": 2}\n'
+    data = b'{"step": 1}\n' + bad + b'\n{"step": 3}\n'
     path.write_bytes(data)
     with pytest.raises(SystemExit, match=message):
         run_dir.truncate_rows(str(tmp_path), run_dir.METRICS, 1)

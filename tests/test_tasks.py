@@ -53,12 +53,12 @@ def test_missing_fields_are_named(tmp_path, rec, names):
         read_jsonl(p)
 
 
-def test_load_task_paths_and_errors(tmp_path, shared_data):
-    gsm = load_task(os.path.join(shared_data, "gsm8k"), "test")
-    assert len(gsm) == 1319 and gsm[0].answer == "18" and gsm[0].kind == "numeric"
-    assert len(load_task(os.path.join(shared_data, "gsm8k", "test.jsonl"), limit=5)) == 5
+def test_load_task_paths_and_errors(tmp_path, test_data):
+    gsm = load_task(os.path.join(test_data, "gsm8k"), "test")
+    assert len(gsm) == 100 and gsm[0].answer == "18" and gsm[0].kind == "numeric"
+    assert len(load_task(os.path.join(test_data, "gsm8k", "test.jsonl"), limit=5)) == 5
     with pytest.raises(tasks.DatasetError, match=r"holds none of \['validation\.jsonl'"):
-        load_task(os.path.join(shared_data, "math500"), "validation")
+        load_task(os.path.join(test_data, "math500"), "validation")
     with pytest.raises(tasks.DatasetError, match="unknown task"):
         load_task(str(tmp_path / "nope.jsonl"))
     with pytest.raises(ValueError, match="split"):
@@ -120,8 +120,8 @@ def test_build_prompt_without_template():
 # -----------------------------------------------------------------------------
 # the gold data scores itself
 
-def test_gsm8k_gold_solutions_score_100_percent(shared_data):
-    data = load_task(os.path.join(shared_data, "gsm8k"), "test")
+def test_gsm8k_gold_solutions_score_100_percent(test_data):
+    data = load_task(os.path.join(test_data, "gsm8k"), "test")
     stats = RewardStats()
     scores = rewards(data, [e.solution for e in data], stats)
     acc = 100 * sum(scores) / len(data)
@@ -132,9 +132,9 @@ def test_gsm8k_gold_solutions_score_100_percent(shared_data):
     assert acc == 100.0 and strict == 100.0 and flexible == 100.0 and stats.errors == stats.timeouts == 0
 
 
-def test_math500_gold_solutions_score_at_least_99_percent(shared_data):
-    data = load_task(os.path.join(shared_data, "math500"), "test")
-    assert len(data) == 500 and all(e.kind == "math" and e.solution for e in data)
+def test_math500_gold_solutions_score_at_least_99_percent(test_data):
+    data = load_task(os.path.join(test_data, "math500"), "test")
+    assert len(data) == 100 and all(e.kind == "math" and e.solution for e in data)
     stats = RewardStats()
     scores = rewards(data, [e.solution for e in data], stats)
     acc = 100 * sum(scores) / len(data)

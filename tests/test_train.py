@@ -117,7 +117,7 @@ def test_train_resume_then_eval(tiny_model, tmp_path, capsys):
     out = str(tmp_path / "run")
     run = ["--model", tiny_model, "--output-dir", out, "--max-steps", "3", "--save-every", "1", *FAST]
     train.main([*run, "--stop-at", "2"])
-    assert [m["step"] for m in read_metrics(out)] == [0, 1]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
     assert open(os.path.join(out, run_dir.LATEST)).read() == "checkpoint-000002"
     first = read_metrics(out)
     for key in ("reward", "loss", "entropy", "grad_norm", "completions/mean_length", "aqn/sigma",
@@ -129,7 +129,7 @@ def test_train_resume_then_eval(tiny_model, tmp_path, capsys):
 
     train.main([*run, "--resume"])
     rows = read_metrics(out)
-    assert [m["step"] for m in rows] == [0, 1, 2]
+    assert [m["step"] for m in rows] == [1, 2, 3]
     assert rows[:2] == first, "resume must not rewrite the steps before the checkpoint"
     assert os.path.exists(os.path.join(out, "plots.png"))
     ckpt = os.path.join(out, "checkpoint-000003")
@@ -141,6 +141,7 @@ def test_train_resume_then_eval(tiny_model, tmp_path, capsys):
     metrics = qeval.main(["--model", tiny_model, "--adapter", ckpt, "--dataset", "addition", "--limit", "3",
                           "--max-new-tokens", "8", "--dtype", "float32", "--output", str(tmp_path / "pred.jsonl")])
     assert metrics["n_questions"] == 3 and 0.0 <= metrics["accuracy"] <= 1.0
+    assert "gsm8k_strict_match" not in metrics, "lm-eval's GSM8K matchers mean nothing on addition"
     assert "accuracy" in capsys.readouterr().out
     preds = [json.loads(x) for x in open(tmp_path / "pred.jsonl")]
     assert len(preds) == 3 and all(len(p["completions"]) == 1 for p in preds)
@@ -214,7 +215,7 @@ def test_sigkill_mid_run_then_resume(tiny_model, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "resumed from" in res.stdout and f"at step {last}" in res.stdout
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(last + 1)), [r["step"] for r in rows]
+    assert [r["step"] for r in rows] == list(range(1, last + 2)), [r["step"] for r in rows]
     assert not [d for d in os.listdir(out) if d.startswith(".tmp-")]
 
 
@@ -241,7 +242,7 @@ def test_custom_reward_on_a_conversational_jsonl_dataset(tiny_model, tmp_path, m
     want = sum(call["returned"]) / n
     assert m["reward"] == pytest.approx(want) and m["rewards/length_mod_3/mean"] == pytest.approx(want)
     logged = [json.loads(x) for x in open(os.path.join(out, run_dir.COMPLETIONS))]
-    assert len(logged) == 3 and all(r["step"] == 0 for r in logged)
+    assert len(logged) == 3 and all(r["step"] == 1 for r in logged)
     returned = {c[0]["content"]: v for c, v in zip(call["completions"], call["returned"])}
     for r in logged:
         assert r["reward"] == pytest.approx(returned[r["completion"]]) == r["rewards/length_mod_3"]
@@ -256,7 +257,7 @@ def test_resume_with_no_other_flag_continues_the_run(tiny_model, tmp_path, capsy
     capsys.readouterr()
     train.main(["--resume", out])
     assert "at step 1" in capsys.readouterr().out
-    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
     assert open(os.path.join(out, run_dir.LATEST)).read() == "checkpoint-000003"
     assert open(os.path.join(out, run_dir.RUN_CONFIG)).read() == config
 
@@ -364,3 +365,124 @@ def test_train_step_with_kl_reference_and_two_updates(tiny_model):
     assert out["kl"] > 0 and all(map(lambda v: v == v, out.values())), out   # no NaN anywhere
     assert policy.scheduler.last_epoch == 2, "one schedule step per optimizer step"
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
+
+
+# ----------------------------------------------------------------------------------------------
+# from Python
+
+
+# FAST as flags.config's keywords
+FAST_CONFIG = dict(dynamic_sampling=False, group_size=4, prompts_per_step=2, max_new_tokens=8, eval_limit=4,
+                   dtype="float32", micro_batch=4, lora_rank=4)
+
+
+def test_train_from_python_with_rows_a_lambda_and_callbacks(tiny_model, tmp_path, capsys):
+    """train.train on flags.config: rows in memory (recorded by their label), a lambda reward (run in this
+    process, said in a note) that reads a dataset column, callbacks told of every step, evaluation and save
+    with the step numbers of metrics.jsonl; a resume from Python must be handed the same rows."""
+    import flags
+    rows = [{"prompt": f"What is {a} + 1?", "answer": str(a + 1), "tag": a % 2} for a in range(10, 30)]
+    heard = []
+
+    class Hear(train.Callback):
+        def on_step_end(self, step, metrics):
+            heard.append(("step", step, metrics["step"]))
+
+        def on_evaluate(self, step, metrics):
+            heard.append(("eval", step, sorted(metrics)))
+
+        def on_save(self, step, checkpoint):
+            heard.append(("save", step, os.path.basename(checkpoint)))
+
+    out = str(tmp_path / "run")
+    settings = dict(model=tiny_model, output_dir=out, train_dataset=rows[:16], eval_dataset=rows[16:], max_steps=3,
+                    reward_funcs=[lambda prompts, completions, tag, **kw: [float(t) for t in tag]], save_steps=2,
+                    eval_steps=2, **FAST_CONFIG)
+    result = train.train(flags.config(**settings), callbacks=[Hear()])
+    assert "runs in this process" in capsys.readouterr().err
+    assert heard == [("eval", 0, ["eval/accuracy"]), ("step", 1, 1), ("step", 2, 2),
+                     ("eval", 2, ["eval/accuracy", "eval/updates"]), ("save", 2, "checkpoint-000002"),
+                     ("step", 3, 3), ("eval", 3, ["eval/accuracy", "eval/updates"]), ("save", 3, "checkpoint-000003")]
+    assert (result["step"], result["updates"], result["eval/step"]) == (3, 3, 3)
+    rows_metrics = read_metrics(out)
+    assert [m["step"] for m in rows_metrics] == [1, 2, 3] and "rewards/<lambda>/mean" in rows_metrics[0]
+    record = json.load(open(os.path.join(out, run_dir.RUN_CONFIG)))
+    assert record["dataset"].startswith("python: 16 rows, sha256 ") and record["reward"][0].startswith("python:")
+
+    with pytest.raises(flags.ConfigError, match="--dataset python: 15 rows, .* differs from the run's python: 16"):
+        flags.config(**{**settings, "train_dataset": rows[:15], "resume": True})
+    again = train.train(flags.config(**settings, resume=True))   # a finished run: said, nothing loaded
+    assert again == {"step": 3, "updates": None, "output_dir": out}
+    assert "has done 3 steps, and --max-steps is 3: nothing to do" in capsys.readouterr().out
+
+
+def test_a_finished_run_extends_with_its_aqn_schedule_kept(tiny_model, tmp_path, capsys):
+    """A 3-step run resumed with --max-steps 5 takes steps 4 and 5 in the last AQN stage (its schedule spans
+    the first 3 steps: --aqn-steps), and its run_config.json stays the one its checkpoints were written with."""
+    import aqn
+    out = str(tmp_path / "run")
+    run = ["--model", tiny_model, "--output-dir", out, "--save-every", "1", *FAST, "--eval-limit", "0"]
+    train.main([*run, "--max-steps", "3"])
+    config = open(os.path.join(out, run_dir.RUN_CONFIG)).read()
+    train.main(["--resume", out, "--max-steps", "5"])
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    schedule = [aqn.sigma_at(s, 3, aqn.AQNConfig()) for s in range(5)]
+    assert [r["aqn/sigma"] for r in rows] == schedule and schedule[3] == schedule[4] == aqn.AQNConfig().sigma_end
+    assert open(os.path.join(out, run_dir.RUN_CONFIG)).read() == config
+    capsys.readouterr()
+    assert train.main(["--resume", out])["step"] == 5   # its record's --max-steps is 3: nothing to do, and said
+    assert "has done 5 steps, and --max-steps is 3: nothing to do (a larger --max-steps extends it" in \
+        capsys.readouterr().out
+
+
+def test_the_python_example_trains_and_tells_its_callbacks(tiny_model, tmp_path):
+    """examples/train_from_python.py for 2 steps of the tiny model, in a process of its own: its reward
+    function runs in a worker that imports the script; the callbacks hear the evaluations before training
+    and after step 2 and the save of step 2; the metrics are written, TRL's names are said as read."""
+    out = str(tmp_path / "run")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_from_python.py"), "--model",
+                          tiny_model, "--max-steps", "2", "--output-dir", out], cwd=tmp_path, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    heard = [ln.strip().split(": eval accuracy")[0] for ln in res.stdout.splitlines() if ln.strip().startswith("callback:")]
+    assert heard == ["callback: step 0", "callback: step 2", f"callback: step 2: saved {out}/checkpoint-000002"], heard
+    assert "TRL's names read as qerl's flags: model_name_or_path as --model" in res.stderr
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and "rewards/ends_with_the_sum/mean" in rows[0]
+    assert rows[1]["eval/accuracy"] >= 0 and "eval/accuracy_initial" in rows[0]
+    record = json.load(open(os.path.join(out, run_dir.RUN_CONFIG)))
+    script = os.path.join(ROOT, "examples", "train_from_python.py")
+    assert record["reward"] == [f"{script}:ends_with_the_sum"] and record["reward_sources"][0]["file"] == script
+
+
+def test_lora_target_modules_adapt_only_those_linears(tiny_model, tmp_path):
+    """--lora-target-modules q_proj,v_proj: one step trains adapters on those two alone, and PEFT loads
+    the checkpoint with the same targets."""
+    from peft import PeftConfig
+    out = str(tmp_path / "run")
+    train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "1", *FAST, "--eval-limit", "0",
+                "--lora-target-modules", "q_proj,v_proj"])
+    ckpt = os.path.join(out, "checkpoint-000001")
+    assert sorted(PeftConfig.from_pretrained(ckpt).target_modules) == ["q_proj", "v_proj"]
+    from safetensors.torch import load_file
+    assert {k.split(".")[-3] for k in load_file(os.path.join(ckpt, lora.ADAPTER_WEIGHTS))} == {"q_proj", "v_proj"}
+
+
+def test_eval_reports_lm_evals_matchers_on_gsm8k_style_data(tiny_model, test_data, capsys):
+    metrics = qeval.main(["--model", tiny_model, "--dataset", os.path.join(test_data, "gsm8k", "test.jsonl"),
+                          "--limit", "2", "--max-new-tokens", "4", "--dtype", "float32"])
+    assert {"gsm8k_strict_match", "gsm8k_flexible_match"} <= set(metrics)
+    assert "lm-eval strict" in capsys.readouterr().out
+
+
+def test_a_run_without_updates_says_so(tiny_model, tmp_path, capsys):
+    """Dynamic sampling on a random model: no group has a reward spread, so every step is skipped; the run
+    counts 0 updates, its last line says so, and it warns that the adapters are as they started."""
+    out = str(tmp_path / "run")
+    result = train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "2", *FAST, "--dynamic-sampling",
+                         "--max-sampling-rounds", "1"])
+    said = capsys.readouterr().out
+    assert (result["step"], result["updates"]) == (2, 0)
+    assert "eval accuracy after 2 steps (0 updates)" in said and "warning: no update was applied" in said
+    assert all(r.get("skipped") for r in read_metrics(out))

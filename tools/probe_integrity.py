@@ -6,8 +6,8 @@ code that came with a run directory.
 
 --model is any small local model directory with its tokenizer (tests/test_probes.py passes a tiny
 random one). Each probe is one action done the way the tools do it (eval.main, export.main, the resume
-path of run_dir.py, tasks.load_task, reward_funcs.load and score, `python train.py --resume .` inside
-a planted run directory) and an expectation, and lands in one column:
+path of run_dir.py, tasks.load_task, reward_funcs.load and score, flags.parse_args, train.main,
+`python train.py --resume .` inside a planted run directory) and an expectation, and lands in one column:
 
     refused         it stopped with one clear line: SystemExit with an error code, or the named
                     exception the caller turns into one line (reward_funcs' RewardError, ValueError)
@@ -22,9 +22,13 @@ a planted run directory) and an expectation, and lands in one column:
 The classes: `checkpoint` (corruptions of a train.py checkpoint given to eval.py and export.py, and
 of adapters without a manifest), `resume` (the same corruptions and damaged run files met by
 --resume), `model` (damaged model directories), `data` (rows that cannot train, bad files), `rewards`
-(hostile reward functions and modules) and `run_dir` (a run directory that plants code for
-`train.py --resume .`), built in tools/probe_files.py and tools/probe_code.py. The table is printed;
---json writes every probe's verdict and message.
+(hostile reward functions and modules), `run_dir` (a run directory that plants code for
+`train.py --resume .`), `flags` (flags and a resumed run's record that train.py refuses before anything
+loads: run_config.json edited or mistyped, reward code changed since the run started, steps that
+cannot be taken) and `train` (runs that go wrong on the way: a model that does not load, rewards
+without signal, gradients that are not finite, Ctrl-C), built in tools/probe_files.py,
+tools/probe_code.py and tools/probe_run.py. The table is printed; --json writes every probe's verdict
+and message.
 """
 import argparse
 import contextlib
@@ -42,14 +46,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from probe_files import Bench, Probe, checkpoint_probes, data_probes, make_run, model_probes, resume_probes  # noqa: E402
 from probe_code import reward_probes, run_dir_probes  # noqa: E402, I001
+from probe_run import flag_probes, train_probes  # noqa: E402, I001
 
 import reward_funcs  # noqa: E402  (probe_files has put qerl on the path)
 
 COLUMNS = ("refused", "accepted", "warned", "wrongly refused", "silently wrong", "hangs", "tracebacks",
            "code from run")
-CLASSES = ("checkpoint", "resume", "model", "data", "rewards", "run_dir")
+CLASSES = ("checkpoint", "resume", "model", "data", "rewards", "run_dir", "flags", "train")
 MAKERS = {"checkpoint": checkpoint_probes, "resume": resume_probes, "model": model_probes, "data": data_probes,
-          "rewards": reward_probes, "run_dir": run_dir_probes}
+          "rewards": reward_probes, "run_dir": run_dir_probes, "flags": flag_probes, "train": train_probes}
 
 
 class Hang(BaseException):
