@@ -94,6 +94,9 @@ def check_model(p, args) -> None:
         problem = tasks.model_problem(args.model)
         if problem:
             p.error(f"--model: {problem}")
+    if args.quant != "nvfp4" and args.quantizer != "rtn":
+        p.error(f"--quantizer {args.quantizer} chooses NVFP4 codes, and --quant {args.quant} has none: drop it, "
+                f"or pass --quant nvfp4")
     if args.tokenizer and tasks.local_path_missing(args.tokenizer):
         p.error(f"--tokenizer: {args.tokenizer} does not exist (and is not a Hugging Face hub id)")
     # a --random-init shape directory holds a config.json alone: bench/step.py builds its policy without a

@@ -13,7 +13,8 @@ measure a format the model was never asked for, and are left out.
 
 The prompt is the one the model was trained on: for an adapter inside a train.py run directory
 (runs/x/checkpoint-N), the system prompt and chat-template variables of its run_config.json, unless
---system-prompt / --chat-template-kwargs say otherwise; else tasks.SYSTEM_PROMPT.
+--system-prompt / --chat-template-kwargs say otherwise; else tasks.SYSTEM_PROMPT. So is the base: the
+run's --quant and --quantizer unless given, and a --quantizer gptq run's own saved base (run_dir.run_base).
 
 Greedy by default (--temperature 0); with --samples k > 1 and a temperature, the figure is the
 mean accuracy over k samples per question (an estimate of pass@1).
@@ -40,8 +41,8 @@ import rollout
 import tasks
 from checkpoint import load_model, load_tokenizer
 from data import one_line
-from flags import HelpFormatter, add_column_flags, add_precision_flags
-from run_dir import MANIFEST, RUN_CONFIG, run_settings, verify_adapter
+from flags import HelpFormatter, add_column_flags, add_flags
+from run_dir import MANIFEST, RUN_CONFIG, run_base, run_settings, verify_adapter
 
 # ----------------------------------------------------------------------------------------------
 
@@ -76,15 +77,6 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256, system_
     return metrics, records
 
 
-def run_prompt(adapter: str | None) -> dict | str:
-    """The prompt settings (system_prompt, chat_template_kwargs) of the train.py run an adapter was saved
-    in (run_dir.run_settings: its parent directory's run_config.json), {} for an adapter outside a run, or,
-    as a string, why the run's settings cannot be read (the prompt the adapter was trained on is then
-    unknown)."""
-    run = run_settings(adapter)
-    return run if isinstance(run, str) else {k: run[k] for k in ("system_prompt", "chat_template_kwargs") if k in run}
-
-
 def output_problem(path: str) -> str | None:
     """Why --output cannot be written (else None), found before the evaluation: it is a directory, or
     its directory cannot be made or written to (probed with a temporary file)."""
@@ -107,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True, help="Hugging Face hub id or local checkpoint directory (required)")
     g.add_argument("--adapter", default=None, help="PEFT-format LoRA adapter directory, e.g. a train.py checkpoint (default: none)")
-    add_precision_flags(g)
+    g.add_argument("--quant", choices=("nvfp4", "bf16"), default=None,
+                   help="the base weights' format (default: the run's, beside --adapter; else nvfp4)")
+    g.add_argument("--quantizer", choices=("rtn", "mse", "gptq"), default=None,
+                   help="how NVFP4's codes are chosen (train.py --help; default: the run's, else rtn); a gptq "
+                        "run's adapter is evaluated on the base the run saved")
+    add_flags(g, ("dtype",))
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", default="gsm8k",
@@ -136,12 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    run = run_prompt(args.adapter)
+    run = run_settings(args.adapter)
     if isinstance(run, str):
         if args.system_prompt is None:
             p.error(f"--adapter: {run}, so the prompt it was trained with is unknown: restore it, or pass "
                     f"--system-prompt (and --chat-template-kwargs if the run set them)")
         run = {}
+    base = run_base(args.adapter, run, args.quant, args.quantizer)
+    if isinstance(base, str):
+        p.error(f"--quantizer: {base}")
+    weights, args.quant, quantizer = base
     for key in ("system_prompt", "chat_template_kwargs"):
         if getattr(args, key) is None and key in run:
             setattr(args, key, run[key])
@@ -149,7 +150,7 @@ def main(argv=None):
         args.system_prompt = tasks.SYSTEM_PROMPT
     print(json.dumps(vars(args)))
     if run:
-        print(f"prompt settings of the run: {os.path.dirname(os.path.abspath(args.adapter))}/{RUN_CONFIG}")
+        print(f"prompt and base settings of the run: {os.path.dirname(os.path.abspath(args.adapter))}/{RUN_CONFIG}")
     for name in ("samples", "max_new_tokens", "max_model_len") + (("limit",) if args.limit is not None else ()):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -183,11 +184,13 @@ def main(argv=None):
         raise SystemExit(f"error: --dataset: {one_line(e)}") from None
     if any(e.answer is None for e in examples):
         raise SystemExit(f"error: --dataset {args.dataset} has no gold answers (no 'answer' column): pass --answer-column")
-    print(f"{args.dataset} [{args.split}]: {len(examples)} questions; loading {args.model} ({args.quant}) ...")
+    print(f"{args.dataset} [{args.split}]: {len(examples)} questions; loading {weights or args.model} ({args.quant}"
+          f"{', ' + ('gptq, saved by the run' if weights else quantizer) if args.quant == 'nvfp4' else ''}) ...")
     try:
         tokenizer = load_tokenizer(args.model)
         tasks.build_prompt(tokenizer, examples[0].prompt, args.system_prompt, args.chat_template_kwargs)
-        model = load_model(args.model, quant=args.quant, device=device, dtype=getattr(torch, args.dtype))
+        model = load_model(weights or args.model, quant=args.quant, device=device, dtype=getattr(torch, args.dtype),
+                           quantizer=quantizer)
     except tasks.PromptError as e:
         raise SystemExit(f"error: --model: {e}") from None
     except (OSError, ValueError) as e:  # a Hub id that cannot be fetched (offline), a damaged checkpoint

@@ -23,8 +23,9 @@ Serving and evaluating them:
 The run decides. An adapter inside a train.py run directory (or the run directory itself: its newest
 checkpoint that verifies) brings the run's run_config.json: the base (--model), the format it trained
 on (--quant: a merged model of an NVFP4 run is its dequantized 4-bit base plus the adapter, of a bf16
-run the bf16 base plus the adapter) and its prompt. A flag given overrides the run's, and a --quant
-other than the run's is said on screen. The run's system prompt and chat-template variables become the
+run the bf16 base plus the adapter), how its codes were chosen (--quantizer; a gptq run's base is the one
+the run saved in its directory) and its prompt. A flag given overrides the run's, and a --quant or
+--quantizer other than the run's is said on screen. The run's system prompt and chat-template variables become the
 defaults of the exported tokenizers' chat template (tasks.template_with_defaults): a server that applies
 the model's template to a user's messages without a system message prompts it as training did. An
 adapter from elsewhere needs --model (and --system-prompt for a template default). --formats picks a
@@ -56,7 +57,7 @@ import lora
 import tasks
 from checkpoint import load_model, load_tokenizer, save_pretrained
 from model import Transformer
-from run_dir import RUN_CONFIG, resume_checkpoint, run_settings, verify_adapter, write_manifest
+from run_dir import RUN_CONFIG, resume_checkpoint, run_base, run_settings, verify_adapter, write_manifest
 
 FORMATS = ("adapter", "merged", "nvfp4")
 
@@ -94,7 +95,8 @@ def write_exports(args, formats: list[str], staging: str) -> None:
     run's prompt, run_template); the adapter with a manifest."""
     try:
         tokenizer = load_tokenizer(args.model)
-        model = load_model(args.model, quant=args.quant, device=args.device, dtype=torch.bfloat16)
+        model = load_model(args.weights or args.model, quant=args.quant, device=args.device, dtype=torch.bfloat16,
+                           quantizer=args.quantizer)
     except (OSError, ValueError) as e:  # offline, a damaged checkpoint
         raise SystemExit(f"error: --model: {tasks.load_problem(args.model, e)}") from None
     run_template(tokenizer, args)
@@ -130,9 +132,9 @@ def run_template(tokenizer, args) -> None:
 
 
 def resolve_run(p, args) -> None:
-    """Fill in what the run recorded (run_dir.run_settings): the base (--model), its format (--quant) and
-    the prompt (--system-prompt, --chat-template-kwargs), where not given; a --quant other than the run's
-    is said. An --adapter that is a run directory means its newest checkpoint that verifies."""
+    """Fill in what the run recorded (run_dir.run_settings): the base (--model), its format and quantizer
+    (--quant, --quantizer; run_dir.run_base: a gptq run's saved base) and the prompt (--system-prompt,
+    --chat-template-kwargs), where not given; a --quant or --quantizer other than the run's is said. An --adapter that is a run directory means its newest checkpoint that verifies."""
     if os.path.isfile(os.path.join(args.adapter, RUN_CONFIG)) and not os.path.exists(
             os.path.join(args.adapter, lora.ADAPTER_CONFIG)):
         ckpt = resume_checkpoint(args.adapter)
@@ -142,11 +144,15 @@ def resolve_run(p, args) -> None:
     run = run_settings(args.adapter)
     if isinstance(run, str):
         p.error(f"--adapter: {run}, so the base and prompt it was trained with are unknown: restore it")
-    if args.quant and run.get("quant") and args.quant != run["quant"]:
-        print(f"warning: --quant {args.quant}, but the run trained on a {run['quant']} base: the exports will not "
-              f"be the model the run trained")
+    for flag in ("quant", "quantizer"):
+        if getattr(args, flag) and run.get(flag) and getattr(args, flag) != run[flag]:
+            print(f"warning: --{flag} {getattr(args, flag)}, but the run trained on a {run[flag]} base: the exports "
+                  f"will not be the model the run trained")
+    base = run_base(args.adapter, run, args.quant, args.quantizer)
+    if isinstance(base, str):
+        p.error(f"--quantizer: {base}")
+    args.weights, args.quant, args.quantizer = base
     args.model = args.model or run.get("model")
-    args.quant = args.quant or run.get("quant", "nvfp4")
     if args.system_prompt is None:
         args.system_prompt = run.get("system_prompt")
     if args.chat_template_kwargs is None:
@@ -164,6 +170,9 @@ def main(argv=None):
                                                  "(default: the run's, from its run_config.json)")
     p.add_argument("--quant", choices=["nvfp4", "bf16"], default=None,
                    help="the base format the run trained on (default: the run's, else nvfp4)")
+    p.add_argument("--quantizer", choices=["rtn", "mse", "gptq"], default=None,
+                   help="how the run's NVFP4 codes were chosen (default: the run's, else rtn); a gptq run's base is "
+                        "the one it saved")
     p.add_argument("--system-prompt", default=None, help="the default system prompt of the exported chat template "
                                                          "(default: the run's; '' for none)")
     p.add_argument("--chat-template-kwargs", type=tasks.parse_chat_template_kwargs, default=None, metavar="JSON",

@@ -150,6 +150,9 @@ class TrainConfig:
         "continue RUN_DIR (or --output-dir) from its newest checkpoint, with its recorded flags")})
     output_dir: str = field(default="runs/qerl", metadata={"help": "the run directory (run_dir.py)"})
     seed: int = field(default=0, metadata={"help": "seeds data order, adapter init, AQN noise and sampling"})
+    deterministic: bool = field(default=False, metadata={"help": (
+        "bit-reproducible from --seed on one GPU: PyTorch's deterministic algorithms (attention's backward "
+        "without atomics, cuBLAS with a fixed workspace); slower (docs/usage.md says how much)")})
     # ---- model
     model: str | None = field(default=None, metadata={
         "help": "Hugging Face hub id or local checkpoint directory (required)"})
@@ -159,6 +162,10 @@ class TrainConfig:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer hub id or directory (default: --model)"})
     quant: str = field(default="nvfp4", metadata={"choices": ("nvfp4", "bf16"),
                                                   "help": "base weights: 4-bit NVFP4 or bf16"})
+    quantizer: str = field(default="rtn", metadata={"choices": ("rtn", "mse", "gptq"), "help": (
+        "how NVFP4's codes and scales are chosen (checkpoint.py): rtn, round to nearest with absmax scales "
+        "(llm-compressor's); mse, each block's scale searched; gptq, error compensation on the first "
+        f"{128} training prompts, the base saved in the run directory (base/)")})
     dtype: str = field(default="bfloat16", metadata={"choices": ("bfloat16", "float32"),
                                                      "help": "activations and adapters"})
     device: str | None = field(default=None, metadata={
@@ -238,8 +245,8 @@ CONFIGS = (TrainConfig, lora.LoRAConfig, aqn.AQNConfig, grpo.GRPOConfig)
 
 # --help's sections and the place of each flag in them (each flag's default, type and help: its field).
 SECTIONS = {
-    "run": ("config", "resume", "output_dir", "seed"),
-    "model": ("model", "random_init", "tokenizer", "quant", "dtype", "device"),
+    "run": ("config", "resume", "output_dir", "seed", "deterministic"),
+    "model": ("model", "random_init", "tokenizer", "quant", "quantizer", "dtype", "device"),
     "data": ("dataset", "dataset_config", "dataset_split", "eval_dataset", "eval_dataset_config", "eval_split",
              "prompt_column", "answer_column", "eval_limit", "max_prompt_len", "system_prompt", "chat_template_kwargs"),
     "reward": ("reward", "reward_weights", "format_weight", "reward_timeout"),
@@ -284,11 +291,6 @@ def add_flags(g, names) -> None:
             elif base in (int, float):
                 kw["type"] = base
         g.add_argument("--" + name.replace("_", "-"), **kw)
-
-
-def add_precision_flags(g) -> None:
-    """--quant and --dtype: how the base weights are stored and what the activations are (train.py, eval.py)."""
-    add_flags(g, ("quant", "dtype"))
 
 
 def add_column_flags(g) -> None:
@@ -516,7 +518,8 @@ def resume_conflicts(chosen: dict, recorded: dict) -> list[str]:
 
 # Flags added after runs were recorded without them, with the value those runs used: a resumed run
 # computes what it computed before, not what a new default would. aqn_steps None: the run's --max-steps.
-RECORDED_BEFORE = {"dynamic_sampling_threshold": 0.0, "aqn_steps": None, "lora_target_modules": lora.DEFAULT_TARGETS}
+RECORDED_BEFORE = {"dynamic_sampling_threshold": 0.0, "aqn_steps": None, "lora_target_modules": lora.DEFAULT_TARGETS,
+                   "quantizer": "rtn", "deterministic": False}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """What a run tells its user as it goes: the progress line, the sampled completions, and the metrics
 sent to an experiment tracker.
 
-    step 12/50 | reward 0.312 | loss 0.0041 | grad_norm 0.21 | σ 6.9e-03 | 14.2 s/step | eval 0.285
+    step 12/50 | reward 0.312 | kept 0.500 | loss 0.0041 | grad_norm 0.21 | σ 6.9e-03 | 14.2 s/step | eval 0.285
 
+`reward` is the mean of everything the step sampled; `kept`, of the groups the loss trained on (dynamic
+sampling keeps the groups with a spread, so their mean stays near the middle while the policy improves).
 Steps count from 1, on screen and in the records alike: step 12 is the twelfth, the one checkpoint-000012
 is saved after. `record` writes rank 0's records of a step. `progress_line` is what it prints every
 --log-every steps (under the progress bar). A step's
@@ -29,8 +31,8 @@ from tqdm import tqdm
 from run_dir import COMPLETIONS, METRICS, plot_metrics
 
 # metric -> (its label on the progress line, its format), in the order printed
-PROGRESS = {"reward": ("reward", "{:.3f}"), "loss": ("loss", "{:.4f}"), "grad_norm": ("grad_norm", "{:.3g}"),
-            "aqn/sigma": ("σ", "{:.1e}"), "step_time": ("s/step", "{:.1f}"), "eval/accuracy": ("eval", "{:.3f}")}
+PROGRESS = {"reward": ("reward", "{:.3f}"), "reward/kept": ("kept", "{:.3f}"), "loss": ("loss", "{:.4f}"),
+            "grad_norm": ("grad_norm", "{:.3g}"), "aqn/sigma": ("σ", "{:.1e}"), "step_time": ("s/step", "{:.1f}"), "eval/accuracy": ("eval", "{:.3f}")}
 PROJECT = "qerl"
 
 

@@ -53,6 +53,10 @@ class PromptStream:
         gen = torch.Generator().manual_seed(step_seed(self.seed, epoch, "data"))
         return torch.randperm(len(self.examples), generator=gen).tolist()
 
+    def first_ids(self, n: int) -> list:
+        """The token ids of the first n prompts of the data order (GPTQ's calibration); the position stays."""
+        return [self.ids[i] for i in self._order(0)[:n]]
+
     def take(self, n: int) -> list[int]:
         """The next n prompt indices."""
         start, self.position = self.position, self.position + n

@@ -11,6 +11,9 @@
                                         dynamic sampling's keep rate)
                                         + manifest.json (the size and sha256 of each of those files,
                                         and of run_config.json)
+                 base/                  --quantizer gptq: the NVFP4 base the run trains on (its codes depend
+                                        on the calibration prompts, so --resume, eval.py and export.py
+                                        read it here rather than quantize again) + manifest.json
                  latest                 the name of the newest checkpoint: a hint, not the truth
                  .lock                  held by the live run (flock); it holds the run's pid and host
 
@@ -64,8 +67,10 @@ LOCK = ".lock"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
+BASE = "base"               # a --quantizer gptq run's NVFP4 base, as checkpoint.save_pretrained writes it
+CALIBRATION_PROMPTS = 128   # GPTQ's calibration: the run's first training prompts, in its data order
 # What a fresh run may find in its directory: a run killed before its first run_config.json landed.
-LEFTOVERS = {LOCK, RUN_CONFIG + ".tmp"}
+LEFTOVERS = {LOCK, RUN_CONFIG + ".tmp", BASE, ".tmp-" + BASE}   # a start killed before run_config.json
 
 _held = {}  # realpath of a run directory -> the open .lock this process holds (closing it unlocks)
 
@@ -294,6 +299,33 @@ def verify_manifest(path: str, required: tuple = ()) -> str | None:
     return None
 
 
+def save_base(out: str, write, **fields) -> str:
+    """<out>/base: write(directory) fills .tmp-base (checkpoint.save_pretrained), its manifest (with
+    fields: what the codes were computed from) is written last and the directory renamed whole, as a
+    checkpoint is. -> its path."""
+    tmp, final = os.path.join(out, ".tmp-" + BASE), os.path.join(out, BASE)
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
+    write_manifest(tmp, **fields)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(out)
+    return final
+
+
+def base_problem(out: str, **fields) -> str | None:
+    """Why <out>/base is not the saved base of these fields (its manifest lists config.json, matches
+    every file and records the same fields), else None."""
+    path = os.path.join(out, BASE)
+    why = verify_manifest(path, ("config.json",))
+    if why is None:
+        with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+            recorded = json.load(f)
+        differ = sorted(k for k in fields if recorded.get(k) != fields[k])
+        why = f"it was quantized with other {', '.join(differ)}" if differ else None
+    return why
+
+
 def verify_checkpoint(path: str, root: str | None = None) -> str | None:
     """None if the checkpoint directory is complete (its manifest matches every file) and, inside the
     run `root`, the run's run_config.json is the one it was written with; else why not."""
@@ -330,7 +362,8 @@ def config_problem(out: str) -> str | None:
 
 
 # What eval.py and export.py read of the run an adapter was saved in, and the type each must have.
-RUN_SETTINGS = {"model": str, "quant": str, "system_prompt": str, "chat_template_kwargs": (dict, type(None))}
+RUN_SETTINGS = {"model": str, "quant": str, "quantizer": str, "system_prompt": str,
+                "chat_template_kwargs": (dict, type(None))}
 
 
 def run_settings(adapter: str | None) -> dict | str:
@@ -349,6 +382,24 @@ def run_settings(adapter: str | None) -> dict | str:
     if not isinstance(run, dict) or not all(isinstance(run[k], t) for k, t in RUN_SETTINGS.items() if k in run):
         return f"{path} does not hold the run's model and prompt settings as train.py writes them"
     return {k: run[k] for k in RUN_SETTINGS if k in run}
+
+
+def run_base(adapter: str | None, run: dict, quant: str | None, quantizer: str | None) -> tuple | str:
+    """The base an adapter is evaluated or exported on (eval.py, export.py): --quant and --quantizer, each
+    taken from its run (run: run_settings) where not given, else nvfp4 and rtn. -> (the directory to load
+    the weights from, or None for --model's; quant; the quantizer to load with), or why it cannot be had.
+    A gptq run's codes depend on its calibration prompts, so its base is the one it saved, <run>/base,
+    checked by its manifest, and loaded as it is (already NVFP4: nothing is quantized)."""
+    quant, quantizer = quant or run.get("quant", "nvfp4"), quantizer or run.get("quantizer", "rtn")
+    if quantizer != "gptq":
+        return None, quant, quantizer
+    if run.get("quantizer") != "gptq":
+        return ("--quantizer gptq needs calibration prompts: train.py --quantizer gptq quantizes with the run's "
+                "own and saves that base in the run directory (base/), which eval.py and export.py load for the "
+                "run's adapters")
+    path = os.path.join(os.path.dirname(os.path.abspath(adapter)), BASE)
+    why = verify_manifest(path, ("config.json",))
+    return f"the run's saved base {path}: {why}" if why else (path, "nvfp4", "rtn")
 
 
 def verify_adapter(path: str) -> str | None:

@@ -57,6 +57,7 @@ Python API, callbacks, an extended run); tests/test_distributed.py (2 CPU proces
 single-process update; two machines without a shared disk, killed and resumed); tests/test_probes.py
 (Ctrl-C, skipped updates, bad flags and run files).
 """
+import hashlib
 import json
 import os
 import sys
@@ -86,7 +87,8 @@ import reward_worker
 import rewards
 import rollout
 import tasks
-from checkpoint import build_model, load_model, random_init_config
+import run_dir
+from checkpoint import build_model, load_model, random_init_config, save_pretrained
 from report import Callback, notify  # noqa: F401 (Callback: train.Callback, the API's)
 from run_data import PromptStream, load_prompts, step_seed
 from eval import evaluate  # eval.py imports nothing from here
@@ -161,19 +163,37 @@ class Rollout:
 # the policy
 
 
-def build_policy(args, device) -> Policy:
-    """The flags -> the Policy: the model with LoRA adapters, AdamW, the schedule, the objective's and the
-    noise's configs, the sampler and the step plan. bench/step.py builds its policy here too, so it measures
-    the step this file runs. The plan (plan.py) measures what a token of the training pass costs on this
-    device."""
-    gcfg, acfg = flags.to_config(args, grpo.GRPOConfig), flags.to_config(args, aqn.AQNConfig)
+def load_base(args, device, calibration: list | None):
+    """The frozen base, quantized by --quantizer. GPTQ's codes depend on its calibration prompts
+    (`calibration`: the run's first training prompts), so rank 0 saves that base in the run directory
+    (run_dir.save_base), and a resumed run loads it from there, bit for bit, where its manifest records the
+    same model and calibration; eval.py and export.py load an adapter's base from there too."""
     dtype = getattr(torch, args.dtype)
+    fields = {}
+    if args.quantizer == "gptq":
+        fields = {"model": args.model, "quantizer": args.quantizer,
+                  "calibration": hashlib.sha256(json.dumps(calibration).encode()).hexdigest()}
+        if run_dir.base_problem(args.output_dir, **fields) is None:
+            log(f"the base: {os.path.join(args.output_dir, run_dir.BASE)} (saved by this run)")
+            return load_model(os.path.join(args.output_dir, run_dir.BASE), quant="nvfp4", device=device, dtype=dtype)
+    kw = {"quant": args.quant, "device": device, "dtype": dtype, "quantizer": args.quantizer, "calibration": calibration}
+    if args.random_init:
+        model = build_model(random_init_config(args.model), seed=args.seed, **kw)
+    else:
+        model = load_model(args.model, **kw)
+    if fields and rank_world()[0] == 0:
+        log(f"the base saved: {run_dir.save_base(args.output_dir, lambda d: save_pretrained(model, d), **fields)}")
+    return model
+
+
+def build_policy(args, device, calibration: list | None = None) -> Policy:
+    """The flags -> the Policy: the model with LoRA adapters, AdamW, the schedule, the objective's and the
+    noise's configs, the sampler and the step plan. calibration: GPTQ's token ids (--quantizer gptq).
+    bench/step.py builds its policy here too, so it measures the step this file runs. The plan (plan.py)
+    measures what a token of the training pass costs on this device."""
+    gcfg, acfg = flags.to_config(args, grpo.GRPOConfig), flags.to_config(args, aqn.AQNConfig)
     try:
-        if args.random_init:
-            model = build_model(random_init_config(args.model), quant=args.quant, device=device, dtype=dtype,
-                                seed=args.seed)
-        else:
-            model = load_model(args.model, quant=args.quant, device=device, dtype=dtype)
+        model = load_base(args, device, calibration)
     except (OSError, ValueError) as e:  # offline, a damaged checkpoint, a model that does not fit
         raise SystemExit(f"error: --model: {tasks.load_problem(args.model, e)}") from None
     try:
@@ -269,17 +289,24 @@ def rollout_step(step: int, policy: Policy, stream: PromptStream, noise: dict, t
     parts = gather((totals_all, terms_all))  # every rank's scores, in rank order: the whole step's
     totals, terms = [t for p, _ in parts for t in p], {k: [v for _, p in parts for v in p[k]] for k in terms_all}
     metrics = {"time/rollout": t_rollout, "rollout/tokens_per_s": new_tokens / t_rollout, "sampling/rounds": rounds,
-               "sampling/prompts": prompts, **sizing, **reward_metrics(stats, terms, completions)}
+               "sampling/prompts": prompts, **sizing, **reward_metrics(stats, totals, terms, completions, G)}
     return Rollout(groups, metrics, samples, totals, terms)
 
 
-def reward_metrics(stats: rewards.RewardStats, terms: dict, completions: list) -> dict:
-    """A rollout's reward records over all ranks: the reward functions' errors and timeouts, each term's mean
+def reward_metrics(stats: rewards.RewardStats, totals: list, terms: dict, completions: list, group_size: int) -> dict:
+    """A rollout's reward records over all ranks: the mean reward of everything sampled (the reward
+    functions' totals before overlong shaping, every round, kept or not: dynamic sampling keeps the groups with a spread, so the kept groups' mean, train_step's
+    `reward/kept`, sits near the middle whether the policy solves 10% or 90% of its prompts), the groups'
+    spread and the share of groups without one, the reward functions' errors and timeouts, each term's mean
     over the completions it scored (None: no opinion), the completions' mean length and the share cut at
-    the length limit. stats are this rank's; terms and completions are every rank's."""
+    the length limit. stats are this rank's; totals (prompt-major, group_size a prompt), terms and
+    completions are every rank's."""
     errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
     found = {name: [v for v in values if v is not None] for name, values in terms.items()}
-    return {"reward_errors": errors, "reward_timeouts": timeouts,
+    rg = torch.tensor(totals, dtype=torch.float64).view(-1, group_size)                # (prompts, G)
+    return {"reward": rg.mean().item(), "reward_std": rg.std(1).mean().item(),
+            "frac_reward_zero_std": (rg.std(1) == 0).double().mean().item(),
+            "reward_errors": errors, "reward_timeouts": timeouts,
             **{f"rewards/{name}/mean": sum(vs) / len(vs) for name, vs in found.items() if vs},
             "completions/mean_length": sum(len(c.token_ids) for c in completions) / len(completions),
             "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}
@@ -388,10 +415,7 @@ def optimizer_step(step: int, policy: Policy, stream: PromptStream, tokenizer, a
         return {**m, "skipped": True}, ro
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     m.update(train_step(policy, ro.groups, noise, pad_id, args))
-    scores = torch.cat([g.rewards for g in ro.groups])                                  # (P·G,)
-    rg = scores.view(-1, policy.grpo_cfg.group_size)                                    # (P, G)
-    m.update({"reward": scores.mean().item(), "reward_std": rg.std(1).mean().item(),
-              "frac_reward_zero_std": (rg.std(1) == 0).float().mean().item()})
+    m["reward/kept"] = torch.cat([g.rewards for g in ro.groups]).mean().item()  # what the loss trained on
     return m, ro
 
 
@@ -500,7 +524,8 @@ def start_policy(args, device, resume_from: str | None, world: int) -> tuple:
     tokenizer, stream, eval_set = load_prompts(args, log)
     t0 = time.perf_counter()
     log(f"loading {args.model} ({'random init, ' if args.random_init else ''}{args.quant}) on {device} ...")
-    policy = build_policy(args, device)
+    calibration = stream.first_ids(run_dir.CALIBRATION_PROMPTS) if args.quantizer == "gptq" else None
+    policy = build_policy(args, device, calibration)
     log(f"loaded in {time.perf_counter() - t0:.1f} s; {plan.describe(policy.step_plan)}")
     line, slow = ops.describe(device)                  # which fast paths run here, and any that cannot
     log(line)
@@ -530,6 +555,19 @@ def check_start(args, start: int) -> None:
                          f"{args.output_dir} resumes")
 
 
+def deterministic() -> None:
+    """--deterministic: every op that has a deterministic implementation uses it, and one without one is
+    an error rather than a silent difference (torch.use_deterministic_algorithms; cuBLAS needs a fixed
+    workspace, set before its first call). The rest of a step is deterministic already: every draw is
+    seeded by (seed, step), and qerl's kernels sum their split-K partials in a fixed order. Without it, some
+    of PyTorch's GPU ops (attention's backward among them) may add partial results with atomics, in
+    whatever order the threads arrive: the same seed then gives runs that drift apart in the last bits,
+    and RL's sampling turns those bits into other completions."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
 def train(args, callbacks=()) -> dict:
     """Train as args says (flags.parse_args of a command line, or flags.config in Python); callbacks are
     Callback objects, told of step ends, evaluations and saves. -> {"step": steps done, "updates": optimizer
@@ -540,6 +578,8 @@ def train(args, callbacks=()) -> dict:
     if os.environ.get(reward_worker.WORKER_ENV):
         raise SystemExit("error: train.train was called in a reward worker, which imported a script that defines "
                          "reward functions: keep the script's training under `if __name__ == \"__main__\":`")
+    if args.deterministic:
+        deterministic()
     rank, world, device = dist_setup(args.device)
     log(json.dumps(flags.record(args), indent=None))
     resume_from = prepare_output_dir(args, write=rank == 0)

@@ -4,17 +4,20 @@ QeRL's claim: the NVFP4 rounding of the frozen weights raises the policy's entro
 helps exploration, so NVFP4 + LoRA (+ AQN) grows reward at least as fast as 16-bit LoRA. This runs
 the four arms of that comparison with train.py as a user would, several seeds each:
 
-    nvfp4+aqn   --quant nvfp4 --aqn          (qerl's default)
+    nvfp4+aqn   --quant nvfp4 --aqn          (qerl's default: round to nearest, --quantizer rtn)
     nvfp4       --quant nvfp4 --no-aqn       (quantization noise alone)
     bf16+aqn    --quant bf16  --aqn
     bf16        --quant bf16  --no-aqn       (plain LoRA)
+    mse+aqn     --quantizer mse --aqn        (NVFP4, each block's scale searched)
+    gptq+aqn    --quantizer gptq --aqn       (NVFP4, GPTQ on the run's first training prompts)
 
 Every other flag is shared (--train-args, appended to each run); a seed gives every arm the same
 data order and the same adapter initialisation (train.py derives both from --seed alone). Each run
 evaluates greedily on --eval-limit held-out problems every --eval-every steps (train.py's
 eval/accuracy), and logs its train reward and policy entropy each step. The figure has three panels
 against step: held-out accuracy, train reward, entropy; each arm's mean over seeds as a line and its
-min..max as a band. Runs whose metrics.jsonl already covers --steps are reused, so an interrupted
+min..max as a band. Each arm's verdict: its runs' held-out accuracy at the start and at the end, and
+how many did not learn (ended below their own start + LEARNED). Runs whose metrics.jsonl already covers --steps are reused, so an interrupted
 sweep continues where it stopped.
 
     python bench/learn.py --model <SmolLM2 dir> --dataset addition --seeds 0,1,2 --steps 100 --out runs/learn
@@ -33,7 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 ARMS = {"nvfp4+aqn": ["--quant", "nvfp4", "--aqn"], "nvfp4": ["--quant", "nvfp4", "--no-aqn"],
-        "bf16+aqn": ["--quant", "bf16", "--aqn"], "bf16": ["--quant", "bf16", "--no-aqn"]}
+        "bf16+aqn": ["--quant", "bf16", "--aqn"], "bf16": ["--quant", "bf16", "--no-aqn"],
+        "mse+aqn": ["--quant", "nvfp4", "--quantizer", "mse", "--aqn"],
+        "gptq+aqn": ["--quant", "nvfp4", "--quantizer", "gptq", "--aqn"]}
+LEARNED = 0.05   # a run learned if its last held-out accuracy is at least its own start + 5 points
 CURVES = {"eval/accuracy": "held-out greedy accuracy", "reward": "train reward", "entropy": "policy entropy"}
 
 
@@ -75,6 +81,14 @@ def summarise(runs: dict[str, list[list[dict]]]) -> dict:
             out[arm][key] = {x: (statistics.mean(v), min(v), max(v))
                              for x in xs for v in [[c[x] for c in per_seed if x in c]]}
     return out
+
+
+def verdict(seeds: list[list[dict]]) -> dict:
+    """One arm's runs -> their held-out accuracy at the start and at the last evaluation, and how many
+    did not learn (ended below start + LEARNED)."""
+    ends = [(c[min(c)], c[max(c)]) for c in (curve(rows, "eval/accuracy") for rows in seeds) if c]
+    return {"start": [a for a, _ in ends], "end": [b for _, b in ends],
+            "not_learned": sum(b < a + LEARNED for a, b in ends)}
 
 
 def plot(summary: dict, path: str, title: str):
@@ -126,17 +140,18 @@ def main(argv=None):
     with ThreadPoolExecutor(args.jobs) as pool:
         jobs = {arm: [pool.submit(run, arm, seed, args) for seed in seeds] for arm in arms}
         runs = {arm: [j.result() for j in js] for arm, js in jobs.items()}
-    summary = summarise(runs)
+    summary, verdicts = summarise(runs), {arm: verdict(seeds) for arm, seeds in runs.items()}
     with open(os.path.join(args.out, "learn.json"), "w") as f:
         json.dump({"args": vars(args), "summary": {a: {k: {str(x): v for x, v in c.items()} for k, c in s.items()}
-                                                   for a, s in summary.items()}}, f, indent=1)
+                                                   for a, s in summary.items()}, "verdicts": verdicts}, f, indent=1)
     plot(summary, os.path.join(args.out, "learn.png"),
          f"{os.path.basename(os.path.normpath(args.model))}, {args.dataset}, {len(seeds)} seeds: mean and range")
     for arm in arms:
-        acc = summary[arm]["eval/accuracy"]
+        acc, v = summary[arm]["eval/accuracy"], verdicts[arm]
         last = max(acc) if acc else None
         print(f"{arm:10s} held-out accuracy {100 * acc[0][0]:.1f}% -> {100 * acc[last][0]:.1f}% at step {last} "
-              f"(range {100 * acc[last][1]:.1f}..{100 * acc[last][2]:.1f})" if acc else f"{arm:10s} no evaluation")
+              f"(range {100 * acc[last][1]:.1f}..{100 * acc[last][2]:.1f}); {v['not_learned']} of {len(v['end'])} "
+              f"runs did not learn" if acc else f"{arm:10s} no evaluation")
     print(f"wrote {os.path.join(args.out, 'learn.png')}")
 
 

@@ -17,6 +17,7 @@ import flags
 import grpo
 import lora
 import reward_funcs
+import run_dir
 import tasks
 from flags import parse_args
 
@@ -207,10 +208,34 @@ def test_eval_takes_the_runs_prompt(tmp_path):
     (run / "checkpoint-000002").mkdir(parents=True)
     (run / "run_config.json").write_text(json.dumps({"system_prompt": "Answer in one line.",
                                                       "chat_template_kwargs": {"enable_thinking": False}}))
-    assert qeval.run_prompt(str(run / "checkpoint-000002")) == {"system_prompt": "Answer in one line.",
-                                                                "chat_template_kwargs": {"enable_thinking": False}}
-    assert qeval.run_prompt(str(tmp_path)) == {} and qeval.run_prompt(None) == {}
+    assert run_dir.run_settings(str(run / "checkpoint-000002")) == {
+        "system_prompt": "Answer in one line.", "chat_template_kwargs": {"enable_thinking": False}}
+    assert run_dir.run_settings(str(tmp_path)) == {} and run_dir.run_settings(None) == {}
     assert tasks.SYSTEM_PROMPT and reward_funcs.BUILTIN == "correctness"
+
+
+def test_eval_and_export_take_the_runs_base(tmp_path):
+    """run_base: --quant and --quantizer from the run unless given; a gptq run's adapter goes on the base the
+    run saved (its manifest checked, with what it was quantized from), never on a base quantized again."""
+    adapter = str(tmp_path / "checkpoint-000002")
+    assert run_dir.run_base(adapter, {"quant": "bf16"}, None, None) == (None, "bf16", "rtn")
+    assert run_dir.run_base(adapter, {"quant": "bf16"}, "nvfp4", None) == (None, "nvfp4", "rtn")
+    assert run_dir.run_base(adapter, {"quant": "nvfp4", "quantizer": "mse"}, None, None) == (None, "nvfp4", "mse")
+    assert run_dir.run_base(None, {}, None, None) == (None, "nvfp4", "rtn")
+    assert "needs calibration prompts" in run_dir.run_base(None, {}, None, "gptq")
+    gptq = {"quant": "nvfp4", "quantizer": "gptq"}
+    assert run_dir.run_base(adapter, gptq, None, None).endswith("base: not a directory")
+
+    def write(d):
+        os.makedirs(d)
+        open(os.path.join(d, "config.json"), "w").write("{}")
+    path = run_dir.save_base(str(tmp_path), write, model="m", calibration="abc")
+    assert path == str(tmp_path / "base") and not os.path.exists(tmp_path / ".tmp-base")
+    assert run_dir.run_base(adapter, gptq, None, None) == (path, "nvfp4", "rtn")
+    assert run_dir.base_problem(str(tmp_path), model="m", calibration="abc") is None
+    assert run_dir.base_problem(str(tmp_path), model="m", calibration="abd") == "it was quantized with other calibration"
+    open(os.path.join(path, "config.json"), "w").write("{} ")
+    assert "config.json has 3 bytes" in run_dir.run_base(adapter, gptq, None, None)
 
 
 def test_trl_names_read_as_the_flags_they_mean(tmp_path, capsys):

@@ -36,6 +36,10 @@ def test_two_arms_two_seeds_summary_and_figure(smollm2_tokenizer, tmp_path, caps
             vals = [r[step - 1]["reward"] for r in runs]
             assert summary[arm]["reward"][str(step)] == [sum(vals) / 2, min(vals), max(vals)]
         assert set(summary[arm]["eval/accuracy"]) == {"0", "1", "2"}      # before training, after steps 1 and 2
+        v = json.load(open(os.path.join(out, "learn.json")))["verdicts"][arm]
+        ends = [(r[0]["eval/accuracy_initial"], r[-1]["eval/accuracy"]) for r in runs]
+        assert (v["start"], v["end"]) == ([a for a, _ in ends], [b for _, b in ends])
+        assert v["not_learned"] == sum(b < a + 0.05 for a, b in ends)
     mtime = os.path.getmtime(os.path.join(out, "bf16-seed0", "metrics.jsonl"))
     learn.main(argv)                                                     # finished runs are reused, not rerun
     assert os.path.getmtime(os.path.join(out, "bf16-seed0", "metrics.jsonl")) == mtime

@@ -13,9 +13,9 @@ import report
 
 
 def test_progress_line_shows_what_the_step_has():
-    m = {"step": 11, "reward": 0.3125, "loss": 0.00412, "grad_norm": 0.2104, "aqn/sigma": 0.0069, "step_time": 14.23,
+    m = {"step": 11, "reward": 0.3125, "reward/kept": 0.5, "loss": 0.00412, "grad_norm": 0.2104, "aqn/sigma": 0.0069, "step_time": 14.23,
          "eval/accuracy": 0.285}
-    assert report.progress_line(m, 50) == ("step 11/50 | reward 0.312 | loss 0.0041 | grad_norm 0.21 | σ 6.9e-03 | "
+    assert report.progress_line(m, 50) == ("step 11/50 | reward 0.312 | kept 0.500 | loss 0.0041 | grad_norm 0.21 | σ 6.9e-03 | "
                                            "14.2 s/step | eval 0.285")
     assert report.progress_line({"step": 1, "aqn/sigma": 0.0, "skipped": True, "step_time": 2.0}, 3) == \
         "step 1/3 | σ 0.0e+00 | 2.0 s/step | skipped: no group with a reward spread"

@@ -192,6 +192,50 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path, monkeypatch,
         assert states[0]["data_pos"] == 3 * 2 and "sampling/keep_rate" not in ra[0]
 
 
+def test_gptq_run_trains_and_resumes_on_its_saved_base(tiny_model, tmp_path, capsys):
+    """--quantizer gptq: the base, quantized with the run's first training prompts, is saved in the run
+    directory; a resumed run and eval.py load it rather than quantize again, and 2 steps + resume 1 step
+    == 3 steps straight, bit for bit. The saved codes are GPTQ's: they differ from round-to-nearest's."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = ["--model", tiny_model, "--save-every", "1", "--eval-limit", "0", "--max-steps", "3",
+              "--quantizer", "gptq", *FAST]
+    train.main([*common, "--output-dir", a])
+    train.main([*common, "--output-dir", b, "--stop-at", "2"])
+    capsys.readouterr()
+    train.main([*common, "--output-dir", b, "--resume"])
+    base = os.path.join(b, run_dir.BASE)
+    assert f"the base: {base} (saved by this run)" in capsys.readouterr().out
+    from safetensors.torch import load_file
+    wa, wb = (load_file(os.path.join(d, "checkpoint-000003", lora.ADAPTER_WEIGHTS)) for d in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    saved = load_model(base, quant="nvfp4", dtype=torch.float32).state_dict()
+    rtn = load_model(tiny_model, quant="nvfp4", dtype=torch.float32).state_dict()
+    packed = [k for k in saved if k.endswith("weight_packed")]
+    assert packed and any(not torch.equal(saved[k], rtn[k]) for k in packed)
+    qeval.main(["--model", tiny_model, "--adapter", os.path.join(b, "checkpoint-000003"), "--dataset", "addition",
+                "--limit", "2", "--max-new-tokens", "4", "--dtype", "float32"])
+    assert f"loading {base} (nvfp4, gptq, saved by the run)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device,steps", [("cpu", 2), pytest.param("cuda", 20, marks=pytest.mark.gpu)])
+def test_deterministic_run_repeats_its_metrics_bit_for_bit(tiny_model, tmp_path, device, steps):
+    """--deterministic (PyTorch's deterministic algorithms; an op without one would stop the run) trains,
+    and two runs of one seed write the same metrics.jsonl, times aside: on the CPU, and for 20 steps on a
+    GPU, where the default mode need not repeat itself."""
+    runs = []
+    try:
+        for name in ("a", "b"):
+            out = str(tmp_path / name)
+            train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", str(steps), "--eval-limit", "0",
+                        "--device", device, "--deterministic", "--lr", "1e-2", *FAST])
+            runs.append([{k: v for k, v in r.items() if not k.startswith(("time", "memory")) and
+                          k not in ("step_time", "rollout/tokens_per_s")} for r in read_metrics(out)])
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(runs[0]) == steps and runs[0] == runs[1]
+
+
 def test_sigkill_mid_run_then_resume(tiny_model, tmp_path):
     """Kill -9 at an arbitrary point after the first checkpoint; --resume continues from the last
     complete checkpoint and never reads a half-written one."""
