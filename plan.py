@@ -120,8 +120,10 @@ def free_memory(device) -> int:
     per-process limit is set (torch.cuda.set_per_process_memory_fraction: an 80 GB card emulated on a
     larger one, bench/step.py's --available-gib), less what PyTorch's allocator holds already. What the
     allocator holds but has not handed out (cached) is not counted: callers that can reuse it add it."""
-    free, total = torch.cuda.mem_get_info(device)
-    limit = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+    device = torch.device(device)
+    index = torch.cuda.current_device() if device.index is None else device.index   # "cuda": the current one
+    free, total = torch.cuda.mem_get_info(index)
+    limit = torch.cuda.get_per_process_memory_fraction(index) * total - torch.cuda.memory_reserved(index)
     return int(max(0, min(free, limit)))
 
 

@@ -109,7 +109,12 @@ def fake_gpu_memory(monkeypatch, free_gib: float, total_gib: float, fraction: fl
     the per-process limit (set_per_process_memory_fraction's) and the bytes this process reserved."""
     G = 2 ** 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free_gib * G), int(total_gib * G)))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction)
+    def per_process_fraction(device):  # as torch's: an index, or a device that has one ("cuda" is refused)
+        if not (isinstance(device, int) or isinstance(device, torch.device) and device.index is not None):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return fraction
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", per_process_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: int(reserved_gib * G))
 
 

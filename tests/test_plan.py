@@ -110,6 +110,8 @@ def test_free_memory_honours_the_per_process_limit(monkeypatch):
     assert plan.free_memory(cuda) == 50 * G
     fake_gpu_memory(monkeypatch, 100, 140, fraction=0.1, reserved_gib=20)
     assert plan.free_memory(cuda) == 0, "past its limit a process has nothing left, not a negative amount"
+    fake_gpu_memory(monkeypatch, 100, 140, fraction=0.5, reserved_gib=20)
+    assert plan.free_memory(torch.device("cuda")) == 50 * G, "train.py's --device cuda: the current device"
 
 
 def test_probe_skips_the_two_sequence_pass_that_would_not_fit(monkeypatch):
