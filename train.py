@@ -175,7 +175,8 @@ def load_base(args, device, calibration: list | None):
                   "calibration": hashlib.sha256(json.dumps(calibration).encode()).hexdigest()}
         if run_dir.base_problem(args.output_dir, **fields) is None:
             log(f"the base: {os.path.join(args.output_dir, run_dir.BASE)} (saved by this run)")
-            return load_model(os.path.join(args.output_dir, run_dir.BASE), quant="nvfp4", device=device, dtype=dtype)
+            return load_model(os.path.join(args.output_dir, run_dir.BASE), quant="nvfp4", device=device,
+                              dtype=dtype)
     kw = {"quant": args.quant, "device": device, "dtype": dtype, "quantizer": args.quantizer, "calibration": calibration}
     if args.random_init:
         model = build_model(random_init_config(args.model), seed=args.seed, **kw)
@@ -415,7 +416,8 @@ def optimizer_step(step: int, policy: Policy, stream: PromptStream, tokenizer, a
         return {**m, "skipped": True}, ro
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     m.update(train_step(policy, ro.groups, noise, pad_id, args))
-    m["reward/kept"] = torch.cat([g.rewards for g in ro.groups]).mean().item()  # what the loss trained on
+    if policy.grpo_cfg.dynamic_sampling:  # what the loss trained on (without it, every group: reward)
+        m["reward/kept"] = torch.cat([g.rewards for g in ro.groups]).mean().item()
     return m, ro
 
 

@@ -48,10 +48,11 @@ def with_reward(bench: Bench, out: str, name: str, edit_after=None) -> str:
 
 
 def small_run(bench: Bench, out: str, *extra) -> list[str]:
-    """train.py's flags for a few quick steps of the tiny model."""
-    return ["--model", bench.model, "--output-dir", out, "--dataset", "addition", "--lora-rank", "4", "--dtype",
-            "float32", "--max-new-tokens", "4", "--eval-limit", "0", "--no-dynamic-sampling", "--group-size", "2",
-            "--prompts-per-step", "2", "--micro-batch", "4", "--log-every", "0", *extra]
+    """train.py's flags for a few quick steps of the model. Its base is bf16: these probes test the loop, not
+    the base's format, and a real model's NVFP4 steps on a CPU (its matmuls emulated) outlast their limits."""
+    return ["--model", bench.model, "--output-dir", out, "--dataset", "addition", "--quant", "bf16", "--lora-rank",
+            "4", "--dtype", "float32", "--max-new-tokens", "4", "--eval-limit", "0", "--no-dynamic-sampling",
+            "--group-size", "2", "--prompts-per-step", "2", "--micro-batch", "4", "--log-every", "0", *extra]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,12 +159,18 @@ def _ctrl_c(bench: Bench) -> object:
     open(reward, "w").write(REWARD)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"),
            *small_run(bench, out, "--max-steps", "500", "--save-every", "1", "--reward", f"{reward}:fn")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it, whatever this process inherited (an ignored SIGINT would be kept)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     latest = os.path.join(out, run_dir.LATEST)
     while not os.path.exists(latest) and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=60)[1]
+    try:
+        err = proc.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:   # it trains on: stopped here, and counted as going on in silence
+        proc.kill()
+        return proc.communicate()[1]
     lines = [ln for ln in err.splitlines() if ln.strip() and "it/s]" not in ln and "s/it]" not in ln]
     said = [ln for ln in lines if ln.startswith("interrupted")]
     if proc.returncode == 130 and len(said) == 1 and "Traceback" not in err and "--resume" in said[0]:
