@@ -29,7 +29,6 @@ the prompt the adapter was trained on would be unknown. Each refusal is one line
 import argparse
 import json
 import os
-import tempfile
 import time
 
 import torch
@@ -42,7 +41,7 @@ import tasks
 from checkpoint import load_model, load_tokenizer
 from data import one_line
 from flags import HelpFormatter, add_column_flags, add_flags
-from run_dir import MANIFEST, RUN_CONFIG, run_base, run_settings, verify_adapter
+from run_dir import MANIFEST, RUN_CONFIG, run_base, run_settings, verify_adapter, write_problem
 
 # ----------------------------------------------------------------------------------------------
 
@@ -75,21 +74,6 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256, system_
         metrics["gsm8k_strict_match"] = sum(strict) / len(strict)
         metrics["gsm8k_flexible_match"] = sum(flexible) / len(flexible)
     return metrics, records
-
-
-def output_problem(path: str) -> str | None:
-    """Why --output cannot be written (else None), found before the evaluation: it is a directory, or
-    its directory cannot be made or written to (probed with a temporary file)."""
-    if os.path.isdir(path):
-        return f"{path} is a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(parent, exist_ok=True)
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as e:
-        return f"cannot write in {parent} ({e.strerror or e})"
-    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +151,8 @@ def main(argv=None):
     problems = {"--dataset": tasks.source_problem(args.dataset, args.split, args.dataset_config, columns),
                 "--model": tasks.model_problem(args.model) or tasks.tokenizer_problem(args.model),
                 "--adapter": args.adapter and verify_adapter(args.adapter),
-                "--output": args.output and output_problem(args.output)}
+                "--output": args.output and (f"{args.output} is a directory" if os.path.isdir(args.output) else
+                                             write_problem(os.path.dirname(os.path.abspath(args.output))))}
     for flag, problem in problems.items():
         if problem:
             p.error(f"{flag}: {problem}")

@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 
 import torch
 
@@ -57,7 +56,7 @@ import lora
 import tasks
 from checkpoint import load_model, load_tokenizer, save_pretrained
 from model import Transformer
-from run_dir import RUN_CONFIG, resume_checkpoint, run_base, run_settings, verify_adapter, write_manifest
+from run_dir import RUN_CONFIG, resume_checkpoint, run_base, run_settings, verify_adapter, write_manifest, write_problem
 
 FORMATS = ("adapter", "merged", "nvfp4")
 
@@ -74,20 +73,6 @@ def export_merged(model, directory: str) -> None:
     dense.load_state_dict(merged, strict=False, assign=True)
     dense.tie_weights()
     save_pretrained(dense, directory)
-
-
-def out_problem(out: str) -> str | None:
-    """Why --out cannot receive the exports (else None), found before the base loads: it is a file, or
-    it cannot be made or written to (probed with a temporary file)."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        return f"{out} is a file, not a directory"
-    try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        return f"cannot write in {out} ({e.strerror or e})"
-    return None
 
 
 def write_exports(args, formats: list[str], staging: str) -> None:
@@ -134,7 +119,8 @@ def run_template(tokenizer, args) -> None:
 def resolve_run(p, args) -> None:
     """Fill in what the run recorded (run_dir.run_settings): the base (--model), its format and quantizer
     (--quant, --quantizer; run_dir.run_base: a gptq run's saved base) and the prompt (--system-prompt,
-    --chat-template-kwargs), where not given; a --quant or --quantizer other than the run's is said. An --adapter that is a run directory means its newest checkpoint that verifies."""
+    --chat-template-kwargs), where not given; a --quant or --quantizer other than the run's is said. An
+    --adapter that is a run directory means its newest checkpoint that verifies."""
     if os.path.isfile(os.path.join(args.adapter, RUN_CONFIG)) and not os.path.exists(
             os.path.join(args.adapter, lora.ADAPTER_CONFIG)):
         ckpt = resume_checkpoint(args.adapter)
@@ -196,7 +182,8 @@ def main(argv=None):
             p.error(f"{os.path.join(args.out, f)} exists: pass --overwrite or choose another --out")
     problems = {"--adapter": verify_adapter(args.adapter),
                 "--model": tasks.model_problem(args.model) or tasks.tokenizer_problem(args.model),
-                "--out": out_problem(args.out)}
+                "--out": f"{args.out} is a file, not a directory" if os.path.isfile(args.out) else
+                write_problem(args.out)}
     for flag, problem in problems.items():
         if problem:
             p.error(f"{flag}: {problem}")

@@ -53,6 +53,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 
 import torch
@@ -400,6 +401,18 @@ def run_base(adapter: str | None, run: dict, quant: str | None, quantizer: str |
     path = os.path.join(os.path.dirname(os.path.abspath(adapter)), BASE)
     why = verify_manifest(path, ("config.json",))
     return f"the run's saved base {path}: {why}" if why else (path, "nvfp4", "rtn")
+
+
+def write_problem(directory: str) -> str | None:
+    """Why files cannot be written in directory (made where missing), probed with a temporary file, else
+    None: eval.py's --output and export.py's --out are checked before anything loads."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        return f"cannot write in {directory} ({e.strerror or e})"
+    return None
 
 
 def verify_adapter(path: str) -> str | None:
