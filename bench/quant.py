@@ -32,7 +32,14 @@ train rows never overlap, so GPTQ is never scored on its own calibration text.
         --out bench/results/quant_smollm2_calib_solutions_cpu.json
 
 --shapes times nvfp4.quantize (absmax and mse) on random N(0, 0.02²) bf16 matrices of those shapes on
-this machine, once each. Prints a table and writes JSON. Test: tests/test_quant_bench.py (a tiny
+this machine, once each. --random-init times each quantizer on a whole random-init model of a
+checkpoint.SHAPES name (or a directory with config.json) instead, on --device, with --calib-rows random
+sequences of --calib-len tokens for gptq: its seconds and its peak memory (the cost of quantizing a 7B or
+32B model at load; random weights make the KL meaningless, so it is not measured there):
+
+    python bench/quant.py --random-init qwen2.5-7b,qwen2.5-32b --device cuda --out quant_time_h100.json
+
+Prints a table and writes JSON. Test: tests/test_quant_bench.py (a tiny
 model, CPU).
 """
 import argparse
@@ -48,7 +55,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import nvfp4  # noqa: E402
 import tasks  # noqa: E402
-from checkpoint import load_model, load_tokenizer  # noqa: E402
+from checkpoint import build_model, load_model, load_tokenizer, random_init_config  # noqa: E402
 
 QUANTIZERS = ("rtn", "mse", "gptq")
 
@@ -108,9 +115,44 @@ def time_shapes(shapes: list[str]) -> dict:
     return out
 
 
+def describe(device: str) -> str:
+    """The machine a timing ran on, in words."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def time_random_init(shapes: list[str], names: list[str], device: str, calib_rows: int, calib_len: int) -> dict:
+    """{shape: {quantizer: {"seconds", "peak_gib"}}}: checkpoint.build_model of each random-init shape
+    quantized by each quantizer (peak_gib: the device's peak allocated memory; None on a CPU)."""
+    out = {}
+    for shape in shapes:
+        cfg = random_init_config(shape)
+        gen = torch.Generator().manual_seed(0)
+        calibration = torch.randint(0, cfg["vocab_size"], (calib_rows, calib_len), generator=gen).tolist()
+        out[shape] = {}
+        for name in names:
+            cuda = torch.device(device).type == "cuda"
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            model = build_model(cfg, quant="nvfp4", device=device, quantizer=name,
+                                calibration=calibration if name == "gptq" else None)
+            if cuda:
+                torch.cuda.synchronize(device)
+            row = {"seconds": time.perf_counter() - t0,
+                   "peak_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None}
+            del model
+            out[shape][name] = row
+            print(f"{shape} {name}: {row['seconds']:.1f} s" + (f", peak {row['peak_gib']:.1f} GiB" if cuda else ""),
+                  flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="a bf16 checkpoint directory or Hub id")
+    ap.add_argument("--model", default=None, help="a bf16 checkpoint directory or Hub id (the KL table)")
     ap.add_argument("--data", default="gsm8k", help="a tasks.py source with train and test splits")
     ap.add_argument("--quantizers", default=",".join(QUANTIZERS))
     ap.add_argument("--eval-rows", type=int, default=64, help="held-out rows of the test split")
@@ -118,6 +160,9 @@ def main(argv=None):
     ap.add_argument("--calib-solutions", action="store_true", help="calibrate on prompts + gold solutions")
     ap.add_argument("--shapes", default="", help="NxK,... to time nvfp4.quantize on (e.g. 3584x18944)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--random-init", default="", help="SHAPE,...: time each quantizer on a random-init model instead")
+    ap.add_argument("--device", default="cpu", help="where --random-init builds its models")
+    ap.add_argument("--calib-len", type=int, default=256, help="tokens of each random calibration sequence")
     ap.add_argument("--out", default=None, help="write the results here as JSON")
     args = ap.parse_args(argv)
     if args.threads:
@@ -125,6 +170,15 @@ def main(argv=None):
     names = args.quantizers.split(",")
     if set(names) - set(QUANTIZERS):
         ap.error(f"--quantizers: unknown {sorted(set(names) - set(QUANTIZERS))}; choose from {QUANTIZERS}")
+    if args.random_init:
+        timings = time_random_init(args.random_init.split(","), names, args.device, args.calib_rows, args.calib_len)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"args": vars(args), "torch": torch.__version__, "device": describe(args.device),
+                           "random_init": timings}, f, indent=1)
+        return
+    if not args.model:
+        ap.error("--model is required (or --random-init)")
     tokenizer = load_tokenizer(args.model)
     held_out, calibration = token_sets(tokenizer, args.data, args.eval_rows, args.calib_rows, args.calib_solutions)
     print(f"held-out: {len(held_out)} sequences, {sum(map(len, held_out))} tokens; calibration: "
@@ -147,8 +201,7 @@ def main(argv=None):
     timings = time_shapes([s for s in args.shapes.split(",") if s])
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "machine": f"cpu ({platform.processor() or platform.machine()}, "
-                       f"{torch.get_num_threads()} threads)", "torch": torch.__version__,
+            json.dump({"args": vars(args), "machine": describe("cpu"), "torch": torch.__version__,
                        "held_out_tokens": sum(map(len, held_out)), "calibration_tokens": sum(map(len, calibration)),
                        "table": rows, "quantize_seconds": timings}, f, indent=1)
 

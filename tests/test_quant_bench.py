@@ -29,3 +29,20 @@ def test_every_quantizer_gets_kl_weight_error_and_load_time(smollm2_tokenizer, t
         assert 0 < row["weight_rel_err"] < 0.2 and row["load_seconds"] > 0, (name, row)
     assert table["mse"]["weight_rel_err"] < table["rtn"]["weight_rel_err"]
     assert set(result["quantize_seconds"]) == {"16x64 absmax", "16x64 mse"}
+
+
+def test_random_init_times_each_quantizer(tmp_path):
+    """--random-init builds a random model of a config.json per quantizer and records its seconds (a CPU
+    has no peak memory to report); no KL, no tokenizer needed."""
+    bench = load_bench("quant")
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    (shape / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "time.json"
+    bench.main(["--random-init", str(shape), "--calib-rows", "2", "--calib-len", "8", "--out", str(out)])
+    rows = json.loads(out.read_text())["random_init"][str(shape)]
+    assert set(rows) == {"rtn", "mse", "gptq"}
+    assert all(r["seconds"] > 0 and r["peak_gib"] is None for r in rows.values()), rows
