@@ -87,7 +87,6 @@ import reward_worker
 import rewards
 import rollout
 import tasks
-import run_dir
 from checkpoint import build_model, load_model, random_init_config, save_pretrained
 from report import Callback, notify  # noqa: F401 (Callback: train.Callback, the API's)
 from run_data import PromptStream, load_prompts, step_seed
@@ -96,8 +95,9 @@ from flags import parse_args
 from logprobs import collate, completion_logprobs, micro_batches
 from distributed import (all_reduce_grads, barrier, check_ranks, dist_setup, from_rank0, gather, rank_times,
                          rank_world)
-from run_dir import (COMPLETIONS, METRICS, RUN_CONFIG, last_checkpoint, load_checkpoint, plot_metrics,
-                     prepare_output_dir, save_checkpoint, truncate_rows, unlock_run_dir, write_atomic)
+from run_dir import (BASE, CALIBRATION_PROMPTS, COMPLETIONS, METRICS, RUN_CONFIG, base_problem, last_checkpoint,
+                     load_checkpoint, plot_metrics, prepare_output_dir, save_base, save_checkpoint, truncate_rows,
+                     unlock_run_dir, write_atomic)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -173,17 +173,18 @@ def load_base(args, device, calibration: list | None):
     if args.quantizer == "gptq":
         fields = {"model": args.model, "quantizer": args.quantizer,
                   "calibration": hashlib.sha256(json.dumps(calibration).encode()).hexdigest()}
-        if run_dir.base_problem(args.output_dir, **fields) is None:
-            log(f"the base: {os.path.join(args.output_dir, run_dir.BASE)} (saved by this run)")
-            return load_model(os.path.join(args.output_dir, run_dir.BASE), quant="nvfp4", device=device,
+        if base_problem(args.output_dir, **fields) is None:
+            log(f"the base: {os.path.join(args.output_dir, BASE)} (saved by this run)")
+            return load_model(os.path.join(args.output_dir, BASE), quant="nvfp4", device=device,
                               dtype=dtype)
-    kw = {"quant": args.quant, "device": device, "dtype": dtype, "quantizer": args.quantizer, "calibration": calibration}
+    kw = {"quant": args.quant, "device": device, "dtype": dtype, "quantizer": args.quantizer,
+          "calibration": calibration}
     if args.random_init:
         model = build_model(random_init_config(args.model), seed=args.seed, **kw)
     else:
         model = load_model(args.model, **kw)
     if fields and rank_world()[0] == 0:
-        log(f"the base saved: {run_dir.save_base(args.output_dir, lambda d: save_pretrained(model, d), **fields)}")
+        log(f"the base saved: {save_base(args.output_dir, lambda d: save_pretrained(model, d), **fields)}")
     return model
 
 
@@ -294,14 +295,15 @@ def rollout_step(step: int, policy: Policy, stream: PromptStream, noise: dict, t
     return Rollout(groups, metrics, samples, totals, terms)
 
 
-def reward_metrics(stats: rewards.RewardStats, totals: list, terms: dict, completions: list, group_size: int) -> dict:
+def reward_metrics(stats: rewards.RewardStats, totals: list, terms: dict, completions: list,
+                   group_size: int) -> dict:
     """A rollout's reward records over all ranks: the mean reward of everything sampled (the reward
-    functions' totals before overlong shaping, every round, kept or not: dynamic sampling keeps the groups with a spread, so the kept groups' mean, train_step's
-    `reward/kept`, sits near the middle whether the policy solves 10% or 90% of its prompts), the groups'
-    spread and the share of groups without one, the reward functions' errors and timeouts, each term's mean
-    over the completions it scored (None: no opinion), the completions' mean length and the share cut at
-    the length limit. stats are this rank's; totals (prompt-major, group_size a prompt), terms and
-    completions are every rank's."""
+    functions' totals before overlong shaping, every round, kept or not; dynamic sampling keeps the groups
+    with a spread, so their mean, optimizer_step's `reward/kept`, sits near the middle whether the policy
+    solves 10% or 90% of its prompts), the groups' spread and the share of groups without one, the reward
+    functions' errors and timeouts, each term's mean over the completions it scored (None: no opinion),
+    the completions' mean length and the share cut at the length limit. stats are this rank's; totals
+    (prompt-major, group_size a prompt), terms and completions are every rank's."""
     errors, timeouts = map(sum, zip(*gather((stats.errors, stats.timeouts))))
     found = {name: [v for v in values if v is not None] for name, values in terms.items()}
     rg = torch.tensor(totals, dtype=torch.float64).view(-1, group_size)                # (prompts, G)
@@ -526,7 +528,7 @@ def start_policy(args, device, resume_from: str | None, world: int) -> tuple:
     tokenizer, stream, eval_set = load_prompts(args, log)
     t0 = time.perf_counter()
     log(f"loading {args.model} ({'random init, ' if args.random_init else ''}{args.quant}) on {device} ...")
-    calibration = stream.first_ids(run_dir.CALIBRATION_PROMPTS) if args.quantizer == "gptq" else None
+    calibration = stream.first_ids(CALIBRATION_PROMPTS) if args.quantizer == "gptq" else None
     policy = build_policy(args, device, calibration)
     log(f"loaded in {time.perf_counter() - t0:.1f} s; {plan.describe(policy.step_plan)}")
     line, slow = ops.describe(device)                  # which fast paths run here, and any that cannot
