@@ -37,7 +37,7 @@ checkpoint.SHAPES name (or a directory with config.json) instead, on --device, w
 sequences of --calib-len tokens for gptq: its seconds and its peak memory (the cost of quantizing a 7B or
 32B model at load; random weights make the KL meaningless, so it is not measured there):
 
-    python bench/quant.py --random-init qwen2.5-7b,qwen2.5-32b --device cuda --out quant_time_h100.json
+    python bench/quant.py --random-init qwen2.5-7b,qwen2.5-32b --device cuda --out runs/quant_time.json
 
 Prints a table and writes JSON. Test: tests/test_quant_bench.py (a tiny
 model, CPU).
