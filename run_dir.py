@@ -392,6 +392,8 @@ def run_base(adapter: str | None, run: dict, quant: str | None, quantizer: str |
     A gptq run's codes depend on its calibration prompts, so its base is the one it saved, <run>/base,
     checked by its manifest, and loaded as it is (already NVFP4: nothing is quantized)."""
     quant, quantizer = quant or run.get("quant", "nvfp4"), quantizer or run.get("quantizer", "rtn")
+    if quant != "nvfp4":                         # a bf16 base has no codes to choose
+        return None, quant, "rtn"
     if quantizer != "gptq":
         return None, quant, quantizer
     if run.get("quantizer") != "gptq":

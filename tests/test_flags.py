@@ -232,6 +232,7 @@ def test_eval_and_export_take_the_runs_base(tmp_path):
     path = run_dir.save_base(str(tmp_path), write, model="m", calibration="abc")
     assert path == str(tmp_path / "base") and not os.path.exists(tmp_path / ".tmp-base")
     assert run_dir.run_base(adapter, gptq, None, None) == (path, "nvfp4", "rtn")
+    assert run_dir.run_base(adapter, gptq, "bf16", None) == (None, "bf16", "rtn")   # the bf16 model, as asked
     assert run_dir.base_problem(str(tmp_path), model="m", calibration="abc") is None
     assert run_dir.base_problem(str(tmp_path), model="m", calibration="abd") == "it was quantized with other calibration"
     open(os.path.join(path, "config.json"), "w").write("{} ")
