@@ -166,7 +166,8 @@ def run_config(spec: dict) -> dict:
         return dict(rec, status="does not fit")
     if spec["available_gib"] is not None and device.type == "cuda":
         # allocations past it raise torch.OutOfMemoryError, as on a smaller card
-        torch.cuda.set_per_process_memory_fraction(min(1.0, free / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, free / total),
+                                                   torch.cuda.current_device() if device.index is None else device.index)
     phase = "build"
     try:
         with tempfile.TemporaryDirectory() as d:  # train.py's --random-init reads a shape from config.json
