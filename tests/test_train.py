@@ -194,8 +194,8 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path, monkeypatch,
 
 def test_gptq_run_trains_and_resumes_on_its_saved_base(tiny_model, tmp_path, capsys):
     """--quantizer gptq: the base, quantized with the run's first training prompts, is saved in the run
-    directory; a resumed run and eval.py load it rather than quantize again, and 2 steps + resume 1 step
-    == 3 steps straight, bit for bit. The saved codes are GPTQ's: they differ from round-to-nearest's."""
+    directory; a resumed run, eval.py and export.py load it rather than quantize again, and 2 steps + resume
+    1 step == 3 steps straight, bit for bit. The saved codes are GPTQ's: they differ from round-to-nearest's."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     common = ["--model", tiny_model, "--save-every", "1", "--eval-limit", "0", "--max-steps", "3",
               "--quantizer", "gptq", *FAST]
@@ -215,6 +215,10 @@ def test_gptq_run_trains_and_resumes_on_its_saved_base(tiny_model, tmp_path, cap
     qeval.main(["--model", tiny_model, "--adapter", os.path.join(b, "checkpoint-000003"), "--dataset", "addition",
                 "--limit", "2", "--max-new-tokens", "4", "--dtype", "float32"])
     assert f"loading {base} (nvfp4, gptq, saved by the run)" in capsys.readouterr().out
+    import export   # the NVFP4 export of the run is the base it trained on, code for code
+    export.main(["--adapter", b, "--out", str(tmp_path / "exported"), "--formats", "nvfp4"])
+    exported = load_model(str(tmp_path / "exported" / "nvfp4"), quant="nvfp4", dtype=torch.float32).state_dict()
+    assert all(torch.equal(exported[k], saved[k]) for k in packed)
 
 
 @pytest.mark.parametrize("device,steps", [("cpu", 2), pytest.param("cuda", 20, marks=pytest.mark.gpu)])
