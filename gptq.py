@@ -32,8 +32,10 @@ nvfp4.block_scales: "absmax", or by default "mse", the search over E4M3 scales n
 weighing each column's squared error by what an error there costs the layer, 1 / [H⁻¹]_kk = 1 / U_kk²
 (the OBS cost above). On SmolLM2 (bench/quant.py) GPTQ takes the KL to the bf16 model from 0.23 nats
 a token (absmax rounding) to 0.076; with absmax scales, or the unweighted search, it stopped near 0.11
-and 0.10 on a quarter of that text. Block and lazy-update boundaries line up (128 is a multiple of 16). The global scale g is the original weights' (the min of a group's, as
-checkpoint.quantize_group takes it). The output is an ordinary compressed-tensors NVFP4 tensor: only
+and 0.10 on a quarter of that text. Block and lazy-update boundaries line up (128 is a multiple of
+16). A column needs only its rounded values (nvfp4.round_e2m1) for its error; its codes are encoded
+with its 16-block's once the block is final, one nvfp4.encode a block. The global scale g is the
+original weights' (the min of a group's, as checkpoint.quantize_group takes it). The output is an ordinary compressed-tensors NVFP4 tensor: only
 the chosen codes and scales differ from nvfp4.quantize's.
 
 Layer by layer (`Layerwise`). H must come from the inputs a linear sees in the quantized model, so
@@ -126,7 +128,6 @@ def quantize(w: torch.Tensor, H: torch.Tensor, global_scale: torch.Tensor | None
     W = w.to(torch.float32).clone()                                       # (N, K), corrected in place
     codes = torch.empty(N, K, dtype=torch.uint8, device=w.device)
     scale = torch.empty(N, K // nvfp4.BLOCK, dtype=torch.float32, device=w.device)
-    table = torch.tensor(nvfp4.E2M1_VALUES, device=w.device)               # code -> value
     for b0 in range(0, K, block_size):
         b1 = min(b0 + block_size, K)
         W1, U1 = W[:, b0:b1], U[b0:b1, b0:b1]                             # views: (N, B), (B, B)
@@ -138,10 +139,12 @@ def quantize(w: torch.Tensor, H: torch.Tensor, global_scale: torch.Tensor | None
                 s = nvfp4.block_scales(W1[:, i:i + nvfp4.BLOCK].unsqueeze(1), g, scales, cost)  # (N, 1)
                 scale[:, k // nvfp4.BLOCK] = s[:, 0]
                 step = s[:, 0] / g                                        # (N,) s/g, as dequantize has it
-            c = nvfp4.encode(W1[:, i, None, None], s, g)[:, 0, 0]          # (N,) codes of column k
-            codes[:, k] = c
-            err[:, i] = (W1[:, i] - table[c.long()] * step) / U1[i, i]
+            x = (W1[:, i] / step).clamp(-nvfp4.FP4_MAX, nvfp4.FP4_MAX)    # (N,) as nvfp4.encode scales it
+            err[:, i] = (W1[:, i] - nvfp4.round_e2m1(x) * step) / U1[i, i]
             W1[:, i + 1:].addr_(err[:, i], U1[i, i + 1:], alpha=-1)       # this block's columns after k
+            if k % nvfp4.BLOCK == nvfp4.BLOCK - 1:                        # its columns are final: their codes
+                j = i + 1 - nvfp4.BLOCK
+                codes[:, k + 1 - nvfp4.BLOCK:k + 1] = nvfp4.encode(W1[:, j:i + 1].unsqueeze(1), s, g)[:, 0]
         W[:, b1:].addmm_(err, U[b0:b1, b1:], alpha=-1)                     # the columns after the block
     return nvfp4.pack_fp4(codes), scale.to(torch.float8_e4m3fn), g
 

@@ -130,15 +130,31 @@ def compute_global_scale(w: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape(1)
 
 
+@functools.cache
+def _boundaries(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """_ROUND_UP_ABOVE and _ROUND_UP_FROM as tensors, made once per dtype and device (not per call)."""
+    return (torch.tensor(_ROUND_UP_ABOVE, dtype=dtype, device=device),
+            torch.tensor(_ROUND_UP_FROM, dtype=dtype, device=device))
+
+
+def _e2m1_magnitudes(a: torch.Tensor) -> torch.Tensor:
+    """|x| in [0, 6] -> the index 0..7 (int32) of the nearest E2M1 magnitude, ties to even. bucketize
+    counts the boundaries t with t < a (right=False) or t <= a (right=True): two passes over the tensor
+    instead of one comparison per boundary."""
+    above, from_ = _boundaries(a.dtype, a.device)
+    return torch.bucketize(a, above, out_int32=True) + torch.bucketize(a, from_, out_int32=True, right=True)
+
+
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Round x (already in [-6, 6]) to E2M1 codes (uint8 0..15), ties to even."""
-    a = x.abs()
-    # bucketize counts boundaries t with t < a (right=False) or t <= a (right=True): two passes
-    # over the tensor instead of one comparison per boundary.
-    above = torch.tensor(_ROUND_UP_ABOVE, dtype=a.dtype, device=a.device)
-    from_ = torch.tensor(_ROUND_UP_FROM, dtype=a.dtype, device=a.device)
-    mag = torch.bucketize(a, above, out_int32=True) + torch.bucketize(a, from_, out_int32=True, right=True)  # 0..7
-    return mag.to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)          # sign in bit 3
+    return _e2m1_magnitudes(x.abs()).to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)   # sign in bit 3
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """x (already in [-6, 6], fp32) -> the E2M1 value its code stands for: E2M1_VALUES[_e2m1_codes(x)],
+    without forming the code (GPTQ rounds one column at a time and needs the value only)."""
+    v = _e2m1_table(x.device)[:8][_e2m1_magnitudes(x.abs())]
+    return torch.where(x < 0, -v, v)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -553,3 +553,17 @@ def test_gpu_quantize_matches_cpu_and_kernel_path_matches_reference():
     y.backward(dy)
     dx = dy.float() @ W
     assert (x.grad.float() - dx).abs().max() < 2e-2 * dx.abs().max()
+
+
+def test_round_e2m1_is_the_value_of_the_code():
+    """round_e2m1 (GPTQ's per-column rounding) gives E2M1_VALUES[code] of _e2m1_codes for every input:
+    each grid value, each midpoint (ties to even), just either side of them, ±0 and ±6."""
+    grid = torch.tensor(nvfp4.E2M1_VALUES[:8])
+    mids = (grid[1:] + grid[:-1]) / 2
+    base = torch.cat([grid, mids, torch.tensor([0.1, 5.9, 6.0])])
+    up, down = base.nextafter(torch.tensor(7.0)).clamp(max=6), base.nextafter(torch.tensor(-1.0)).clamp(min=0)
+    x = torch.cat([base, up, down])
+    x = torch.cat([x, -x, torch.tensor([-0.0])])
+    want = torch.tensor(nvfp4.E2M1_VALUES)[nvfp4._e2m1_codes(x).long()]
+    got = nvfp4.round_e2m1(x)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
