@@ -400,8 +400,8 @@ def run_base(adapter: str | None, run: dict, quant: str | None, quantizer: str |
         return ("--quantizer gptq needs calibration prompts: train.py --quantizer gptq quantizes with the run's "
                 "own and saves that base in the run directory (base/), which eval.py and export.py load for the "
                 "run's adapters")
-    path = os.path.join(os.path.dirname(os.path.abspath(adapter)), BASE)
-    why = verify_manifest(path, ("config.json",))
+    root = os.path.dirname(os.path.abspath(adapter))
+    why, path = base_problem(root), os.path.join(root, BASE)
     return f"the run's saved base {path}: {why}" if why else (path, "nvfp4", "rtn")
 
 
