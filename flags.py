@@ -162,10 +162,10 @@ class TrainConfig:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer hub id or directory (default: --model)"})
     quant: str = field(default="nvfp4", metadata={"choices": ("nvfp4", "bf16"),
                                                   "help": "base weights: 4-bit NVFP4 or bf16"})
-    quantizer: str = field(default="rtn", metadata={"choices": ("rtn", "mse", "gptq"), "help": (
-        "how NVFP4's codes and scales are chosen (checkpoint.py): rtn, round to nearest with absmax scales "
-        "(llm-compressor's); mse, each block's scale searched; gptq, error compensation on the first "
-        f"{128} training prompts, the base saved in the run directory (base/)")})
+    quantizer: str | None = field(default=None, metadata={"choices": ("rtn", "mse", "gptq"), "help": (
+        "how NVFP4's codes and scales are chosen (checkpoint.py): gptq (the default with --quant nvfp4), "
+        "error compensation on the first 128 training prompts, the base saved in the run directory "
+        "(base/); rtn, round to nearest with absmax scales (llm-compressor's); mse, each block's scale searched")})
     dtype: str = field(default="bfloat16", metadata={"choices": ("bfloat16", "float32"),
                                                      "help": "activations and adapters"})
     device: str | None = field(default=None, metadata={
@@ -586,5 +586,7 @@ def resolve(p, chosen: dict, defaults: dict):
     args = argparse.Namespace(**{**defaults, **recorded, **chosen})
     if args.aqn_steps is None:   # the schedule spans the run's first --max-steps, which its record keeps
         args.aqn_steps = recorded.get("max_steps", args.max_steps)
+    if args.quantizer is None:   # GPTQ for an NVFP4 base (it keeps the model closest to bf16); bf16 has no codes
+        args.quantizer = "gptq" if args.quant == "nvfp4" else "rtn"
     check(p, args)
     return args

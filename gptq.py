@@ -21,7 +21,8 @@ factor U of H⁻¹ (H⁻¹ = UᵀU), scaled by U_kk, so one Cholesky replaces th
     err_k = (w_k − q_k) / U_kk            w_{k+1:} −= err_k · U_{k,k+1:}           (N,) outer (K−k−1,)
 
 and updates are applied lazily: within a block of 128 columns column by column, and to the columns
-after it once, as Err (N, 128) · U_{block, after} (one matmul). H gets 1% of its mean diagonal added
+after it once, as Err (N, 128) · U_{block, after} (one matmul). On a GPU the column loop is thousands of
+tiny kernels a block, so each block shape is captured once as a CUDA graph and replayed (GraphedBlock). H gets 1% of its mean diagonal added
 first (`damp`): a few calibration tokens make XᵀX nearly singular, and the step must stay small. An
 input channel the calibration never drives (H_kk = 0) gets H_kk = 1: its weight is simply rounded.
 
@@ -110,10 +111,12 @@ def inverse_cholesky(H: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize(w: torch.Tensor, H: torch.Tensor, global_scale: torch.Tensor | None = None, *,
-             scales: str = "mse", block_size: int = BLOCK_SIZE, damp: float = DAMP, name: str = ""):
+             scales: str = "mse", block_size: int = BLOCK_SIZE, damp: float = DAMP, name: str = "",
+             graphs: dict | None = None):
     """W (N, K) with its inputs' Hessian H (K, K) -> (packed (N, K/2), scale (N, K/16) e4m3, g (1,)),
     the format of nvfp4.quantize. global_scale: as there (None: W's own); scales: how each 16-block's
-    scale is chosen from its corrected weights ("mse" or "absmax")."""
+    scale is chosen from its corrected weights ("mse" or "absmax"). graphs: a dict in which a CUDA
+    weight's full blocks keep one GraphedBlock per shape (None: every block runs eagerly)."""
     where = f" for {name}" if name else ""
     if w.ndim != 2 or w.shape[1] % nvfp4.BLOCK or tuple(H.shape) != (w.shape[1],) * 2:
         raise ValueError(f"gptq.quantize{where}: needs W (N, K) with K a multiple of {nvfp4.BLOCK} and H (K, K), "
@@ -130,23 +133,69 @@ def quantize(w: torch.Tensor, H: torch.Tensor, global_scale: torch.Tensor | None
     scale = torch.empty(N, K // nvfp4.BLOCK, dtype=torch.float32, device=w.device)
     for b0 in range(0, K, block_size):
         b1 = min(b0 + block_size, K)
-        W1, U1 = W[:, b0:b1], U[b0:b1, b0:b1]                             # views: (N, B), (B, B)
-        err = torch.zeros(N, b1 - b0, device=w.device)                    # (N, B)
-        for i in range(b1 - b0):
-            k = b0 + i
-            if k % nvfp4.BLOCK == 0:                                      # a 16-block starts: fix its scale
-                cost = U1.diagonal()[i:i + nvfp4.BLOCK].square().reciprocal()   # (16,) 1 / [H⁻¹]_kk
-                s = nvfp4.block_scales(W1[:, i:i + nvfp4.BLOCK].unsqueeze(1), g, scales, cost)  # (N, 1)
-                scale[:, k // nvfp4.BLOCK] = s[:, 0]
-                step = s[:, 0] / g                                        # (N,) s/g, as dequantize has it
-            x = (W1[:, i] / step).clamp(-nvfp4.FP4_MAX, nvfp4.FP4_MAX)    # (N,) as nvfp4.encode scales it
-            err[:, i] = (W1[:, i] - nvfp4.round_e2m1(x) * step) / U1[i, i]
-            W1[:, i + 1:].addr_(err[:, i], U1[i, i + 1:], alpha=-1)       # this block's columns after k
-            if k % nvfp4.BLOCK == nvfp4.BLOCK - 1:                        # its columns are final: their codes
-                j = i + 1 - nvfp4.BLOCK
-                codes[:, k + 1 - nvfp4.BLOCK:k + 1] = nvfp4.encode(W1[:, j:i + 1].unsqueeze(1), s, g)[:, 0]
+        args = W[:, b0:b1], U[b0:b1, b0:b1], g, scales                    # (N, B), (B, B)
+        if graphs is not None and w.is_cuda and b1 - b0 == block_size:
+            key = (N, block_size, scales, w.device)
+            if key not in graphs:
+                graphs[key] = GraphedBlock(*args)
+            err, codes[:, b0:b1], scale[:, b0 // nvfp4.BLOCK:b1 // nvfp4.BLOCK] = graphs[key](*args[:3])
+        else:
+            err = block(*args, codes[:, b0:b1], scale[:, b0 // nvfp4.BLOCK:b1 // nvfp4.BLOCK])
         W[:, b1:].addmm_(err, U[b0:b1, b1:], alpha=-1)                     # the columns after the block
     return nvfp4.pack_fp4(codes), scale.to(torch.float8_e4m3fn), g
+
+
+def block(W1: torch.Tensor, U1: torch.Tensor, g: torch.Tensor, scales: str, codes: torch.Tensor,
+          scale: torch.Tensor) -> torch.Tensor:
+    """One lazy-update block, column by column (module docstring): W1 (N, B) is corrected in place,
+    its codes (N, B) uint8 and 16-block scales (N, B/16) fp32 are written; -> err (N, B), each column's
+    (w_k − q_k) / U_kk, for the update of the columns after the block."""
+    err = torch.zeros_like(W1)                                            # (N, B)
+    for i in range(W1.shape[1]):
+        if i % nvfp4.BLOCK == 0:                                          # a 16-block starts: fix its scale
+            cost = U1.diagonal()[i:i + nvfp4.BLOCK].square().reciprocal()   # (16,) 1 / [H⁻¹]_kk
+            s = nvfp4.block_scales(W1[:, i:i + nvfp4.BLOCK].unsqueeze(1), g, scales, cost)  # (N, 1)
+            scale[:, i // nvfp4.BLOCK] = s[:, 0]
+            step = s[:, 0] / g                                            # (N,) s/g, as dequantize has it
+        x = (W1[:, i] / step).clamp(-nvfp4.FP4_MAX, nvfp4.FP4_MAX)        # (N,) as nvfp4.encode scales it
+        err[:, i] = (W1[:, i] - nvfp4.round_e2m1(x) * step) / U1[i, i]
+        W1[:, i + 1:].addr_(err[:, i], U1[i, i + 1:], alpha=-1)           # this block's columns after i
+        if i % nvfp4.BLOCK == nvfp4.BLOCK - 1:                            # its columns are final: their codes
+            j = i + 1 - nvfp4.BLOCK
+            codes[:, j:i + 1] = nvfp4.encode(W1[:, j:i + 1].unsqueeze(1), s, g)[:, 0]
+    return err
+
+
+class GraphedBlock:
+    """`block` for one (N, B) shape, captured once as a CUDA graph and replayed for every block of that
+    shape. A block is B columns of ~45 small kernels each (the E4M3 scale search every 16 columns
+    included), too small to hide their launches: on a GPU the eager loop is bound by the host, and a
+    replay issues the same kernels from the device. Inputs are copied into static buffers, the kernels
+    and their order are the eager ones, so the codes and scales are the same bit for bit (tested on the
+    GPU). Capture follows torch's rule: one eager warm-up on a side stream first."""
+
+    def __init__(self, W1: torch.Tensor, U1: torch.Tensor, g: torch.Tensor, scales: str):
+        (N, B), device = W1.shape, W1.device
+        self.W1, self.U1, self.g = torch.empty_like(W1), torch.empty_like(U1), torch.empty_like(g)
+        self.codes = torch.empty(N, B, dtype=torch.uint8, device=device)
+        self.scale = torch.empty(N, B // nvfp4.BLOCK, dtype=torch.float32, device=device)
+        warm = torch.cuda.Stream(device)
+        warm.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(warm):                                     # makes nvfp4's cached tables
+            block(W1.clone(), U1, g, scales, self.codes, self.scale)
+        torch.cuda.current_stream(device).wait_stream(warm)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.err = block(self.W1, self.U1, self.g, scales, self.codes, self.scale)
+
+    def __call__(self, W1: torch.Tensor, U1: torch.Tensor, g: torch.Tensor):
+        """-> (err (N, B), codes (N, B), scale (N, B/16)), as block returns and writes them; the outputs
+        are the graph's buffers, overwritten by the next call."""
+        self.W1.copy_(W1)
+        self.U1.copy_(U1)
+        self.g.copy_(g)
+        self.graph.replay()
+        return self.err, self.codes, self.scale
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,7 +233,7 @@ class Layerwise:
                              f"with ids in [0, {vocab}), got {len(calibration or ())} sequences")
         self.model, self.calibration, self.scales = model, calibration, scales
         self.block_size, self.damp, self.batch_tokens = block_size, damp, batch_tokens or BATCH_TOKENS
-        self.layer, self.held, self.batches = 0, {}, None
+        self.layer, self.held, self.batches, self.graphs = 0, {}, None, {}   # graphs: quantize's
 
     def add(self, names: list[str], weights: list[torch.Tensor]) -> dict[str, tuple]:
         """Hold these linears' bf16 weights; once layer i's are all here, quantize the layer and return
@@ -219,7 +268,7 @@ class Layerwise:
             ws = [weights[n] for n in full]
             g = torch.cat([nvfp4.compute_global_scale(w) for w in ws]).min().reshape(1)
             packed, scale, _ = quantize(torch.cat(ws), H, g, scales=self.scales, block_size=self.block_size,
-                                     damp=self.damp, name=full[0])
+                                     damp=self.damp, name=full[0], graphs=self.graphs)
             del H
             rows = [w.shape[0] for w in ws]
             for n, m, p, s in zip(full, mods, packed.split(rows), scale.split(rows)):

@@ -137,6 +137,13 @@ def _boundaries(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor,
             torch.tensor(_ROUND_UP_FROM, dtype=dtype, device=device))
 
 
+@functools.cache
+def _fp4_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """FP4_MAX as a 0-d tensor, made once per dtype and device: block_scales runs inside GPTQ's CUDA
+    graph, where a host-to-device copy may not happen."""
+    return torch.tensor(FP4_MAX, dtype=dtype, device=device)
+
+
 def _e2m1_magnitudes(a: torch.Tensor) -> torch.Tensor:
     """|x| in [0, 6] -> the index 0..7 (int32) of the nearest E2M1 magnitude, ties to even. bucketize
     counts the boundaries t with t < a (right=False) or t <= a (right=True): two passes over the tensor
@@ -215,8 +222,7 @@ def block_scales(blocks: torch.Tensor, global_scale: torch.Tensor, scales: str =
     element's weighted by `importance` (broadcast to (..., B, 16); None: all 1)."""
     cdt = torch.promote_types(blocks.dtype, torch.float32)
     # amax/6 in the weights' dtype (a tensor divisor: true division on every device)
-    six = torch.tensor(FP4_MAX, dtype=blocks.dtype, device=blocks.device)
-    scale = global_scale * (blocks.abs().amax(dim=-1) / six)             # (..., B) in cdt
+    scale = global_scale * (blocks.abs().amax(dim=-1) / _fp4_max(blocks.dtype, blocks.device))  # (..., B) in cdt
     scale = scale.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(cdt)
     scale = torch.where(scale == 0, ZERO_BLOCK_SCALE, scale)             # never divide by 0
     if scales == "absmax":

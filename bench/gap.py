@@ -4,7 +4,8 @@ GRPO's loss compares the training forward's log π(token) with the log-prob the 
 it drew the token. In one process with one set of weights the two differ only by arithmetic: the
 sampler decodes a token at a time (a few-row GEMV for the lm_head, paged attention over a bf16 KV
 cache, the fused kernels), the trainer runs whole sequences (large-M GEMMs, SDPA). This measures, per
-completion token at the first step of a run (LoRA B = 0, so the adapters add nothing yet):
+completion token at the first step of a run (LoRA B = 0, so the adapters add nothing yet), NVFP4
+rounded to nearest (--quantizer rtn: the gap is the engines' arithmetic, whatever codes the base holds):
 
     sampler - trainer      the gap the loss sees (TRL's sampling/sampling_logp_difference/mean)
     sampler - fp32         each side against an fp32 forward of the same tokens and the same weights
@@ -132,7 +133,7 @@ def gaps(a, b, mask) -> dict:
 def measure(args, quant: str, device) -> dict:
     """The table's rows for one base format: the policy as train.py builds it (build_policy), its fp32
     twin, one rollout per logits arm, and every row of the module docstring."""
-    targs = parse_args(["--model", args.model, "--quant", quant, "--dtype", args.dtype, "--no-aqn",
+    targs = parse_args(["--model", args.model, "--quant", quant, "--quantizer", "rtn", "--dtype", args.dtype, "--no-aqn",
                         "--max-new-tokens", str(args.max_new_tokens),
                         "--group-size", str(args.group), "--prompts-per-step", str(args.prompts)])
     policy = build_policy(targs, device)

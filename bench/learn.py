@@ -4,12 +4,12 @@ QeRL's claim: the NVFP4 rounding of the frozen weights raises the policy's entro
 helps exploration, so NVFP4 + LoRA (+ AQN) grows reward at least as fast as 16-bit LoRA. This runs
 the four arms of that comparison with train.py as a user would, several seeds each:
 
-    nvfp4+aqn   --quant nvfp4 --aqn          (qerl's default: round to nearest, --quantizer rtn)
-    nvfp4       --quant nvfp4 --no-aqn       (quantization noise alone)
+    nvfp4+aqn   --quantizer rtn --aqn        (NVFP4 rounded to nearest, llm-compressor's codes)
+    nvfp4       --quantizer rtn --no-aqn     (quantization noise alone)
     bf16+aqn    --quant bf16  --aqn
     bf16        --quant bf16  --no-aqn       (plain LoRA)
     mse+aqn     --quantizer mse --aqn        (NVFP4, each block's scale searched)
-    gptq+aqn    --quantizer gptq --aqn       (NVFP4, GPTQ on the run's first training prompts)
+    gptq+aqn    --quantizer gptq --aqn       (qerl's default: NVFP4, GPTQ on the run's first training prompts)
 
 Every other flag is shared (--train-args, appended to each run); a seed gives every arm the same
 data order and the same adapter initialisation (train.py derives both from --seed alone). Each run
@@ -35,7 +35,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-ARMS = {"nvfp4+aqn": ["--quant", "nvfp4", "--aqn"], "nvfp4": ["--quant", "nvfp4", "--no-aqn"],
+ARMS = {"nvfp4+aqn": ["--quant", "nvfp4", "--quantizer", "rtn", "--aqn"],
+        "nvfp4": ["--quant", "nvfp4", "--quantizer", "rtn", "--no-aqn"],
         "bf16+aqn": ["--quant", "bf16", "--aqn"], "bf16": ["--quant", "bf16", "--no-aqn"],
         "mse+aqn": ["--quant", "nvfp4", "--quantizer", "mse", "--aqn"],
         "gptq+aqn": ["--quant", "nvfp4", "--quantizer", "gptq", "--aqn"]}

@@ -89,7 +89,8 @@ def test_bad_requests_are_refused_before_loading(run, tmp_path, capsys):
 def test_a_run_exports_with_its_own_base_and_prompt(quant, smollm2_tokenizer, tmp_path, monkeypatch):
     """Two steps of a bf16 and of an NVFP4 run (the tiny model, a reward that varies, so the adapters move),
     then `export.py --adapter <checkpoint> --out X` and no other flag: the exports are of the run's base
-    format, the merged model gives the logits of our model with the adapter on the same prompt, built by
+    format, the merged model gives the logits of our model with the adapter (on the NVFP4 run's own base,
+    GPTQ's by default, saved in the run directory) on the same prompt, built by
     the exported template without a system message, which is the run's prompt; PEFT loads every
     checkpoint's adapter from its adapter_config.json alone (the base named by its absolute path)."""
     import train
@@ -115,7 +116,8 @@ def test_a_run_exports_with_its_own_base_and_prompt(quant, smollm2_tokenizer, tm
         [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
     assert served == tasks.build_prompt(AutoTokenizer.from_pretrained("base"), question, system)
     x = torch.tensor([tasks.encode_prompt(AutoTokenizer.from_pretrained("base"), question, system)])
-    ours = lora.load_adapter(load_model("base", quant=quant, device="cpu", dtype=torch.float32), ckpt)
+    base = os.path.join("run", "base") if quant == "nvfp4" else "base"
+    ours = lora.load_adapter(load_model(base, quant=quant, device="cpu", dtype=torch.float32), ckpt)
     assert any(m.lora_B.abs().max() > 0 for m in lora.lora_modules(ours).values()), "the adapters never moved"
     merged = AutoModelForCausalLM.from_pretrained("exported/merged", dtype=torch.float32).eval()
     with torch.no_grad():

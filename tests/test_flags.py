@@ -160,6 +160,22 @@ def test_a_run_recorded_before_a_flag_existed_resumes_with_the_value_it_used(tmp
     assert parse_args(["--resume", recorded_run(tmp_path)]).dynamic_sampling_threshold == 0.5
 
 
+def test_the_quantizer_defaults_to_gptq_for_an_nvfp4_base_only(tmp_path, capsys):
+    """--quantizer left out: gptq on an NVFP4 base, and nothing to choose on a bf16 one (recorded rtn, as
+    before); a quantizer named with --quant bf16 is refused; a run recorded before the flag existed
+    resumes with rtn, the codes it trained on."""
+    assert parse_args(["--model", "m"]).quantizer == "gptq"
+    assert parse_args(["--model", "m", "--quantizer", "rtn"]).quantizer == "rtn"
+    assert parse_args(["--model", "m", "--quant", "bf16"]).quantizer == "rtn"
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--quant", "bf16", "--quantizer", "gptq"])
+    assert "--quantizer gptq chooses NVFP4 codes, and --quant bf16 has none" in capsys.readouterr().err
+    rec = {k: v for k, v in vars(flags.build_parser().parse_args([])).items() if k != "quantizer"}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "run_config.json").write_text(json.dumps({**rec, "model": "m", "output_dir": str(tmp_path / "old")}))
+    assert parse_args(["--resume", str(tmp_path / "old")]).quantizer == "rtn"
+
+
 def test_a_changed_flag_on_resume_is_refused_by_name_at_once(tmp_path, capsys):
     out = recorded_run(tmp_path)
     before = sorted(os.listdir(out))

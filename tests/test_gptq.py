@@ -87,6 +87,26 @@ def test_gptq_beats_rounding_on_correlated_inputs():
         assert err["gptq mse"] < 0.8 * err["rtn"], err
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["mse", "absmax"])
+def test_graphed_blocks_give_the_eager_codes_bit_for_bit(scales):
+    """GraphedBlock replays the eager column loop: the same codes and scales, for a matrix with full
+    blocks (graphed, the first of a shape warmed up eagerly) and a tail block (eager), reused across
+    two matrices of one shape."""
+    gen = torch.Generator().manual_seed(7)
+    X = correlated_inputs(2048, 400, gen).cuda()                          # K = 3 full blocks + 16
+    graphs = {}
+    for seed in (0, 1):
+        w = (torch.randn(300, 400, generator=torch.Generator().manual_seed(seed)) * 0.05).bfloat16().cuda()
+        H = X.T @ X / len(X)
+        eager = gptq.quantize(w, H, scales=scales)
+        graphed = gptq.quantize(w, H, scales=scales, graphs=graphs)
+        for e, g in zip(eager, graphed):
+            assert torch.equal(e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e,
+                               g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g)
+    assert list(graphs) == [(300, gptq.BLOCK_SIZE, scales, w.device)]
+
+
 @needs_ct
 def test_gptq_output_is_a_compressed_tensors_nvfp4_tensor():
     gen = torch.Generator().manual_seed(3)

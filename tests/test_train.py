@@ -193,13 +193,13 @@ def test_resumed_run_equals_uninterrupted_run(tiny_model, tmp_path, monkeypatch,
 
 
 def test_gptq_run_trains_and_resumes_on_its_saved_base(tiny_model, tmp_path, capsys):
-    """--quantizer gptq: the base, quantized with the run's first training prompts, is saved in the run
+    """GPTQ, the default quantizer of an NVFP4 run: the base, quantized with the run's first training prompts, is saved in the run
     directory; a resumed run, eval.py and export.py load it rather than quantize again, and 2 steps + resume
     1 step == 3 steps straight, bit for bit. The saved codes are GPTQ's: they differ from round-to-nearest's."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    common = ["--model", tiny_model, "--save-every", "1", "--eval-limit", "0", "--max-steps", "3",
-              "--quantizer", "gptq", *FAST]
+    common = ["--model", tiny_model, "--save-every", "1", "--eval-limit", "0", "--max-steps", "3", *FAST]
     train.main([*common, "--output-dir", a])
+    assert json.load(open(os.path.join(a, run_dir.RUN_CONFIG)))["quantizer"] == "gptq"
     train.main([*common, "--output-dir", b, "--stop-at", "2"])
     capsys.readouterr()
     train.main([*common, "--output-dir", b, "--resume"])

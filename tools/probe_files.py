@@ -158,7 +158,8 @@ def make_run(bench: Bench) -> None:
     of steps 0-2."""
     run = os.path.join(bench.work, "pristine")
     os.makedirs(run)
-    args = flags.parse_args(["--model", bench.model, "--output-dir", run, "--dataset", "addition", "--lora-rank", "4",
+    args = flags.parse_args(["--model", bench.model, "--output-dir", run, "--dataset", "addition", "--quant", "bf16",
+                             "--lora-rank", "4",
                              "--dtype", "float32", "--max-new-tokens", "4", "--eval-limit", "0"])
     run_dir.write_atomic(os.path.join(run, run_dir.RUN_CONFIG), json.dumps(vars(args), indent=2))
     model = load_model(bench.model, quant="bf16", device="cpu", dtype=torch.float32)
