@@ -122,9 +122,11 @@ def describe(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def time_random_init(shapes: list[str], names: list[str], device: str, calib_rows: int, calib_len: int) -> dict:
+def time_random_init(shapes: list[str], names: list[str], device: str, calib_rows: int, calib_len: int,
+                     done=lambda out: None) -> dict:
     """{shape: {quantizer: {"seconds", "peak_gib"}}}: checkpoint.build_model of each random-init shape
-    quantized by each quantizer (peak_gib: the device's peak allocated memory; None on a CPU)."""
+    quantized by each quantizer (peak_gib: the device's peak allocated memory; None on a CPU). done(out)
+    after each row: a run stopped by a time limit keeps the rows it finished."""
     out = {}
     for shape in shapes:
         cfg = random_init_config(shape)
@@ -145,6 +147,7 @@ def time_random_init(shapes: list[str], names: list[str], device: str, calib_row
                    "peak_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None}
             del model
             out[shape][name] = row
+            done(out)
             print(f"{shape} {name}: {row['seconds']:.1f} s" + (f", peak {row['peak_gib']:.1f} GiB" if cuda else ""),
                   flush=True)
     return out
@@ -171,11 +174,12 @@ def main(argv=None):
     if set(names) - set(QUANTIZERS):
         ap.error(f"--quantizers: unknown {sorted(set(names) - set(QUANTIZERS))}; choose from {QUANTIZERS}")
     if args.random_init:
-        timings = time_random_init(args.random_init.split(","), names, args.device, args.calib_rows, args.calib_len)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"args": vars(args), "torch": torch.__version__, "device": describe(args.device),
-                           "random_init": timings}, f, indent=1)
+        def save(timings):
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump({"args": vars(args), "torch": torch.__version__, "device": describe(args.device),
+                               "random_init": timings}, f, indent=1)
+        time_random_init(args.random_init.split(","), names, args.device, args.calib_rows, args.calib_len, save)
         return
     if not args.model:
         ap.error("--model is required (or --random-init)")

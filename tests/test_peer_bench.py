@@ -19,9 +19,10 @@ def test_each_arm_trains_and_is_evaluated_on_its_own_base():
 def test_summary_ratios_are_against_trl_at_its_best():
     peer = load_bench("peer")
 
-    def arm(quant, median):
+    def arm(quant, median, mean):
         return dict(quant=quant, step_s=[5.0, 5.0, median, median], wall_s=60.0, accuracy=0.5,
-                    accuracy_untrained=0.0, median_step_s=median)
-    text = peer.summary({"qerl": arm("nvfp4", 0.4), "trl": arm("bf16", 4.0), "trl_best": arm("bf16", 1.2)})
-    assert "qerl: 3.00x faster a step than trl_best; 10.00x faster a step than trl" in text
+                    accuracy_untrained=0.0, median_step_s=median, mean_step_s=mean)
+    text = peer.summary({"qerl": arm("nvfp4", 0.4, 0.8), "trl": arm("bf16", 4.0, 4.0), "trl_best": arm("bf16", 1.2, 1.2)})
+    assert ("qerl: 3.00x (median), 1.50x (mean) faster a step than trl_best; "
+            "10.00x (median), 5.00x (mean) faster a step than trl") in text
     assert "qerl              nvfp4" in text
