@@ -21,10 +21,11 @@ factor U of H⁻¹ (H⁻¹ = UᵀU), scaled by U_kk, so one Cholesky replaces th
     err_k = (w_k − q_k) / U_kk            w_{k+1:} −= err_k · U_{k,k+1:}           (N,) outer (K−k−1,)
 
 and updates are applied lazily: within a block of 128 columns column by column, and to the columns
-after it once, as Err (N, 128) · U_{block, after} (one matmul). On a GPU the column loop is thousands of
-tiny kernels a block, so each block shape is captured once as a CUDA graph and replayed (GraphedBlock). H gets 1% of its mean diagonal added
-first (`damp`): a few calibration tokens make XᵀX nearly singular, and the step must stay small. An
-input channel the calibration never drives (H_kk = 0) gets H_kk = 1: its weight is simply rounded.
+after it once, as Err (N, 128) · U_{block, after} (one matmul). On a GPU a block's column loop is
+thousands of tiny kernels, so each block shape is captured once as a CUDA graph and replayed
+(GraphedBlock). H gets 1% of its mean diagonal added first (`damp`): a few calibration tokens make XᵀX
+nearly singular, and the step must stay small. An input channel the calibration never drives
+(H_kk = 0) gets H_kk = 1: its weight is simply rounded.
 
 NVFP4 specifics. A weight's grid is its 16-block's scale: s_b / g · {0, ±0.5, ..., ±6}. The scale of
 a block must be fixed before its first column is quantized, so it is chosen when that column is
@@ -63,7 +64,8 @@ dtype) and one micro-batch's activations inside a layer (batch_tokens tokens). Q
 5120, intermediate 27648, 64 layers) with 65k calibration tokens: a layer's weights 0.49 G params
 (2 × 0.98 GB), down_proj's H 27648² × 4 B = 3.1 GB (× 3), gate/up stacked 55296 × 5120 × 6 B = 1.7 GB,
 hidden states 65k × 5120 × 2 B = 0.67 GB, a 4096-token micro-batch 0.7 GB: about 14 GB beside 20 GB
-of NVFP4 weights, inside one 80 GB GPU. `working_bytes` computes it (check_fits adds it).
+of NVFP4 weights, inside one 80 GB GPU. `working_bytes` computes it (check_fits adds it). The CUDA
+graphs add their buffers, a few (N, 128) fp32 tensors per group shape (~0.1 GB for 32B's gate/up).
 
 Left out: act-order (quantizing columns by decreasing H_kk; it would scatter a 16-block's columns
 over the pass, so its scale could not be fixed when its first column comes), per-group H for MoE
@@ -233,7 +235,8 @@ class Layerwise:
                              f"with ids in [0, {vocab}), got {len(calibration or ())} sequences")
         self.model, self.calibration, self.scales = model, calibration, scales
         self.block_size, self.damp, self.batch_tokens = block_size, damp, batch_tokens or BATCH_TOKENS
-        self.layer, self.held, self.batches, self.graphs = 0, {}, None, {}   # graphs: quantize's
+        self.layer, self.held, self.batches = 0, {}, None
+        self.graphs = {}                                                  # quantize's GraphedBlocks, by shape
 
     def add(self, names: list[str], weights: list[torch.Tensor]) -> dict[str, tuple]:
         """Hold these linears' bf16 weights; once layer i's are all here, quantize the layer and return

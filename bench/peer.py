@@ -28,8 +28,8 @@ benchmark-only dependency (not in requirements.txt): install it beside (`pip ins
 GPU machine it travels as wheels). Time per step is taken over the steps after the first two (the
 first compile and capture), two ways: the median, a typical step, and the mean, which also counts the
 steps that pay for something once (a kernel compiled or a CUDA graph captured for a shape first seen
-mid-run); a run of these 48 steps takes the mean's time, a long run tends to the median's. Held-out accuracy is eval.py's, greedy, on --eval-limit addition
-problems, each adapter on the base it was trained with (quant_of: an arm's --quant flag, NVFP4 by
+mid-run); a run of these 48 steps takes the mean's time. Held-out accuracy is eval.py's, greedy, on
+--eval-limit addition problems, each adapter on the base it was trained with (quant_of: an arm's --quant flag, NVFP4 by
 default; TRL's on bf16), and each base untrained for reference. The summary gives qerl's speed-up
 over TRL's best arm, and over its defaults beside it, by the median and by the mean.
 
