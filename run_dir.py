@@ -11,9 +11,10 @@
                                         dynamic sampling's keep rate)
                                         + manifest.json (the size and sha256 of each of those files,
                                         and of run_config.json)
-                 base/                  --quantizer gptq: the NVFP4 base the run trains on (its codes depend
-                                        on the calibration prompts, so --resume, eval.py and export.py
-                                        read it here rather than quantize again) + manifest.json
+                 base/                  --quantizer gptq (an NVFP4 run's default): the NVFP4 base the
+                                        run trains on (its codes depend on the calibration prompts, so
+                                        --resume, eval.py and export.py read it here rather than
+                                        quantize again) + manifest.json
                  latest                 the name of the newest checkpoint: a hint, not the truth
                  .lock                  held by the live run (flock); it holds the run's pid and host
 
