@@ -136,13 +136,13 @@ def quantize(w: torch.Tensor, H: torch.Tensor, global_scale: torch.Tensor | None
     for b0 in range(0, K, block_size):
         b1 = min(b0 + block_size, K)
         args = W[:, b0:b1], U[b0:b1, b0:b1], g, scales                    # (N, B), (B, B)
+        run = block
         if graphs is not None and w.is_cuda and b1 - b0 == block_size:
             key = (N, block_size, scales, w.device)
             if key not in graphs:
                 graphs[key] = GraphedBlock(*args)
-            err, codes[:, b0:b1], scale[:, b0 // nvfp4.BLOCK:b1 // nvfp4.BLOCK] = graphs[key](*args[:3])
-        else:
-            err = block(*args, codes[:, b0:b1], scale[:, b0 // nvfp4.BLOCK:b1 // nvfp4.BLOCK])
+            run = graphs[key]
+        err = run(*args, codes[:, b0:b1], scale[:, b0 // nvfp4.BLOCK:b1 // nvfp4.BLOCK])
         W[:, b1:].addmm_(err, U[b0:b1, b1:], alpha=-1)                     # the columns after the block
     return nvfp4.pack_fp4(codes), scale.to(torch.float8_e4m3fn), g
 
@@ -190,14 +190,17 @@ class GraphedBlock:
         with torch.cuda.graph(self.graph):
             self.err = block(self.W1, self.U1, self.g, scales, self.codes, self.scale)
 
-    def __call__(self, W1: torch.Tensor, U1: torch.Tensor, g: torch.Tensor):
-        """-> (err (N, B), codes (N, B), scale (N, B/16)), as block returns and writes them; the outputs
-        are the graph's buffers, overwritten by the next call."""
+    def __call__(self, W1: torch.Tensor, U1: torch.Tensor, g: torch.Tensor, scales: str, codes: torch.Tensor,
+                 scale: torch.Tensor) -> torch.Tensor:
+        """block's call, replayed: codes and scale are written, -> err (N, B), the graph's buffer (the
+        next call overwrites it). scales is the captured one (quantize keys the graphs by it)."""
         self.W1.copy_(W1)
         self.U1.copy_(U1)
         self.g.copy_(g)
         self.graph.replay()
-        return self.err, self.codes, self.scale
+        codes.copy_(self.codes)
+        scale.copy_(self.scale)
+        return self.err
 
 
 # ----------------------------------------------------------------------------------------------

@@ -173,8 +173,8 @@ def main(argv=None):
         if "accuracy" not in r:
             r["accuracy"] = evaluate(args.model, r["adapter"], r["quant"], args.eval_limit)
             r["accuracy_untrained"] = evaluate(args.model, None, r["quant"], args.eval_limit)
-        r["median_step_s"] = statistics.median(r["step_s"][2:] or r["step_s"])
-        r["mean_step_s"] = statistics.mean(r["step_s"][2:] or r["step_s"])
+        timed = r["step_s"][2:] or r["step_s"]
+        r["median_step_s"], r["mean_step_s"] = statistics.median(timed), statistics.mean(timed)
     json.dump(res, open(path, "w"), indent=1)
     print(summary(res))
 
