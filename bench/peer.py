@@ -36,6 +36,7 @@ over TRL's best arm, and over its defaults beside it, by the median and by the m
     python bench/peer.py --model /root/smol --steps 50 --out /tmp/peer     # table on stdout, peer.json
     python bench/peer.py --model /root/smol --only ours --seeds 1,2 --train-args "--max-sampling-rounds 3"
     python bench/peer.py --model /root/smol --only trl                      # both TRL arms
+    python bench/peer.py --model /root/smol --only ours --arms qerl         # one qerl arm
 """
 import argparse
 import json
@@ -148,11 +149,15 @@ def main(argv=None):
     ap.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side (its JSON merges into --out)")
     ap.add_argument("--seeds", default="0", help="comma-separated --seed values for qerl's arms (TRL runs seed 0); "
                                                 "arms of seed s > 0 are named with the suffix _s<s>")
+    ap.add_argument("--arms", default=",".join(OURS), help=f"comma-separated qerl arms to run, of {', '.join(OURS)}")
     ap.add_argument("--train-args", default="",
                     help="more train.py flags for qerl's arms, e.g. \"--max-sampling-rounds 3\"")
     ap.add_argument("--out", default="/tmp/peer")
     ap.add_argument("--worker", help=argparse.SUPPRESS)          # a TRL arm's name: run it in this process
     args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    if not set(arms) <= set(OURS):
+        ap.error(f"--arms: unknown {sorted(set(arms) - set(OURS))}; the qerl arms are {', '.join(OURS)}")
     os.makedirs(args.out, exist_ok=True)
     if args.worker in TRL:
         res = run_trl(args.model, args.steps, os.path.join(args.out, args.worker), TRL[args.worker])
@@ -162,8 +167,8 @@ def main(argv=None):
     res = json.load(open(path)) if os.path.exists(path) else {}
     for seed in (int(s) for s in args.seeds.split(",")) if args.only in (None, "ours") else ():
         suffix = f"_s{seed}" if seed else ""
-        for arm, flags in OURS.items():
-            extra = ["--seed", str(seed), *args.train_args.split(), *flags]
+        for arm in arms:
+            extra = ["--seed", str(seed), *args.train_args.split(), *OURS[arm]]
             res[arm + suffix] = run_ours(args.model, args.steps, os.path.join(args.out, arm + suffix), extra)
     for arm in TRL if args.only in (None, "trl") else ():
         subprocess.run([sys.executable, os.path.abspath(__file__), "--model", args.model, "--steps", str(args.steps),

@@ -1,6 +1,7 @@
 """bench/peer.py's arms and summary on CPU (its runs need a GPU and TRL): each qerl arm is evaluated on
 the base it trains on, TRL's best arm is one micro-batch of the whole batch without recomputation, and
 the summary's ratios are against TRL's best arm, with its defaults beside."""
+import pytest
 from test_step_bench import load_bench
 
 
@@ -26,3 +27,11 @@ def test_summary_ratios_are_against_trl_at_its_best():
     assert ("qerl: 3.00x (median), 1.50x (mean) faster a step than trl_best; "
             "10.00x (median), 5.00x (mean) faster a step than trl") in text
     assert "qerl              nvfp4" in text
+
+
+def test_an_unknown_arm_is_refused_before_any_run(tmp_path, capsys):
+    peer = load_bench("peer")
+    with pytest.raises(SystemExit):
+        peer.main(["--model", "m", "--only", "ours", "--arms", "qerl,qerl_fast", "--out", str(tmp_path)])
+    assert "unknown ['qerl_fast']" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())                    # nothing written, nothing run
