@@ -9,10 +9,11 @@ least two samples of a prompt, so batch 2, 4 and 8 are one prompt with 2, 4 and 
 32 (not in the paper; GRPO's usual shape) is 4 prompts × 8. Each row is one bench/step.py
 configuration, run in its own process: train.py's step (build_policy's defaults: LoRA r32 on every
 linear, AdamW, DAPO, AQN on at its first noisy stage, the memory plan), every completion forced to
-2048 tokens, after a 64-token warm-up step. The ratio is bf16's step (or rollout) time over NVFP4's,
+2048 tokens, after a warm-up step of the same shape (bench/step.py's default: a shorter one left the
+first compile of the training pass inside the timed step of these one-prompt rows). The ratio is bf16's step (or rollout) time over NVFP4's,
 both measured by this run on this GPU.
 
-    python bench/paper.py --out DIR                    # every row: ~20 min on an H100
+    python bench/paper.py --out DIR                    # every row, each step run twice
     python bench/paper.py --models 7b --batches 2,8    # a part of it; rows merge into DIR/paper.json
     python bench/paper.py --models tiny --batches 2 --device cpu --dtype float32 --completion 4 \\
         --prompt-len 8 --out /tmp/paper                 # the CPU smoke test (tests/test_paper_bench.py)
@@ -100,7 +101,7 @@ def main(argv=None):
         prompts, group = BATCHES[batch]
         spec = dict(model=model, quant=quant, completion=args.completion, prompts=prompts, group=group,
                     prompt_len=args.prompt_len, micro_batch=None, grad_checkpointing=None,
-                    gpu_memory_utilization=0.5, warmup_tokens=64, full_warmup=False, available_gib=None,
+                    gpu_memory_utilization=0.5, warmup_tokens=None, available_gib=None,
                     force=False, device=args.device, dtype=args.dtype)
         print(f"---- {model} {quant} batch {batch} ({prompts} x {group}), {args.prompt_len} + {args.completion}",
               flush=True)

@@ -19,8 +19,12 @@ advantages and the no-grad passes that β > 0 or μ > 1 need: ~0 with the defaul
 (time/forward_backward) and optimizer (clip + AdamW); rollout tok/s = generated tokens / rollout
 seconds (CUDA-graph capture included where the KV cache was freed); peak GPU memory,
 allocated and reserved, of the whole step and of its rollout and train halves; the time to build.
-A warm-up step comes first (Triton JIT, cuBLAS, allocator), by default with 64-token completions
-(`--full-warmup`: the same step twice); both are in the JSON, the table shows the timed one.
+A warm-up step comes first, by default the timed step itself: it pays what a run pays once (Triton
+JIT, CUDA-graph captures, cuBLAS and cuDNN plans, the allocator's first growth, and torch.compile of the
+training pass's small ops, which compiles only from a micro-batch of tuning's compile_min_numel
+elements on, so a shorter warm-up can leave ~10 s of compilation inside the timed step).
+--warmup-tokens shortens it where one more long step costs too much (72B); the JSON has both steps,
+the table the timed one.
 
 Each configuration runs in its own Python process, so one's peak memory, OOM or leftover cache never
 touches the next. Before building, the process applies checkpoint.check_fits's rule (checkpoint.load_bytes:
@@ -189,7 +193,7 @@ def run_config(spec: dict) -> dict:
                                 generator=torch.Generator().manual_seed(args.seed)).tolist()
         step = args.max_steps // args.aqn_stages                 # the first noisy AQN stage
         phase = "warm-up step"
-        warm = spec["completion"] if spec["full_warmup"] else min(spec["warmup_tokens"], spec["completion"])
+        warm = min(spec["warmup_tokens"] or spec["completion"], spec["completion"])
         rec["warmup"] = grpo_step(policy, args, device, prompts, step, warm)
         print(f"     warm-up step ({warm} new tokens) {rec['warmup']['step_s']:.1f} s", flush=True)
         phase = "timed step"
@@ -261,8 +265,8 @@ def main(argv=None):
     ap.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                     help="default: train.py's (only where memory needs it)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="KV-cache share (train.py's flag)")
-    ap.add_argument("--warmup-tokens", type=int, default=64, help="completion length of the warm-up step")
-    ap.add_argument("--full-warmup", action="store_true", help="warm up with the timed step itself")
+    ap.add_argument("--warmup-tokens", type=int, default=None, help="completion length of the warm-up step "
+                    "(default: the timed step's)")
     ap.add_argument("--available-gib", type=float, default=None, help="free memory for the fit check (what-if)")
     ap.add_argument("--force", action="store_true", help="run configurations that do not fit (record the OOM)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
