@@ -35,7 +35,9 @@ Warm-up. A key's first capture runs its body once eagerly, outside the capture (
 cannot load its binary while a stream captures). A training step's free_cache(keep_warm=True) keeps
 the record of warmed keys, with the kernel settings they ran under: the model is the same and only
 its values changed, so the next capture finds every kernel compiled and pays one pass of the layers'
-Python instead of two. Any other free_cache, and a replaced static buffer, forget it.
+Python instead of two. Any other free_cache, and a replaced static buffer, forget it. A decode key's
+first capture also warms every smaller bucket at once, on padding rows (`_warm_below`): a batch
+shrinks through them as its sequences finish, and each compiles kernels of its own.
 
 Tests: tests/test_rollout.py (GPU-marked: graphs against eager steps, the prefill graph's cache
 contents, tokens and logprobs under three padding layouts, graphs outliving free_cache(keep_warm)).
@@ -170,17 +172,53 @@ class Graphs:
         prev = split_record(record)[0]
         if prev_tokens is not None and prev_tokens.data_ptr() != prev.data_ptr():
             prev[:len(prev_tokens)].copy_(prev_tokens)   # not from a graph: a prefill or an eager step
-        # the lm_head and the sampler join the graph where sampling is the kernels' path
-        in_graph = ops.sampler_runs(params, (bucket, r.model.lm_head.out_features), r.device)
-        key = (bucket, params.temperature) if in_graph else (bucket, None)
+        key, in_graph = self._key(bucket, params)
         if key not in self.decode_graphs:
-            self.decode_graphs[key] = self._capture(key, bucket, params if in_graph else None)
+            self._warm_below(bucket, params, meta)
+            self.decode_graphs[key] = self._capture(key, bucket, in_graph)
         graph, out = self.decode_graphs[key]
         graph.replay()
-        if in_graph:
+        if in_graph is not None:
             return out
         keys = r.row_keys([s.seq_id for s in seqs], [len(s) - 1 for s in seqs])
         return r.sample(r.logits(out[:B]), params, keys)
+
+    def _key(self, bucket, params):
+        """-> (graph key, params for the graph or None): the lm_head and the sampler join the graph
+        where sampling is the kernels' path for this many rows."""
+        r = self.runner
+        if ops.sampler_runs(params, (bucket, r.model.lm_head.out_features), r.device):
+            return (bucket, params.temperature), params
+        return (bucket, None), None
+
+    def _warm_below(self, bucket, params, meta):
+        """The eager warm-up of every smaller bucket not warmed yet, on padding rows (KV slot -1,
+        length 0: nothing written, nothing attended), then this step's inputs put back. A generate
+        call's batch shrinks through the buckets as its sequences finish, and a bucket's first run
+        compiles the Triton kernels its row count selects (attention partitions, sampler chunks, GEMV
+        and LoRA variants, integer arguments specialized on 1 and on multiples of 16): seconds, paid
+        here, when a larger bucket is first reached, rather than by whichever later step first
+        shrinks to each size."""
+        r = self.runner
+        static_meta, static_tables, record = self._static_buffers()      # tables: unread by padding rows
+        cold = [b for b in BUCKETS if b < bucket and (self._key(b, params)[0], ops.kernel_settings()) not in self.warmed]
+        if not cold:
+            return
+        saved = record.clone()                      # the step in flight's tokens: the warm-ups overwrite them
+        prev = split_record(record)[0]
+        for b in cold:
+            key, p = self._key(b, params)
+            pad = torch.zeros(META_ROWS, b, dtype=torch.int32)
+            pad[2], pad[4] = -1, -1                 # rollout.Runner.decode_inputs' padding rows
+            static_meta[:META_ROWS * b].view(META_ROWS, b).copy_(pad)
+            m = static_meta[:META_ROWS * b].view(META_ROWS, b)
+            with ops.casts_kept():
+                hidden = r.run_decode(m, static_tables[:b], prev)[:, 0]
+                if p is not None:
+                    r.sample(r.logits(hidden), p, r.row_keys(m[5], m[1]), record)
+            self.warmed.add((key, ops.kernel_settings()))
+        record.copy_(saved)
+        static_meta[:META_ROWS * bucket].view(META_ROWS, bucket).copy_(meta)   # this step's rows again
 
     def _static_buffers(self, prev_rows=0):
         """[meta (6·n,), tables (n, width), record (12·n',)]: what the graphs read and write by address.

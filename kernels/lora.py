@@ -42,8 +42,10 @@ lora_A (r, in) and lora_B (out, r) fp32, scaling, enabled, lora_dropout, trainin
 base has weight_packed, weight_scale, weight_global_scale, bias, interleaved and in_features.
 
 Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) contiguous rows,
-all in one dtype. Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's bf16 tl.dot is
-wrong), as in the other kernels.
+all in one dtype. M is not specialized (do_not_specialize, as in small_m.py): one binary for every
+batch bucket, rather than one each for M = 1, M a multiple of 16 and the rest, compiled whenever a
+run first reaches such a bucket. Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's
+bf16 tl.dot is wrong), as in the other kernels.
 Tests: tests/test_kernels_lora.py (interpreter: the kernels against float64 with odd sizes, K-splits
 and row-strided x and y, bf16 rounding of h, bad input, the in-place addmm; GPU: one adapter and a
 q/k/v group's block-diagonal B against the torch path, folded into the NVFP4 GEMV and the reduce
@@ -99,7 +101,7 @@ def fold_in_reduce(base, h, B) -> bool:
 # ----------------------------------------------------------------------------------------------
 # the kernels
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, h_ptr, count_ptr, M, R, K, stride_xm,
                         BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                         FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
@@ -133,7 +135,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, h_ptr, count_ptr, M, R, K, strid
             tl.store(h_ptr + offs, h, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, M, N, R, stride_ym, scale,
                         SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
                         FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):

@@ -27,7 +27,8 @@ fewer logits than a greedy one, and fewer still at small batches, where the prog
 
 fill_tokens: a decode step captured in a CUDA graph reads its input tokens from a device buffer;
 those of the step still in flight (never on the host) are copied in by one small kernel,
-meta[0, i] = prev[meta[4, i]] where meta[4, i] >= 0 (rollout.Runner's meta layout).
+meta[0, i] = prev[meta[4, i]] where meta[4, i] >= 0 (rollout.Runner's meta layout); B, the rows, is not
+specialized, so every batch bucket runs one binary.
 
 Left out: top-k / top-p (the torch path), min-p, penalties.
 Tests: tests/test_kernels_sampler.py (the kernels under TRITON_INTERPRET=1: greedy across chunks with
@@ -113,7 +114,7 @@ def _sample_pick_kernel(
     tl.store(logp_ptr + b, z - lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _fill_tokens_kernel(meta_ptr, prev_ptr, stride_meta, B, BLOCK: tl.constexpr):
     """meta[0, i] = prev[meta[4, i]] for the rows i < B with meta[4, i] >= 0 (fill_tokens)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

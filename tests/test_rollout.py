@@ -271,6 +271,26 @@ def test_gpu_programmatic_dependent_launch_changes_no_bit(tiny_hf_dir, monkeypat
 
 
 @pytest.mark.gpu
+def test_gpu_first_capture_warms_every_smaller_bucket_and_changes_no_sample(tiny_hf_dir, monkeypatch):
+    """The first decode at a bucket (12 sequences: 16) runs each smaller bucket once on padding rows
+    (graphs.Graphs._warm_below), so all of them are in the warmed record before any is reached; the
+    tokens and logprobs equal those of the same engine without those warm-ups, bit for bit: they
+    wrote no KV and the step in flight's tokens were put back."""
+    import graphs
+    model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
+    prompts, params = random_prompts([5, 40, 17], seed=7), SamplingParams(max_tokens=24, n=4, seed=3, stop_token_ids=())
+    runs, warmed = [], []
+    for warm in (True, False):
+        if not warm:
+            monkeypatch.setattr(graphs.Graphs, "_warm_below", lambda self, *a: None)
+        engine = LLMEngine(model)
+        runs.append([(c.token_ids, c.logprobs) for comps in engine.generate(prompts, params) for c in comps])
+        warmed.append({key[0] for (key, _) in engine.runner.graphs.warmed if key[0] != "prefill"})
+    assert {1, 2, 4, 8, 16} <= warmed[0] and not {1, 2, 4, 8} <= warmed[1]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
 def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
     """The Triton path (fp32 dots) inside the engine, with and without CUDA graphs, at batch 8 and
     at batch 1 (where kernels.lm_head's GEMV computes the lm_head)."""
