@@ -49,9 +49,9 @@ them through L2 (.cg), sums them in split order (the bits of _splitk_reduce_kern
 tile, and sets its count back to 0 for the next launch on that stream.
 
 The LoRA update in the epilogue (_lora_update, _lora_update_tile, _add_update): at decode a kernel
-that stores a finished tile of y may add s · bf16(Σ_j hp[j]) · Bᵀ first, from the K-chunk partials
-hp of lora.lora_shrink that ran before it, so no expand kernel is launched (gemm.folds_lora
-says where).
+that stores a finished tile of y (the GEMV, the fragment kernel, the swapped tiles, the split-K
+reduce) may add s · bf16(Σ_j hp[j]) · Bᵀ first, from the K-chunk partials hp of lora.lora_shrink
+that ran before it, so no expand kernel is launched (gemm.folds_lora says where).
 
 Leaves out: FP8 or FP4 activations (this is W4A16), a re-layout of the bits inside a byte.
 Test: tests/test_kernels_fp4_decode.py: every byte value and E4M3 scales from subnormal to 448
@@ -69,6 +69,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all normal bf16 numbers) ...
 OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
+LORA_CHUNK = tl.constexpr(32)        # LoRA ranks a folded update's MMA takes a step (_lora_update_tile)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,8 +261,8 @@ def _sum_splits(part_ptr, y_ptr, offs, mask, cols, N, stride_os, gs_ptr, bias_pt
 
 
 # ----------------------------------------------------------------------------------------------
-# The LoRA expand folded into the epilogue (lora.py owns the update; the GEMV and the swapped
-# tiles apply it)
+# The LoRA expand folded into the epilogue (lora.py owns the update; the GEMV, the fragment
+# kernel, the swapped tiles and the split-K reduce apply it)
 
 @triton.jit
 def _lora_update(hp_ptr, lb_ptr, lora_scale, m, cols, M, N, R, LSPLIT: tl.constexpr, LR: tl.constexpr,
@@ -272,7 +273,7 @@ def _lora_update(hp_ptr, lb_ptr, lora_scale, m, cols, M, N, R, LSPLIT: tl.conste
     K-chunk partials, B (N, R) bf16; LR >= R a power of two. A sum of R products in fp32 per
     output (the expand kernel's MMA sums the same products in another order)."""
     r = tl.arange(0, LR)
-    h = _lora_h(hp_ptr, tl.expand_dims(m, -1), M, R, LSPLIT, LR, INTERPRET)
+    h = _lora_h(hp_ptr, tl.expand_dims(m, -1), r, M, R, LSPLIT, INTERPRET)
     c1 = tl.expand_dims(cols, -1)
     b = tl.load(lb_ptr + c1 * R + r, mask=(c1 < N) & (r < R), other=0.0).to(tl.float32)
     return lora_scale * tl.sum(h * b, axis=-1)
@@ -280,36 +281,36 @@ def _lora_update(hp_ptr, lb_ptr, lora_scale, m, cols, M, N, R, LSPLIT: tl.conste
 
 @triton.jit
 def _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R, LSPLIT: tl.constexpr,
-                      LR: tl.constexpr, INTERPRET: tl.constexpr):
-    """_lora_update for a (BM, BN) tile (BM >= 16 rows offs_m, BN columns offs_n) as one MMA,
-    h (BM, LR) · B (BN, LR)ᵀ: the expand kernel's own product (fp32 under the interpreter)."""
-    h = _lora_h(hp_ptr, offs_m[:, None], M, R, LSPLIT, LR, INTERPRET)                 # (BM, LR)
-    return _lora_mma(h, lb_ptr, lora_scale, offs_n, N, R, LR, INTERPRET)
-
-
-@triton.jit
-def _lora_mma(h, lb_ptr, lora_scale, offs_n, N, R, LR: tl.constexpr, INTERPRET: tl.constexpr):
-    """s · h · B[offs_n]ᵀ (BM, BN) fp32 for h (BM, LR) holding bf16 values (zero past R) and B (N, R)
-    bf16: one MMA on bf16 operands (fp32 under the interpreter, whose bf16 dot is wrong). Shared
-    with tiles._splitk_reduce_lora_kernel."""
-    r = tl.arange(0, LR)
-    b = tl.load(lb_ptr + offs_n[:, None] * R + r[None, :], mask=(offs_n[:, None] < N) & (r[None, :] < R),
-                other=0.0)                                                            # (BN, LR)
-    if INTERPRET:
-        d = tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-    else:
-        d = tl.dot(h.to(tl.bfloat16), tl.trans(b))
+                      INTERPRET: tl.constexpr):
+    """_lora_update for a (BM, BN) tile (BM >= 16 rows offs_m, BN columns offs_n) as MMAs on bf16
+    operands, h (BM, R) · B (BN, R)ᵀ: the expand kernel's own product (fp32 under the interpreter,
+    whose bf16 dot is wrong). A run-time loop over R, LORA_CHUNK ranks a step, so that one chunk of h
+    and of B's tile is in registers at a time: a kernel's register count is its peak, and the
+    kernels that fold the update in are streaming loops that want every program an SM they can get
+    (B's tile in one piece at R = 128 would be 64 bf16 a thread of an 8-warp, 128-row fragment
+    program, on top of what its loop holds)."""
+    d = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    for r0 in range(0, R, LORA_CHUNK):
+        r = r0 + tl.arange(0, LORA_CHUNK)
+        h = _lora_h(hp_ptr, offs_m[:, None], r[None, :], M, R, LSPLIT, INTERPRET)      # (BM, LORA_CHUNK)
+        b = tl.load(lb_ptr + offs_n[:, None] * R + r[None, :], mask=(offs_n[:, None] < N) & (r[None, :] < R),
+                    other=0.0)                                                           # (BN, LORA_CHUNK)
+        if INTERPRET:
+            d = tl.dot(h, tl.trans(b.to(tl.float32)), d, input_precision="ieee")
+        else:
+            d = tl.dot(h.to(tl.bfloat16), tl.trans(b), d)
     return lora_scale * d
 
 
 @triton.jit
-def _lora_h(hp_ptr, m1, M, R, LSPLIT: tl.constexpr, LR: tl.constexpr, INTERPRET: tl.constexpr):
-    """h = bf16(sum_j hp[j, m, :]) as fp32, (..., LR) for rows m1 (..., 1); rows past M and r past R: 0."""
-    r = tl.arange(0, LR)
-    h_mask = (m1 < M) & (r < R)
-    h = tl.load(hp_ptr + m1 * R + r, mask=h_mask, other=0.0)
+def _lora_h(hp_ptr, m1, r1, M, R, LSPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+    """h = bf16(sum_j hp[j, m, r]) as fp32 for rows m1 and ranks r1 (broadcast together); rows past M
+    and r past R: 0. hp may also be a bf16 h (M, R) with LSPLIT = 1 (matmul's h form): its values come
+    back unchanged, since rounding a bf16 value to bf16 is exact."""
+    h_mask = (m1 < M) & (r1 < R)
+    h = tl.load(hp_ptr + m1 * R + r1, mask=h_mask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, LSPLIT):
-        h += tl.load(hp_ptr + (j * M + m1) * R + r, mask=h_mask, other=0.0)
+        h += tl.load(hp_ptr + (j * M + m1) * R + r1, mask=h_mask, other=0.0)
     return _to_bf16(h, INTERPRET).to(tl.float32)
 
 

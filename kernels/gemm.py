@@ -43,10 +43,11 @@ the sum runs in split order: deterministic.
 
 Folds. Two launches that follow a matmul on the rollout path can run inside it instead (the
 wing's lora.py and stacked.py ask for them through `matmul`'s lora= and silu_mul=):
-  * a LoRA update s·(x Aᵀ)Bᵀ: where the kernel finishes its own output tiles (the GEMV; the
-    swapped tiles where the fragment kernel does not run: folds_lora), from the shrink kernel's
-    partials; where the register-A kernel splits K (reduce_folds_lora), by its reduce kernel, from
-    h = x Aᵀ.
+  * a LoRA update s·(x Aᵀ)Bᵀ: at decode (<= 16 rows) from the shrink kernel's partials, added by
+    whatever finishes y (folds_lora): the GEMV, the fragment kernel or the swapped tiles as they
+    store it, else the reduce kernel after a split fragment or register-A launch (not where the
+    register-A launch is unsplit: 7B gate_up); at the GRPO batch from h = x Aᵀ, where the register-A
+    kernel splits K (reduce_folds_lora), by its reduce kernel.
   * SiLU·mul of a stacked gate/up weight at one row (folds_silu): the GEMV stores silu(gate)·up.
 
 Leaves out: activation quantization (this is W4A16), a re-layout of the bits inside a byte (the
@@ -132,8 +133,9 @@ def _check_lora(lora, M, N, K, device, interleaved):
     if h_form and not reduce_folds_lora(M, N, K, device, interleaved):
         raise ValueError(f"lora in the h form folds only where the register-A kernel splits K "
                          f"(reduce_folds_lora), not at M={M}, N={N}, K={K}")
-    if not h_form and not folds_lora(M, K):
-        raise ValueError(f"lora: the update folds into the matmul only where folds_lora holds, not at M = {M}, K = {K}")
+    if not h_form and not folds_lora(M, N, K, device, interleaved):
+        raise ValueError(f"lora: the update folds into the matmul only where folds_lora holds, not at M={M}, "
+                         f"N={N}, K={K} (route {route(M, N, K, device, interleaved)!r})")
     return h_form
 
 
@@ -244,20 +246,40 @@ def fragment_sums_in_kernel(M: int, step: int) -> bool:
     return M <= t.fragment_reduce_max_m or (step > 1 and M <= t.pair_reduce_max_m)
 
 
-def folds_lora(M: int, K: int) -> bool:
-    """Can matmul take a LoRA update (hp, B, s) at M rows? Where the kernel that runs finishes its
-    own output tiles (it sums its split-K partials itself): the GEMV and the swapped 16-row tiles
-    (M <= 16 where the fragment kernel does not run: K not a multiple of 128). The update is added
-    before y is stored, and the expand kernel with its launch is not needed."""
-    return tuning.current().reduce_in_kernel and M <= 16 and not fragment_rows(M, K)
+def folds_lora(M: int, N: int, K: int, device, interleaved: bool) -> bool:
+    """Can matmul take a LoRA update in the partials form (hp, B, s) at M rows? Where whatever
+    finishes y adds it before the store, so the expand kernel and its launch are not needed:
+      * the GEMV (M = 1) and the swapped 16-row tiles (K not a multiple of 128), which sum their
+        split-K partials themselves (tuning's reduce_in_kernel);
+      * the fragment kernel (2..16 rows), on every launch: unsplit, each program finishes its rows;
+        split with the sum in-kernel (fragment_sums_in_kernel), the last split; else the reduce kernel;
+      * the register-A route at decode (gate_up from 2 rows, the big weights above
+        wgmma_small_min_m) where its one launch splits K (wgmma_reduces): the reduce kernel. Where it
+        does not (7B gate_up at 2..16 rows on an H100: its 592 row tiles leave no room in the decode
+        wave for a second split), the kernel stores y itself, and the expand kernel stays.
+    tuning's lora_fold_decode turns the last two off (the A/B switch of this fold)."""
+    t = tuning.current()
+    if M > shapes.FRAGMENT_MAX_M:
+        return False
+    kernel = route(M, N, K, device, interleaved)
+    if kernel in ("gemv", "tiles"):
+        return t.reduce_in_kernel
+    return t.lora_fold_decode and (kernel == "fragment" or wgmma_reduces(M, N, K, device))
 
 
 def reduce_folds_lora(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     """Can matmul take a LoRA update in the h form (h = x Aᵀ bf16 (M, R)) at M rows? Where the
     register-A kernel runs with split-K: the reduce kernel that sums its partials adds s·h·Bᵀ too,
     and the addmm after the matmul is not needed (the GRPO batch's qkv, o and down)."""
-    return (wgmma_rows(M, N, K, device, interleaved)
-            and shapes.wgmma_split(M, N, K, shapes.wgmma_config(M), device)[0] > 1)
+    return wgmma_rows(M, N, K, device, interleaved) and wgmma_reduces(M, N, K, device)
+
+
+def wgmma_reduces(M: int, N: int, K: int, device) -> bool:
+    """Does the register-A route's product at M rows end in the reduce kernel? Where it is one launch
+    (shapes.wgmma_launches) that splits K; a second launch's pieces sum themselves, and an unsplit
+    launch stores y itself. _wgmma folds a LoRA update only here."""
+    launches = shapes.wgmma_launches(M, N, K, shapes.wgmma_config(M), device)
+    return len(launches) == 1 and launches[0][3] > 1
 
 
 def folds_silu(M: int) -> bool:
@@ -293,16 +315,18 @@ def _split_targets(out, tiles, split, reduce):
 
 def _reduce(part, global_scale, bias, out, lora=None):
     """out = sum of the partials (scaled, + bias); nothing to do if the launch wrote out itself.
-    lora = (h, B, s), h (M, R) bf16: also out += s·h·Bᵀ (tiles._splitk_reduce_lora_kernel)."""
+    lora: also out += the LoRA update (tiles._splitk_reduce_lora_kernel), in either of matmul's
+    forms: (h, B, s) with h (M, R) bf16, or (hp, B, s) with hp (split, M, R) fp32 partials."""
     if part is out:
         return out
     if lora is not None:
         h, B, s = lora
-        # 16 x 128 tiles: as many programs as the flat reduce has blocks of 1024
+        R = B.shape[1]
+        # 16 x 128 tiles: as many programs as the flat reduce has blocks of 1024 at 8 rows
         (M, N), BM, BN = out.shape, 16, 128
         _splitk_reduce_lora_kernel[(cdiv(M, BM), cdiv(N, BN))](
-            part, global_scale, bias if bias is not None else out, out, h, B, s, M, N, h.shape[1], part.shape[0],
-            HAS_BIAS=bias is not None, BM=BM, BN=BN, LR=max(16, triton.next_power_of_2(h.shape[1])),
+            part, global_scale, bias if bias is not None else out, out, h, B, s, M, N, R, part.shape[0],
+            HAS_BIAS=bias is not None, BM=BM, BN=BN, LSPLIT=1 if h.dim() == 2 else h.shape[0],
             INTERPRET=launch.interpreting(), **launch.pdl_launch(out.device))
         return out
     numel = out.numel()
@@ -315,7 +339,7 @@ def _reduce(part, global_scale, bias, out, lora=None):
 
 
 def _lora_args(lora, out, split, reduce):
-    """A launch's LoRA arguments: (hp, B, s), R and the constexprs LORA, LSPLIT, LR (dummies without
+    """A launch's LoRA arguments: (hp, B, s), R and the constexprs LORA, LSPLIT (dummies without
     lora). The update folds in only where the kernel finishes its own tiles (one pass, or the split
     sum in-kernel): else a clear error."""
     if lora is not None and split > 1 and not reduce:
@@ -323,8 +347,7 @@ def _lora_args(lora, out, split, reduce):
                          "(tuning's reduce_in_kernel; see folds_lora)")
     hp, lb, ls = lora if lora is not None else (out, out, 0.0)
     R = lb.shape[1] if lora is not None else 1
-    return (hp, lb, ls), R, dict(LORA=lora is not None, LSPLIT=hp.shape[0] if lora is not None else 1,
-                                 LR=max(16, triton.next_power_of_2(R)))
+    return (hp, lb, ls), R, dict(LORA=lora is not None, LSPLIT=hp.shape[0] if lora is not None else 1)
 
 
 def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
@@ -387,14 +410,16 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         *targets, *lora_ptrs,
         M, N, K // 2, k_split // 2, R,
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags, SILU=silu_mul,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(R)), SILU=silu_mul,
         BN=cfg.bn, BK=bk, W=cfg.warps, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **launch.pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
-def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
-    """y = x·Wᵀ (+bias) with the fragment kernel: M <= 16, K a multiple of 128."""
+def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
+    """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s)) with the fragment kernel: M <= 16, K a
+    multiple of 128. The update is added by the kernel where it finishes y (unsplit, or the split sum
+    in-kernel), else by the reduce kernel after it: every launch folds it."""
     M, K = x.shape
     N = packed.shape[0]
     if M > shapes.FRAGMENT_MAX_M or K % 128:
@@ -407,23 +432,25 @@ def _mma(x, packed, scale, global_scale, bias, cfg, il=False):
     part = launch.partials(split, out)
     reduce = split > 1 and tuning.current().reduce_in_kernel and fragment_sums_in_kernel(M, step)
     targets, flags = _split_targets(out, tiles, split, reduce)
+    finishes = split == 1 or reduce                    # the kernel stores y: it adds the update
+    lora_ptrs, R, lora_flags = _lora_args(lora if finishes else None, out, split, reduce)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
     _nvfp4_mma_kernel[(tiles, split)](
         x2, p4, sb, global_scale, bias if bias is not None else out, part,
-        *targets,
-        M, N, K // 128, per,
+        *targets, *lora_ptrs,
+        M, N, K // 128, per, R,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags,
+        HAS_BIAS=bias is not None, **flags, **lora_flags,
         W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=1, **launch.pdl_launch(x.device))
-    return out if reduce else _reduce(part, global_scale, bias, out)
+    return out if finishes else _reduce(part, global_scale, bias, out, lora)
 
 
 def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
     """y = x·Wᵀ (+bias) with the register-A wgmma kernel: W interleaved, K a multiple of 128, sm_90
     with triton 3.6 (wgmma_rows). x is first permuted into the operand's k order (one pass), then
-    shapes.wgmma_launches' launches. lora = (h, B, s) (h bf16 (M, R)): the split-K reduce also adds
-    s·h·Bᵀ (reduce_folds_lora)."""
+    shapes.wgmma_launches' launches. lora = (h, B, s) (h bf16 (M, R)) or (hp, B, s) (the shrink's
+    partials, at decode): the split-K reduce also adds the update (wgmma_reduces)."""
     M, K = x.shape
     N = packed.shape[0]
     if K % 128:
@@ -433,7 +460,8 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
         return out
     launches = shapes.wgmma_launches(M, N, K, cfg, x.device)
     if lora is not None and (len(launches) > 1 or launches[0][3] == 1):
-        raise ValueError("a LoRA update folds into the register-A route only where it splits K (reduce_folds_lora)")
+        raise ValueError("a LoRA update folds into the register-A route only where its one launch splits K "
+                         "(wgmma_reduces)")
     ws = shapes.warp_specialized(cfg)
     xp = rak.fragment_order(x, launch.pdl_launch(x.device), cdiv(M, cfg.bt) * cfg.bt if ws else 0)
     b = bias if bias is not None else out
@@ -516,12 +544,12 @@ def _wgmma_dx(dy, packed, scale, global_scale, split=0):
 def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=None, silu_mul=False):
     """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16), fp32 accumulation, on the
     kernel route() picks. interleaved: packed and scale hold nvfp4.interleave's layout.
-    lora = (hp, B, s), where folds_lora(M, K): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the update of
-    lora.lora_expand_ (hp (split, M, R) fp32 from lora.lora_shrink, B (N, R) bf16); or lora = (h, B,
-    s) with h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by the reduce
-    kernel of the register-A route. silu_mul, where folds_silu(M): W stacks gate and up (N = 2I
-    rows), and the result is silu(y[:, :I])·y[:, I:] (M, I), the bits of fused_ops.silu_mul on the
-    two halves of y."""
+    lora = (hp, B, s), where folds_lora(M, N, K, ...): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the update
+    of lora.lora_expand_ (hp (split, M, R) fp32 from lora.lora_shrink, B (N, R) bf16); or lora = (h,
+    B, s) with h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by the reduce
+    kernel of the register-A route; elsewhere a ValueError, never a dropped update. silu_mul, where
+    folds_silu(M): W stacks gate and up (N = 2I rows), and the result is silu(y[:, :I])·y[:, I:]
+    (M, I), the bits of fused_ops.silu_mul on the two halves of y."""
     N, K = _check_weight(packed, scale, global_scale, x.device, interleaved)
     _check_act("x", x, K)
     M = x.shape[0]
@@ -532,7 +560,7 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
         if bias.dtype != torch.bfloat16 or tuple(bias.shape) != (N,) or not bias.is_contiguous():
             raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
                              f"{bias.dtype} {tuple(bias.shape)}")
-    if lora is not None:       # the partials form runs on the GEMV or the swapped tiles, the h form on wgmma
+    if lora is not None:       # every route that runs here folds it, or the check says no
         _check_lora(lora, M, N, K, x.device, interleaved)
     kernel = route(M, N, K, x.device, interleaved)
     if kernel == "wgmma":
@@ -543,7 +571,7 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
     if kernel == "gemv":                     # every silu_mul
         return _gemv(x, packed, scale, global_scale, bias, cfg, lora, interleaved, silu_mul)
     if kernel == "fragment":
-        return _mma(x, packed, scale, global_scale, bias, cfg, interleaved)
+        return _mma(x, packed, scale, global_scale, bias, cfg, lora, interleaved)
     return _matmul(x, packed, scale, global_scale, bias, cfg, lora, interleaved)
 
 

@@ -20,11 +20,14 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
     (A is a weight: fp4_decode.pdl_start's rule), so the loads overlap the kernel before; the
     chunk that finishes last sums the row tile's partials in chunk order (deterministic) into hp.
   * on an NVFP4 base the shrink runs before the base matmul (early_shrink: it reads x only), and
-    where the GEMV or the swapped tiles compute y the base kernel adds the update itself as it
-    stores y (fold_expand, gemm.folds_lora): no expand launch; beside the fragment kernel (2 to 16
-    rows) the expand follows it. On a bf16 base both kernels follow cuBLAS. (Measured on an H200,
-    7B, train.py's adapters: the shrink first beside the fragment kernel too, and PDL after it,
-    decode 8 and 16 sequences 8-9% faster than both kernels after it without PDL; bench/ab.py.)
+    whatever finishes y adds the update as it stores y (fold_expand, gemm.folds_lora): the GEMV (1
+    row), the fragment kernel (2 to 16 rows: unsplit, or its last split summing the others) or the
+    swapped tiles, else the split-K reduce kernel after a split fragment or register-A launch. No
+    expand launch, except beside a register-A launch that does not split K (7B gate_up at 2 to 16
+    rows), whose kernel stores y itself: the expand follows it there. On a bf16 base both kernels
+    follow cuBLAS. (Measured on an H200, 7B, train.py's adapters: the shrink first beside the
+    fragment kernel too, and PDL after it, decode 8 and 16 sequences 8-9% faster than both kernels
+    after it without PDL; bench/ab.py.)
   * beyond lora_max_m rows (the GRPO batch) the shrink is F.linear, and where the NVFP4 matmul's
     register-A route splits K its reduce kernel adds s·h·Bᵀ (fold_in_reduce: qkv, o and down);
     elsewhere one addmm, in place on the fresh base output without autograd (a copy of y first
@@ -47,9 +50,11 @@ batch bucket, rather than one each for M = 1, M a multiple of 16 and the rest, c
 run first reaches such a bucket. Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's
 bf16 tl.dot is wrong), as in the other kernels.
 Tests: tests/test_kernels_lora.py (interpreter: the kernels against float64 with odd sizes, K-splits
-and row-strided x and y, bf16 rounding of h, bad input, the in-place addmm; GPU: one adapter and a
-q/k/v group's block-diagonal B against the torch path, folded into the NVFP4 GEMV and the reduce
-kernel or not); the folded update itself: tests/test_kernels_small_m.py.
+and row-strided x and y, bf16 rounding of h, bad input, the in-place addmm, where the expand folds;
+GPU: one adapter and a q/k/v group's block-diagonal B against the torch path, folded into the NVFP4
+GEMV, the fragment kernel and the reduce kernel or not; 7B's q/k/v, gate/up and down at decode, folded
+against the expand kernel); the folded update itself: tests/test_kernels_small_m.py, the reduce
+kernel's: tests/test_kernels_tiles.py.
 """
 import functools
 
@@ -79,12 +84,14 @@ def early_shrink(base) -> bool:
     return _nvfp4(base)
 
 
-def fold_expand(base, x2) -> bool:
-    """After an early shrink, let the base matmul add the update instead of the expand kernel? Where
-    the NVFP4 kernel finishes the rows of y itself (gemm.folds_lora: the GEMV, and the swapped tiles
-    where the fragment kernel does not run) and the activations are bf16: whoever stores a tile of y
-    adds s·h·Bᵀ first (fp4_decode._lora_update), one launch per adapter group fewer."""
-    return _nvfp4(base) and x2.dtype == torch.bfloat16 and gemm.folds_lora(*x2.shape)
+def fold_expand(base, x2, B) -> bool:
+    """After an early shrink, let the base matmul add the update instead of the expand kernel? For
+    bf16 rows x2 (M, K) and an NVFP4 base, where gemm.folds_lora holds for the product the update
+    lands on, (M, N = B's rows, K), which is a stack's for a group: whoever stores a tile of y (the
+    GEMV, the fragment kernel, the swapped tiles, or the reduce kernel after a split launch) adds
+    s·h·Bᵀ first (fp4_decode._lora_update, _lora_update_tile), one launch per adapter group fewer."""
+    return (_nvfp4(base) and x2.dtype == torch.bfloat16
+            and gemm.folds_lora(x2.shape[0], B.shape[0], x2.shape[1], x2.device, base.interleaved))
 
 
 def fold_in_reduce(base, h, B) -> bool:
@@ -238,7 +245,7 @@ def _delta_kernels(x2, A, B, y, scale, base):
     says so the base matmul adds the update itself (no expand kernel); otherwise both run after it."""
     if early_shrink(base):
         hp = lora_shrink(x2, A, B)
-        if fold_expand(base, x2):
+        if fold_expand(base, x2, B):
             return y(lora=(hp, B.contiguous(), float(scale)))
         y = y()
     else:

@@ -29,7 +29,10 @@ lane own the k of its own 16-byte loads, so no bits need to move inside a byte: 
 instructions per weight in the loop for any M <= 8. The comment above _decode_mma_ptx gives the
 register maps. A loop step loads U windows (U = 1, 2 or 4: _mma_loads) before it decodes any
 (_mma_step): short programs (a few windows, the small weights) are a chain of load latencies, and
-two windows in flight a warp shorten it. Both kernels read either layout of W (IL:
+two windows in flight a warp shorten it. Where it finishes y (unsplit, or its last split summing the
+others) it folds the LoRA expand in too (LORA: _mma_update, the update as one small MMA per program
+in the epilogue, re-laid out to the fragments' layout); a split launch that leaves the sum to the
+reduce kernel leaves the update to it as well. Both kernels read either layout of W (IL:
 nvfp4.interleave, where the fragment kernel's warp loads are 512 contiguous bytes).
 
     x2       int32 (M, K/2)      x viewed as bf16 pairs
@@ -52,8 +55,8 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
-                         _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
-                         _tile_offsets, _tiled_offsets, pdl_release, pdl_start, silu_mul)
+                         _e4m3_to_f32, _finish, _last_split, _lora_update, _lora_update_tile, _add_update,
+                         _sum_splits, _tile_offsets, _tiled_offsets, pdl_release, pdl_start, silu_mul)
 
 # ----------------------------------------------------------------------------------------------
 # constants
@@ -321,16 +324,37 @@ def _mma_emulate(acc, w0, w1, s, x0, x1, x2, x3, W: tl.constexpr, R: tl.constexp
 
 
 @triton.jit
-def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off, update,
                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc[t, g, w, r, q] is y[tok, rows] (tok (4, 1, 1, 1, 4), rows (1, 8, W, R, 4)): store it,
-    or its fp32 partial sum."""
+    """acc[t, g, w, r, q] is y[tok, rows] (tok (4, 1, 1, 1, 4), rows (1, 8, W, R, 4)): store it
+    (+ update, the LoRA update in acc's layout, or None: _add_update), or its fp32 partial sum."""
     mask = (tok < M) & (rows < N)
     if PARTIAL:
         tl.store(out_ptr + part_off + tok * stride_om + rows, acc, mask=mask)
     else:
-        tl.store(out_ptr + tok * stride_om + rows, _finish(acc, gs_ptr, bias_ptr, rows, N, HAS_BIAS, INTERPRET),
-                 mask=mask)
+        y = _finish(acc, gs_ptr, bias_ptr, rows, N, HAS_BIAS, INTERPRET)
+        tl.store(out_ptr + tok * stride_om + rows, _add_update(y, update, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _mma_update(hp_ptr, lb_ptr, lora_scale, pid_n, M, N, R_LORA, LSPLIT: tl.constexpr, W: tl.constexpr,
+                R: tl.constexpr, INTERPRET: tl.constexpr):
+    """The LoRA update of the program's rows of y, in the epilogue's layout: (u0, u1), each
+    (4, 8, W, R, 4), u[t, g, w, r, q] the update of token 2t + q % 2 (+ 8 for u1) at row
+    16·tile + g + 8·(q // 2). Computed as the swapped tiles compute theirs: MMAs of h (16 tokens,
+    R_LORA) and the program's BN rows of B, over R_LORA in chunks (fp4_decode._lora_update_tile, the
+    expand kernel's own product), then re-laid out (Triton moves the (16, BN) result between lanes
+    through shared memory, once per program). Why not in the epilogue's layout directly: a sum over
+    the ranks at every (t, g, w, r, q) would broadcast B's rows to 4·R·R_LORA fp32 a thread (R_LORA
+    up to 128: a q/k/v group of three rank-32 adapters), where the MMA's result is 8·R fp32 a
+    thread and one chunk of its operands is in registers at a time."""
+    BN: tl.constexpr = 16 * W * R
+    d = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, tl.arange(0, 16), pid_n * BN + tl.arange(0, BN), M, N,
+                          R_LORA, LSPLIT, INTERPRET)                                  # (16, BN)
+    # token 8a + 2t + p, row 16·(w·R + r) + 8h + g  ->  [t, g, w, r, q = 2h + p, a]
+    d = tl.reshape(d, (2, 4, 2, W, R, 2, 8))                                          # [a, t, p, w, r, h, g]
+    d = tl.reshape(tl.permute(d, 1, 6, 3, 4, 5, 2, 0), (4, 8, W, R, 4, 2))
+    return tl.split(d)
 
 
 @triton.jit
@@ -387,8 +411,9 @@ def _nvfp4_mma_kernel(
     # pointers (x2: x as int32 words, a bf16 pair each; p4: packed as int32 words, 8 codes each)
     x2_ptr, p4_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
     y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
+    hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ, hp (LSPLIT, M, R_LORA) fp32, B (N, R_LORA)
     # sizes: x (M, K), W (N, K); NWIN = K / 128 windows, program pid_k takes [pid_k·SPLIT, +SPLIT)
-    M, N, NWIN, SPLIT,
+    M, N, NWIN, SPLIT, R_LORA,
     # strides (the innermost stride of every tensor is 1)
     stride_x2m, stride_p4n, stride_sn, stride_om, stride_os,
     # meta
@@ -401,11 +426,15 @@ def _nvfp4_mma_kernel(
     U: tl.constexpr,        # windows a loop step loads before it decodes any
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
+    LORA: tl.constexpr, LSPLIT: tl.constexpr,   # the folded LoRA expand
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
     registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
     bits 2-4 (g), warp, tile, 4 values in the lane: the loads' natural layouts already are the
-    fragments, so Triton moves nothing between lanes."""
+    fragments, so Triton moves nothing between lanes in the loop. With LORA, whoever finishes the
+    rows (every program of an unsplit launch, the last split with REDUCE) adds the LoRA update
+    (_mma_update) before storing them: the expand kernel's work, without its launch. A split launch
+    without REDUCE leaves the update to the reduce kernel (gemm._mma)."""
     pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -438,15 +467,22 @@ def _nvfp4_mma_kernel(
     rows = 16 * tile + G + 8 * (Q // 2)                                         # (1, 8, W, R, 4)
     tok = 2 * T + Q % 2                                                         # (4, 1, 1, 1, 4)
     part_off = pid_k * stride_os
-    _mma_store(acc0, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+    upd0, upd1 = None, None                    # the LoRA update of tokens 0..7, 8..15 where y is finished here
+    if LORA:
+        if not PARTIAL:
+            upd0, upd1 = _mma_update(hp_ptr, lb_ptr, lora_scale, pid_n, M, N, R_LORA, LSPLIT, W, R, INTERPRET)
+    _mma_store(acc0, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off, upd0,
                HAS_BIAS, PARTIAL, INTERPRET)
     if NT == 2:
-        _mma_store(acc1, tok + 8, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off,
+        _mma_store(acc1, tok + 8, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off, upd1,
                    HAS_BIAS, PARTIAL, INTERPRET)
     if REDUCE:
         if _last_split(count_ptr, pid_n, NSPLIT):
+            last0, last1 = None, None
+            if LORA:
+                last0, last1 = _mma_update(hp_ptr, lb_ptr, lora_scale, pid_n, M, N, R_LORA, LSPLIT, W, R, INTERPRET)
             _sum_splits(out_ptr, y_ptr, tok * stride_om + rows, (tok < M) & (rows < N), rows, N, stride_os,
-                        gs_ptr, bias_ptr, None, NSPLIT, HAS_BIAS, INTERPRET)
+                        gs_ptr, bias_ptr, last0, NSPLIT, HAS_BIAS, INTERPRET)
             if NT == 2:
                 _sum_splits(out_ptr, y_ptr, (tok + 8) * stride_om + rows, (tok + 8 < M) & (rows < N), rows, N,
-                            stride_os, gs_ptr, bias_ptr, None, NSPLIT, HAS_BIAS, INTERPRET)
+                            stride_os, gs_ptr, bias_ptr, last1, NSPLIT, HAS_BIAS, INTERPRET)

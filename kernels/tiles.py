@@ -29,8 +29,9 @@ up in order with the epilogue (scale, bias, cast): one launch, and the same bits
 kernel (fp4_decode._last_split / _sum_splits, shared with small_m.py). Otherwise
 _splitk_reduce_kernel does it: deterministic, no atomics. It also serves the fragment kernel's
 split launches at larger M (small_m.py) and the register-A kernel's (register_a.py);
-_splitk_reduce_lora_kernel is the same sum in 2-D tiles that also adds a LoRA update s·h·Bᵀ (one
-MMA of the tile's rows of h and B) in place of an addmm after the matmul.
+_splitk_reduce_lora_kernel is the same sum in 2-D tiles that also adds a LoRA update s·h·Bᵀ (MMAs of
+the tile's rows of h and B): h from F.linear at the GRPO batch, in place of an addmm after the
+matmul, or summed from the shrink's partials at decode, in place of the expand kernel.
 
 At large M (tuning's dequant_min_m) the fused kernel is compute-bound and slower than cuBLAS, so
 _nvfp4_dequant_kernel writes W once as bf16 (N, K) and cuBLAS multiplies (gemm.use_dequant).
@@ -54,8 +55,7 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _add_update, _e2m1x2_to_f32, _e4m3_to_f32,
-                        _finish, _last_split, _lora_mma, _lora_update_tile, _sum_splits, _tiled_offsets,
-                        _to_bf16, pdl_start)
+                        _finish, _last_split, _lora_update_tile, _sum_splits, _tiled_offsets, _to_bf16, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # the weight tile
@@ -114,7 +114,7 @@ def _nvfp4_mm_kernel(
     IL: tl.constexpr,          # W interleaved (nvfp4.interleave)
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
-    LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
+    LORA: tl.constexpr, LSPLIT: tl.constexpr,   # the folded LoRA expand
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program. With LORA, whoever
     finishes the tile adds the LoRA update before storing it (the expand kernel's work)."""
@@ -161,15 +161,14 @@ def _nvfp4_mm_kernel(
             if _last_split(count_ptr, pid_m * tl.cdiv(N, BN) + pid_n, NSPLIT):
                 upd = None
                 if LORA:
-                    upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R_LORA, LSPLIT, LR,
-                                            INTERPRET)
+                    upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R_LORA, LSPLIT, INTERPRET)
                 _sum_splits(out_ptr, y_ptr, offs_m[:, None] * stride_om + offs_n[None, :], mask, offs_n[None, :],
                             N, stride_os, gs_ptr, bias_ptr, upd, NSPLIT, HAS_BIAS, INTERPRET)
     else:
         y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
         if LORA:
             y = _add_update(y, _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R_LORA, LSPLIT,
-                                                 LR, INTERPRET), INTERPRET)
+                                                 INTERPRET), INTERPRET)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
 
 
@@ -242,12 +241,14 @@ def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
 
 @triton.jit
 def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr, lora_scale, M, N, R, SPLIT,
-                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LR: tl.constexpr,
+                               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LSPLIT: tl.constexpr,
                                INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """_splitk_reduce_kernel for a (BM, BN) tile of out (M, N), plus a LoRA update: out = bf16(y +
-    s · h Bᵀ) with y the reduce's bf16 result, h (M, R) and B (N, R) bf16 (R <= LR), the update an
-    fp32 MMA added before the one rounding (the in-place addmm it replaces rounds the sum less
-    exactly: by more than a bf16 step on some outputs)."""
+    s · h Bᵀ) with y the reduce's bf16 result and B (N, R) bf16, the update an fp32 MMA
+    added before the one rounding (the in-place addmm it replaces rounds the sum less exactly: by
+    more than a bf16 step on some outputs). h comes in either of matmul's forms, read by one load
+    (fp4_decode._lora_h): a bf16 h (M, R) from F.linear (LSPLIT = 1; the GRPO batch), or the
+    shrink's fp32 K-chunk partials (LSPLIT, M, R), summed and rounded to bf16 here (decode)."""
     pdl_start(USE_PDL)
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -256,9 +257,7 @@ def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for s in range(SPLIT):
         acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    r = tl.arange(0, LR)
-    h = tl.load(h_ptr + offs_m[:, None] * R + r[None, :], mask=(offs_m < M)[:, None] & (r < R)[None, :], other=0.0)
-    update = _lora_mma(h, b_ptr, lora_scale, offs_n, N, R, LR, INTERPRET)         # (BM, BN) fp32
+    update = _lora_update_tile(h_ptr, b_ptr, lora_scale, offs_m, offs_n, M, N, R, LSPLIT, INTERPRET)  # (BM, BN)
     y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
     tl.store(out_ptr + offs, _add_update(y, update, INTERPRET), mask=mask)
 

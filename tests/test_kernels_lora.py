@@ -1,8 +1,9 @@
 """Tests for kernels/lora.py: the LoRA update of the rollout path, y = base(x) + s·(x Aᵀ) Bᵀ. The shrink
 + expand kernels against float64 (in place, on row-strided outputs, with bad shapes); where each
 piece runs (early shrink, folds); the in-place addmm; on the GPU lora_linear and the group update
-against the torch path (F.linear and an addmm), folded into the NVFP4 GEMV and the split-K reduce
-or not. The adapters are the trunk's lora.LoRALinear (the wing reads them by duck typing)."""
+against the torch path (F.linear and an addmm), folded into the NVFP4 GEMV, the fragment kernel and
+the split-K reduce or not, and on Qwen2.5-7B's projections at decode against the expand kernel. The
+adapters are the trunk's lora.LoRALinear (the wing reads them by duck typing)."""
 import dataclasses
 
 import pytest
@@ -84,15 +85,19 @@ def test_lora_delta_rejects_what_it_cannot_do():
 
 def test_early_shrink_on_nvfp4_bases_and_where_the_expand_folds():
     """The shrink goes before the base matmul on an NVFP4 base (any rows), never on a dense base; the
-    base kernel then folds the expand in for bf16 rows where the GEMV (1 row) or the swapped tiles
-    (K not a multiple of 128) compute it, not beside the fragment kernel."""
+    base kernel then folds the expand in for bf16 rows where gemm.folds_lora holds for the product
+    (here, without the register-A kernel: every decode row; the fragment kernel's rows, 2..16 at K a
+    multiple of 128, only with lora_fold_decode), never for fp32 activations."""
     import nvfp4
     q, dense = nvfp4.NVFP4Linear(128, 32), torch.nn.Linear(64, 32)
+    B = torch.zeros(32, 8, dtype=torch.bfloat16)
     assert kl.early_shrink(q) and kl.early_shrink(nvfp4.NVFP4Linear(64, 32)) and not kl.early_shrink(dense)
-    assert kl.fold_expand(q, torch.zeros(1, 128, dtype=torch.bfloat16))
-    assert not kl.fold_expand(q, torch.zeros(2, 128, dtype=torch.bfloat16))
-    assert kl.fold_expand(nvfp4.NVFP4Linear(64, 32), torch.zeros(2, 64, dtype=torch.bfloat16))
-    assert not kl.fold_expand(q, torch.zeros(1, 128))                      # fp32 activations
+    rows = [torch.zeros(m, 128, dtype=torch.bfloat16) for m in (1, 2, 16, 17)]
+    assert [kl.fold_expand(q, x2, B) for x2 in rows] == [True, True, True, False]
+    with tuning.using(dataclasses.replace(tuning.current(), lora_fold_decode=False)):
+        assert [kl.fold_expand(q, x2, B) for x2 in rows] == [True, False, False, False]
+        assert kl.fold_expand(nvfp4.NVFP4Linear(64, 32), torch.zeros(2, 64, dtype=torch.bfloat16), B)
+    assert not kl.fold_expand(q, torch.zeros(1, 128), B)                  # fp32 activations
 
 
 def test_lora_linear_off_the_kernels_is_base_plus_the_addmm():
@@ -153,11 +158,12 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 4, 16])
-def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, monkeypatch):
+@pytest.mark.parametrize("fold", [True, False])
+def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, fold, monkeypatch):
     """On an NVFP4 base the GEMV's row (1) gets the update from the base kernel itself (fold_expand:
-    no expand launch), the fragment kernel's rows (2..16 here, K = 512) from the expand kernel; a
-    single adapter (lora_linear) and a q/k/v-like group over a model.Stack give the torch path
-    within bf16 rounding on every route."""
+    no expand launch), and so do the fragment kernel's rows (2..16 here, K = 512) with
+    lora_fold_decode, from the expand kernel without; a single adapter (lora_linear) and a q/k/v-like
+    group over a model.Stack give the torch path within bf16 rounding on every route."""
     import nvfp4
     from kernels import stacked
     from model import Stack
@@ -173,15 +179,54 @@ def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, monkeypatch)
     calls = []
     real = kl.lora_expand_
     monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(1) or real(*a))
-    with torch.no_grad():
+    with torch.no_grad(), tuning.using(dataclasses.replace(tuning.current(), lora_fold_decode=fold)):
         got_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
         got_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
         monkeypatch.setattr(kl, "_decode_kernels", lambda x2: False)
         want_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
         want_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
-    assert len(calls) == (0 if rows == 1 else 2)
+    assert len(calls) == (0 if rows == 1 or fold else 2)
     for got, want in ((got_fwd, want_fwd), (got_group, want_group)):
         assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 8, 16])
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
+def test_gpu_7b_decode_folds_match_the_expand_kernel(name, rows, monkeypatch):
+    """Qwen2.5-7B's adapted projections at decode, as train.py's rank-32 adapters run them: q/k/v as
+    one group (4608 x 3584, R = 96), gate/up (37888 x 3584, R = 64), down alone (3584 x 18944, R = 32).
+    Where gemm.folds_lora holds (the fragment kernel's last split or the reduce kernel after it, the
+    register-A route's reduce) no expand kernel runs, elsewhere (gate_up beside an unsplit register-A
+    launch) it does; either way the result is lora_delta_ on the unfolded matmul's y within one bf16
+    step everywhere (both add the same fp32 update to the same bf16 y and round once)."""
+    import nvfp4
+    from kernels import stacked
+    from model import Stack
+    sizes, K = {"qkv": ((3584, 512, 512), 3584), "gate_up": ((18944, 18944), 3584), "down": ((3584,), 18944)}[name]
+    torch.manual_seed(rows)
+    g = torch.tensor([448.0 * 6 / 0.1], device="cuda")
+    bases = [nvfp4.NVFP4Linear.from_weight(torch.randn(n, K, device="cuda", dtype=torch.bfloat16) * 0.02,
+                                           global_scale=g) for n in sizes]
+    mods = _adapters(bases, r=32, alpha=64)
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    A, B = _group_ab(mods, torch.bfloat16)                                # (R, K), (N, R)
+    stack = Stack(bases) if len(bases) > 1 else None
+    calls, real = [], kl.lora_expand_
+    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        if stack is not None:
+            got = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
+            base = stacked.matmul(stack, x)                                # (rows, N): the unfolded matmul
+        else:
+            got = kernels.lora_linear(x, bases[0], A, B, mods[0].scaling)
+            base = bases[0](x)
+        assert calls == ([] if gemm.folds_lora(rows, B.shape[0], K, x.device, bases[0].interleaved) else [1])
+        want = lora_delta_(x, A, B, base.clone(), mods[0].scaling)
+    err = (got.double() - want.double()).abs()
+    step = 2.0 ** -7 * torch.maximum(got.double().abs(), want.double().abs())    # one bf16 step of the larger
+    assert (err <= step + 1e-6).all(), f"{name} rows={rows}: {(err > step + 1e-6).sum().item()} elements off"
+    assert (got.double() - base.double()).abs().max() > 0.01, "the update is not zero"
 
 
 @pytest.mark.gpu

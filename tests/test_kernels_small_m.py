@@ -66,58 +66,111 @@ def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
                   f"gemv M={M} N={N} K={K} {cfg}")
 
 
-@pytest.mark.parametrize("M,N,K,R,cfg", [
-    (1, 48, 1056, 24, GemvConfig(bn=16, bk=64, split=3)),    # the last split adds the update
-    (1, 64, 512, 16, GemvConfig(bn=32, bk=64, split=1)),     # one pass: every program adds it
-    (1, 32, 272, 40, GemvConfig()),
-    (9, 144, 512, 24, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3)),   # swapped tiles
-    (16, 64, 256, 96, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=1))])
+@pytest.mark.parametrize("M,N,K,R,cfg,il,tune,where", [
+    (1, 48, 1056, 24, GemvConfig(bn=16, bk=64, split=3), False, {}, "last split"),
+    (1, 64, 512, 16, GemvConfig(bn=32, bk=64, split=1), False, {}, "kernel"),      # one pass: every program
+    (1, 32, 272, 40, GemvConfig(), False, {}, "kernel"),
+    (9, 144, 512, 24, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3), False, {}, "last split"),
+    (16, 64, 256, 96, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=1), False, {}, "kernel"),
+    # the fragment kernel: one token tile (M <= 8) and two, unsplit, summed by its last split, or
+    # followed by the reduce kernel; an odd rank and a q/k/v group's, the plain and interleaved layouts
+    (2, 48, 256, 24, MmaConfig(warps=1, split=1), False, {}, "kernel"),
+    (9, 64, 256, 96, MmaConfig(warps=2, split=1), True, {}, "kernel"),
+    (5, 80, 512, 96, MmaConfig(warps=2, split=2, windows=2), True, {}, "last split"),
+    (16, 48, 384, 24, MmaConfig(warps=1, tiles=2, split=3), False, dict(fragment_reduce_max_m=16), "last split"),
+    (8, 64, 384, 40, MmaConfig(warps=2, split=3), True, {}, "reduce kernel"),
+    (16, 48, 384, 96, MmaConfig(warps=1, tiles=2, split=3), False, {}, "reduce kernel")])
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_kernels_fold_the_lora_update(M, N, K, R, cfg, has_bias, poisoned):
-    """matmul's lora = (hp, B, s): the GEMV and the swapped tiles (folds_lora's routes) add
-    s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish. Against float64 (the base, plus the update
-    with h rounded to bf16 as the expand kernel rounds it), and element by element against the
-    kernel's own base output plus the float64 update: one bf16 rounding of the sum (what
-    lora.lora_expand_ does to a stored y), at most half a unit in the last place."""
+def test_kernels_fold_the_lora_update(M, N, K, R, cfg, il, tune, where, has_bias, monkeypatch, poisoned):
+    """matmul's lora = (hp, B, s): the GEMV, the swapped tiles and the fragment kernel (folds_lora's
+    routes) add s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish (`where`: every program of an
+    unsplit launch, the last split, or the reduce kernel after a split fragment launch; the launch
+    records say which ran). Against float64 (the base, plus the update with h rounded to bf16 as the
+    expand kernel rounds it), and element by element against the kernel's own base output plus the
+    float64 update: one bf16 rounding of the sum (what lora.lora_expand_ does to a stored y), at most
+    half a unit in the last place."""
+    import nvfp4
+    wrapper, kernel = {GemvConfig: ("_gemv", "_nvfp4_gemv_kernel"), TileConfig: ("_matmul", "_nvfp4_mm_kernel"),
+                       MmaConfig: ("_mma", "_nvfp4_mma_kernel")}[type(cfg)]
+    launched = []
+    for name in (kernel, "_splitk_reduce_lora_kernel"):
+        monkeypatch.setattr(gemm, name, LaunchSpy(getattr(gemm, name), launched))
     gen = torch.Generator().manual_seed(M + N + K + R + has_bias)
     packed, scale, gs = random_weight(N, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
     bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
     hp = torch.randn(3, M, R, generator=gen).to(DEV)                     # three K-chunk partials
     B = (torch.randn(N, R, generator=gen) * 0.2).bfloat16().to(DEV)
-    run = gemm._gemv if isinstance(cfg, GemvConfig) else gemm._matmul
-    got = run(x, packed, scale, gs, bias, cfg, (hp, B, 0.75))
+    w = nvfp4.interleave(packed, scale) if il else (packed, scale)
+    run = getattr(gemm, wrapper)
+    with _replaced(**tune):
+        got = run(x, *w, gs, bias, cfg, (hp, B, 0.75), il)
+        (_, kw), *after = launched
+        assert where == ("reduce kernel" if len(after) == 1 and not kw["LORA"] else
+                         "last split" if kw["LORA"] and kw["REDUCE"] else "kernel" if kw["LORA"] else "nowhere")
+        plain = run(x, *w, gs, bias, cfg, None, il)
     h = (hp[0] + hp[1] + hp[2]).bfloat16().double()
     want = reference_matmul(x, packed, scale, gs, bias) + 0.75 * h @ B.double().t()
-    assert_close(got, want, f"gemv + lora M={M} N={N} K={K} R={R} {cfg}")
-    exact = run(x, packed, scale, gs, bias, cfg).double() + 0.75 * h @ B.double().t()
+    assert_close(got, want, f"{wrapper} + lora M={M} N={N} K={K} R={R} {cfg}")
+    exact = plain.double() + 0.75 * h @ B.double().t()
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
 
 
 def test_lora_update_only_where_it_folds():
-    """matmul takes a LoRA update only where folds_lora holds (the GEMV's and the swapped tiles'
-    rows, partials summed in-kernel) and only well-formed: a clear error otherwise, never a silent
-    unfolded result."""
+    """matmul takes a LoRA update in the partials form only where folds_lora holds, and only
+    well-formed: a clear error otherwise, never a silent unfolded result. On this device's routes
+    (no register-A kernel) every decode row folds: the GEMV's and the swapped tiles' (partials summed
+    in-kernel: reduce_in_kernel), the fragment kernel's (K a multiple of 128; lora_fold_decode, which
+    the reduce kernel serves where the fragment launch does not sum in-kernel)."""
     gen = torch.Generator().manual_seed(3)
     packed, scale, gs = random_weight(32, 64, gen)
     hp, B = torch.zeros(1, 1, 8, device=DEV), torch.zeros(32, 8, dtype=torch.bfloat16, device=DEV)
     x1 = torch.randn(1, 64, generator=gen).bfloat16().to(DEV)
-    assert [m for m in range(1, 17) if gemm.folds_lora(m, 128)] == [1]      # 2..16: the fragment kernel
-    assert all(gemm.folds_lora(m, 64) for m in range(1, 17)) and not gemm.folds_lora(17, 64)
-    with pytest.raises(ValueError, match="folds_lora"):
-        p128, s128, g128 = random_weight(32, 128, gen)
-        x3 = torch.randn(3, 128).bfloat16().to(DEV)
-        gemm.matmul(x3, p128, s128, g128, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
+    p128, s128, g128 = random_weight(32, 128, gen)
+    x3 = torch.randn(3, 128, generator=gen).bfloat16().to(DEV)
+
+    def folds(K):
+        return [m for m in range(1, 18) if gemm.folds_lora(m, 32, K, x1.device, False)]
+
+    assert folds(128) == folds(64) == list(range(1, 17))
+    with _replaced(lora_fold_decode=False):
+        assert folds(128) == [1] and folds(64) == list(range(1, 17))
+        with pytest.raises(ValueError, match="folds_lora"):
+            gemm.matmul(x3, p128, s128, g128, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
+    with _replaced(reduce_in_kernel=False):
+        assert folds(64) == [] and folds(128) == list(range(2, 17))
+        with pytest.raises(ValueError, match="reduce_in_kernel|folds_lora"):
+            gemm._gemv(x1, packed, scale, gs, None, GemvConfig(bn=16, bk=32, split=2), (hp, B, 1.0))
     with pytest.raises(ValueError, match="fp32"):
         gemm.matmul(x1, packed, scale, gs, lora=(hp.bfloat16(), B, 1.0))
     with pytest.raises(ValueError, match="B must be"):
         gemm.matmul(x1, packed, scale, gs, lora=(hp, B[:16], 1.0))
     with pytest.raises(ValueError, match="reduce_folds_lora"):     # the h form: the register-A route only
         gemm.matmul(x1, packed, scale, gs, lora=(hp[0].bfloat16(), B, 1.0))
-    with _replaced(reduce_in_kernel=False):
-        assert not gemm.folds_lora(1, 64)
-        with pytest.raises(ValueError, match="reduce_in_kernel|folds_lora"):
-            gemm._gemv(x1, packed, scale, gs, None, GemvConfig(bn=16, bk=32, split=2), (hp, B, 1.0))
+
+
+def test_lora_folds_at_decode_on_the_7b_shapes(monkeypatch):
+    """folds_lora on an H100 / H200 (132 SMs, the register-A kernel running: gluon_runs patched) for
+    Qwen2.5-7B's interleaved projections at decode: everywhere but gate_up at 2..16 rows, whose
+    register-A launch does not split K (its 592 row tiles take the decode share of a wave alone:
+    wgmma_reduces), so its kernel stores y and the expand kernel stays; down at 16 rows folds into
+    the register-A route's reduce kernel. matmul refuses gate_up's update there rather than drop it."""
+    monkeypatch.setattr(launch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(gemm, "gluon_runs", lambda device, interleaved: interleaved)
+    cpu, rows = torch.device("cpu"), (1, 2, 4, 8, 16)
+    qwen7b = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+    table = {name: [gemm.folds_lora(M, N, K, cpu, True) for M in rows] for name, (N, K) in qwen7b.items()}
+    assert table == {"qkv": [True] * 5, "o": [True] * 5, "gate_up": [True] + [False] * 4, "down": [True] * 5}
+    assert [gemm.route(M, *qwen7b["down"], cpu, True) for M in rows] == ["gemv"] + ["fragment"] * 3 + ["wgmma"]
+    assert [gemm.route(M, *qwen7b["gate_up"], cpu, True) for M in rows] == ["gemv"] + ["wgmma"] * 4
+    with _replaced(lora_fold_decode=False):
+        assert [gemm.folds_lora(M, N, K, cpu, True) for N, K in qwen7b.values() for M in rows] == [
+            M == 1 for _ in qwen7b for M in rows]
+    N, K = qwen7b["gate_up"]
+    w = torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn), torch.ones(1)
+    with pytest.raises(ValueError, match="folds_lora"):
+        gemm.matmul(torch.zeros(8, K, dtype=torch.bfloat16), *w, interleaved=True,
+                    lora=(torch.zeros(1, 8, 64), torch.zeros(N, 64, dtype=torch.bfloat16), 1.0))
 
 
 @pytest.mark.parametrize("N,K,cfg,il", [

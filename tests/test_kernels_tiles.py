@@ -3,7 +3,8 @@ references marlin_kernel.reference_matmul / reference_dequantize (plain torch), 
 with NaN (conftest's `poisoned`): the backward-input product dx (nvfp4_matmul_dx), tile shapes and
 split-K with the separate reduce kernel (_matmul / _matmul_dx with a TileConfig, swapped and not),
 the medium-M unswapped launch (tuning's medium tiles), the large-M path (W dequantized to bf16
-within one rounding, then cuBLAS) and the reduce kernel's LoRA update.
+within one rounding, then cuBLAS) and the reduce kernel's LoRA update (from h, or from the shrink's
+partials).
 
 On the CPU the interpreter runs tiny shapes (the dots on fp32 copies); the real projection shapes
 run through nvfp4_matmul / nvfp4_matmul_dx in test_kernels_gemm.py (test_real_shapes_gpu).
@@ -83,19 +84,28 @@ def test_large_m_dequantize_then_matmul_path(has_bias, poisoned):
         assert_close(kernels.nvfp4_matmul_dx(dy, packed, scale, gs), dy.double() @ W, "dx large-M path")
 
 
-@pytest.mark.parametrize("M,N,R,split,has_bias", [(5, 48, 16, 3, True), (70, 130, 96, 2, False), (1, 16, 7, 4, True)])
-def test_split_k_reduce_adds_the_lora_update(M, N, R, split, has_bias, poisoned):
-    """_reduce with lora = (h, B, s) (h bf16, the register-A route's fold, reduce_folds_lora): the
-    sum of the fp32 partials rounded to y as without the update, then bf16(y + s·h·Bᵀ) against
-    float64; tiles past M and N (70 x 130 in 16 x 128 tiles) and a rank that is not a power of two."""
-    gen = torch.Generator().manual_seed(M * 31 + N + R)
+@pytest.mark.parametrize("M,N,R,split,has_bias,partials", [
+    (5, 48, 16, 3, True, 0), (70, 130, 96, 2, False, 0), (1, 16, 7, 4, True, 0),     # h (M, R) bf16
+    (16, 130, 96, 3, True, 1), (5, 48, 24, 2, False, 3)])                            # hp (partials, M, R) fp32
+def test_split_k_reduce_adds_the_lora_update(M, N, R, split, has_bias, partials, poisoned):
+    """_reduce with a LoRA update in either of matmul's forms: lora = (h, B, s), h bf16 (the
+    register-A route's fold at the GRPO batch, reduce_folds_lora), or (hp, B, s), the shrink's fp32
+    K-chunk partials (decode, folds_lora: after a split fragment or register-A launch), summed and
+    rounded to bf16 in the kernel as the expand kernel rounds them. The sum of the fp32 partials
+    rounded to y as without the update, then bf16(y + s·h·Bᵀ) against float64; tiles past M and N
+    (70 x 130 in 16 x 128 tiles), ranks that are not powers of two."""
+    gen = torch.Generator().manual_seed(M * 31 + N + R + partials)
     part = torch.randn(split, M, N, generator=gen).to(DEV)
     gs = torch.tensor([0.37], device=DEV)
     bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
-    h = torch.randn(M, R, generator=gen).bfloat16().to(DEV)
+    if partials:
+        first = torch.randn(partials, M, R, generator=gen).to(DEV)
+        h = sum(first.unbind(0)).bfloat16()                     # in order, as the kernel sums them
+    else:
+        first = h = torch.randn(M, R, generator=gen).bfloat16().to(DEV)
     B = (torch.randn(N, R, generator=gen) * 0.1).bfloat16().to(DEV)
     plain = gemm._reduce(part, gs, bias, torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
-    got = gemm._reduce(part, gs, bias, torch.empty(M, N, device=DEV, dtype=torch.bfloat16), (h, B, 0.5))
+    got = gemm._reduce(part, gs, bias, torch.empty(M, N, device=DEV, dtype=torch.bfloat16), (first, B, 0.5))
     base = part.double().sum(0) * 128 / gs.double() + (bias.double() if has_bias else 0)
     assert ((plain.double() - base).abs() <= 2.0 ** -8 * base.abs() + 1e-30).all()     # y: one rounding
     want = plain.double() + 0.5 * h.double() @ B.double().t()
