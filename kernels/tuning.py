@@ -120,8 +120,6 @@ class Tuning:
     lora_shrink_k: int = 256          # ... and k, in one load before its PDL wait: K / this many programs a
                                       # row tile stream A at once, and its last one sums their partials
     lora_expand_cols: int = 64        # output columns an expand program updates
-    lora_fold_decode: bool = True     # fold the LoRA update into the fragment kernel and the decode reduce
-                                      # (2..16 rows; gemm.folds_lora) instead of the expand kernel after them
 
     # ---- the decoder's small ops (fused_ops.py)
     lm_head_max_rows: int = 2         # the lm_head GEMV to this many rows (at 3-4 the per-row accumulators

@@ -87,16 +87,14 @@ def test_early_shrink_on_nvfp4_bases_and_where_the_expand_folds():
     """The shrink goes before the base matmul on an NVFP4 base (any rows), never on a dense base; the
     base kernel then folds the expand in for bf16 rows where gemm.folds_lora holds for the product
     (here, without the register-A kernel: every decode row; the fragment kernel's rows, 2..16 at K a
-    multiple of 128, only with lora_fold_decode), never for fp32 activations."""
+    multiple of 128), never for fp32 activations."""
     import nvfp4
     q, dense = nvfp4.NVFP4Linear(128, 32), torch.nn.Linear(64, 32)
     B = torch.zeros(32, 8, dtype=torch.bfloat16)
     assert kl.early_shrink(q) and kl.early_shrink(nvfp4.NVFP4Linear(64, 32)) and not kl.early_shrink(dense)
     rows = [torch.zeros(m, 128, dtype=torch.bfloat16) for m in (1, 2, 16, 17)]
     assert [kl.fold_expand(q, x2, B) for x2 in rows] == [True, True, True, False]
-    with tuning.using(dataclasses.replace(tuning.current(), lora_fold_decode=False)):
-        assert [kl.fold_expand(q, x2, B) for x2 in rows] == [True, False, False, False]
-        assert kl.fold_expand(nvfp4.NVFP4Linear(64, 32), torch.zeros(2, 64, dtype=torch.bfloat16), B)
+    assert kl.fold_expand(nvfp4.NVFP4Linear(64, 32), torch.zeros(2, 64, dtype=torch.bfloat16), B)
     assert not kl.fold_expand(q, torch.zeros(1, 128), B)                  # fp32 activations
 
 
@@ -158,11 +156,9 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 4, 16])
-@pytest.mark.parametrize("fold", [True, False])
-def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, fold, monkeypatch):
+def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, monkeypatch):
     """On an NVFP4 base the GEMV's row (1) gets the update from the base kernel itself (fold_expand:
-    no expand launch), and so do the fragment kernel's rows (2..16 here, K = 512) with
-    lora_fold_decode, from the expand kernel without; a single adapter (lora_linear) and a q/k/v-like
+    no expand launch), and so do the fragment kernel's rows (2..16 here, K = 512); a single adapter (lora_linear) and a q/k/v-like
     group over a model.Stack give the torch path within bf16 rounding on every route."""
     import nvfp4
     from kernels import stacked
@@ -179,13 +175,13 @@ def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, fold, monkey
     calls = []
     real = kl.lora_expand_
     monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(1) or real(*a))
-    with torch.no_grad(), tuning.using(dataclasses.replace(tuning.current(), lora_fold_decode=fold)):
+    with torch.no_grad():
         got_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
         got_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
         monkeypatch.setattr(kl, "_decode_kernels", lambda x2: False)
         want_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
         want_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
-    assert len(calls) == (0 if rows == 1 or fold else 2)
+    assert not calls
     for got, want in ((got_fwd, want_fwd), (got_group, want_group)):
         assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
 

@@ -120,23 +120,17 @@ def test_lora_update_only_where_it_folds():
     """matmul takes a LoRA update in the partials form only where folds_lora holds, and only
     well-formed: a clear error otherwise, never a silent unfolded result. On this device's routes
     (no register-A kernel) every decode row folds: the GEMV's and the swapped tiles' (partials summed
-    in-kernel: reduce_in_kernel), the fragment kernel's (K a multiple of 128; lora_fold_decode, which
+    in-kernel: reduce_in_kernel), the fragment kernel's (K a multiple of 128, which
     the reduce kernel serves where the fragment launch does not sum in-kernel)."""
     gen = torch.Generator().manual_seed(3)
     packed, scale, gs = random_weight(32, 64, gen)
     hp, B = torch.zeros(1, 1, 8, device=DEV), torch.zeros(32, 8, dtype=torch.bfloat16, device=DEV)
     x1 = torch.randn(1, 64, generator=gen).bfloat16().to(DEV)
-    p128, s128, g128 = random_weight(32, 128, gen)
-    x3 = torch.randn(3, 128, generator=gen).bfloat16().to(DEV)
 
     def folds(K):
         return [m for m in range(1, 18) if gemm.folds_lora(m, 32, K, x1.device, False)]
 
     assert folds(128) == folds(64) == list(range(1, 17))
-    with _replaced(lora_fold_decode=False):
-        assert folds(128) == [1] and folds(64) == list(range(1, 17))
-        with pytest.raises(ValueError, match="folds_lora"):
-            gemm.matmul(x3, p128, s128, g128, lora=(torch.zeros(1, 3, 8, device=DEV), B, 1.0))
     with _replaced(reduce_in_kernel=False):
         assert folds(64) == [] and folds(128) == list(range(2, 17))
         with pytest.raises(ValueError, match="reduce_in_kernel|folds_lora"):
@@ -163,9 +157,6 @@ def test_lora_folds_at_decode_on_the_7b_shapes(monkeypatch):
     assert table == {"qkv": [True] * 5, "o": [True] * 5, "gate_up": [True] + [False] * 4, "down": [True] * 5}
     assert [gemm.route(M, *qwen7b["down"], cpu, True) for M in rows] == ["gemv"] + ["fragment"] * 3 + ["wgmma"]
     assert [gemm.route(M, *qwen7b["gate_up"], cpu, True) for M in rows] == ["gemv"] + ["wgmma"] * 4
-    with _replaced(lora_fold_decode=False):
-        assert [gemm.folds_lora(M, N, K, cpu, True) for N, K in qwen7b.values() for M in rows] == [
-            M == 1 for _ in qwen7b for M in rows]
     N, K = qwen7b["gate_up"]
     w = torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn), torch.ones(1)
     with pytest.raises(ValueError, match="folds_lora"):
