@@ -22,7 +22,7 @@ allocated and reserved, of the whole step and of its rollout and train halves; t
 A warm-up step comes first, by default the timed step itself: it pays what a run pays once (Triton
 JIT, CUDA-graph captures, cuBLAS and cuDNN plans, the allocator's first growth, and torch.compile of the
 training pass's small ops, which compiles only from a micro-batch of tuning's compile_min_numel
-elements on, so a shorter warm-up can leave ~10 s of compilation inside the timed step).
+elements on, so a shorter warm-up can leave that compilation inside the timed step).
 --warmup-tokens shortens it where one more long step costs too much (72B); the JSON has both steps,
 the table the timed one.
 
