@@ -75,11 +75,11 @@ def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.conste
     in-thread chain of 16 FMAs per block (lo, hi interleaved in k order), one FMA with the scale.
     A thread holds bytes 16t..16t+15 of its rows, so it needs the x2 words 16t..16t+15 (each the
     bf16 pair x[2j], x[2j+1] that meets byte j). A load gives a thread 4 contiguous words, so they
-    come as four loads (words 16t + 4r + 0..3) stacked in registers, a copy per warp (dim 1). Triton
-    lays out the weights' load otherwise (at the 7B launch shape, triton 3.6: two warps along W and
-    two along R), so it moves xe and xo into that layout through shared memory, behind barriers,
-    every step (sm_90 SASS): the loop is not barrier-free, as the fragment kernel's is. Words past
-    kb_end read as 0."""
+    come as four loads (words 16t + 4r + 0..3) stacked in registers, a copy per warp (dim 1). At
+    1024-k steps (BKB = 512: a warp's 32 lanes span one row) Triton lays out the weights' load the
+    same way and the loop has no barrier; at 512-k steps (the 7B shapes: K = 3584) it puts one lane
+    bit and two of the warps on W, and moves xe and xo into that layout through shared memory,
+    behind barriers, every step (triton 3.6, sm_90 SASS). Words past kb_end read as 0."""
     chunk = kb0 + 16 * tl.arange(0, BKB // 16)[:, None, None]                   # (BKB/16, 1, 1)
     offs = tl.broadcast_to(chunk + tl.arange(0, 4)[None, None, :], (BKB // 16, W, 4))
     x0 = tl.load(x2_ptr + offs, mask=chunk < kb_end, other=0)
