@@ -210,8 +210,8 @@ class Graphs:
             key, p = self._key(b, params)
             pad = torch.zeros(META_ROWS, b, dtype=torch.int32)
             pad[2], pad[4] = -1, -1                 # rollout.Runner.decode_inputs' padding rows
-            static_meta[:META_ROWS * b].view(META_ROWS, b).copy_(pad)
             m = static_meta[:META_ROWS * b].view(META_ROWS, b)
+            m.copy_(pad)
             with ops.casts_kept():
                 hidden = r.run_decode(m, static_tables[:b], prev)[:, 0]
                 if p is not None:
