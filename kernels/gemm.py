@@ -354,6 +354,7 @@ def _lora_args(lora, out, split, reduce):
 def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s)) with the tile kernel in cfg's shape."""
     scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
+    late = lora is not None and x.shape[1] % MIN_RED == 0   # as in _gemv: no pad between shrink and loop
     if x.shape[1] % MIN_RED:               # odd K: pad the reduction (a copy; model shapes never)
         x, packed, scale = _pad(x, 1, MIN_RED), _pad(packed, 1, MIN_RED // 2), _pad(scale, 1, MIN_RED // 16)
     M, K = x.shape
@@ -378,7 +379,7 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         *targets, *lora_ptrs,
         M, N, K, k_split, R,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=late,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap, IL=il,
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **launch.pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -394,9 +395,11 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
     out = torch.empty((M, N // 2 if silu_mul else N), device=x.device, dtype=torch.bfloat16)
     if M == 0:
         return out
-    if K % 32:                               # a weight row must be whole 16-byte loads
+    late = lora is not None                  # wait on the shrink after the loop (matmul), unless
+    if K % 32:                               # a weight row must be whole 16-byte loads; the pad
         x, packed, scale = _pad(x, 1, 32), _pad(packed, 1, 16), _pad(scale.view(torch.uint8), 1, 2)
-        K = x.shape[1]
+        K, late = x.shape[1], False          # writes the x the loop reads
+
     bk = min(cfg.bk, triton.next_power_of_2(K))
     tiles = cdiv(out.shape[1], cfg.bn // 2 if silu_mul else cfg.bn)
     split, k_split = shapes.gemv_split(cfg, tiles, K, bk, silu_mul, launch.num_sms(x.device))
@@ -412,6 +415,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         M, N, K // 2, k_split // 2, R,
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(R)), SILU=silu_mul,
+        LATE_WAIT=late,
         BN=cfg.bn, BK=bk, W=cfg.warps, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **launch.pdl_launch(x.device))
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -441,7 +445,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         *targets, *lora_ptrs,
         M, N, K // 128, per, R,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=lora is not None,
         W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=1, **launch.pdl_launch(x.device))
     return out if finishes else _reduce(part, global_scale, bias, out, lora)
@@ -546,8 +550,10 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
     """y (M, N) bf16 = x (M, K) bf16 · dequant(W)ᵀ (+ bias (N,) bf16), fp32 accumulation, on the
     kernel route() picks. interleaved: packed and scale hold nvfp4.interleave's layout.
     lora = (hp, B, s), where folds_lora(M, N, K, ...): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the update
-    of lora.lora_expand_ (hp (split, M, R) fp32 from lora.lora_shrink, B (N, R) bf16); or lora = (h,
-    B, s) with h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by the reduce
+    of lora.lora_expand_ (hp (split, M, R) fp32 from lora.lora_shrink, launched just before this call
+    on this x, B (N, R) bf16): the kernel streams x and W before it waits on that launch (LATE_WAIT
+    in fp4_decode.pdl_start), so nothing may write x between the two; or lora = (h, B, s) with
+    h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by the reduce
     kernel of the register-A route; elsewhere a ValueError, never a dropped update. silu_mul, where
     folds_silu(M): W stacks gate and up (N = 2I rows), and the result is silu(y[:, :I])·y[:, I:]
     (M, I), the bits of fused_ops.silu_mul on the two halves of y."""
@@ -599,6 +605,9 @@ def linear(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
     (..., N/2) with silu_mul. The wing's own call on an NVFP4Linear's buffers, where it folds a LoRA
     update or SiLU·mul into the matmul (lora.py, stacked.py)."""
     x2d = x.reshape(-1, x.shape[-1])                                      # (M, K)
+    if lora is not None and lora[0].dim() == 3 and not x2d.is_contiguous():
+        raise ValueError("linear: with lora partials, x must be contiguous: the kernel reads x before it waits "
+                         "on the shrink (matmul), so no copy of x may run between them")
     b = bias.to(torch.bfloat16) if bias is not None else None
     y = matmul(x2d.contiguous(), packed, scale, global_scale, b, interleaved, lora, silu_mul)
     return y.view(*x.shape[:-1], y.shape[-1])                             # (..., N or N/2)

@@ -25,7 +25,9 @@ is tuning.current().pdl, read at each launch.
 When is the next kernel scheduled? Every kernel releases it right after its own wait, except the
 CUDA-core GEMV that is not the gate/up one: it releases after its main loop (small_m.py). The paged
 decode kernel comes right after the qkv GEMV; scheduled early, its programs would wait on the SMs
-through the whole GEMV. A kernel may also load, before its wait, what the kernel just before it
+through the whole GEMV. A matmul that folds a LoRA update (GEMV, fragment kernel, swapped tiles, after
+lora.lora_shrink) waits and releases after its main loop: the shrink runs beside the weight stream
+instead of before it (fp4_decode.pdl_start says why that is safe). A kernel may also load, before its wait, what the kernel just before it
 does not write (attention's first cache tile, RMSNorm's weight and residual): that latency then
 passes under the previous kernel's tail.
 

@@ -270,11 +270,10 @@ def lora_linear(x, base, A, B, scale):
     """base(x) + scale · (x Aᵀ) Bᵀ for x (..., in), A (r, in), B (out, r) in x.dtype (the caller casts
     and checks that dropout is off): the kernels up to lora_max_m rows, the folds where they apply,
     else F.linear and the in-place addmm."""
-    y = functools.partial(_base, base, x)
-    x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
-    if _decode_kernels(x2):
-        return _delta_kernels(x2, A, B, y, scale, base)
-    return _update(y, F.linear(x, A), B, scale, base)                          # h: (..., r)
+    if _decode_kernels(x.reshape(-1, x.shape[-1])):
+        x = x.contiguous()          # a folding matmul reads x before its wait on the shrink: no copy between
+        return _delta_kernels(x.view(-1, x.shape[-1]), A, B, functools.partial(_base, base, x), scale, base)
+    return _update(functools.partial(_base, base, x), F.linear(x, A), B, scale, base)   # h: (..., r)
 
 
 def is_adapter(m) -> bool:

@@ -21,7 +21,8 @@ the 16 words its threads need straight into registers in the weights' layout (_g
 four SASS instructions per weight. Two epilogue folds save a launch each: the LoRA expand
 (LORA: fp4_decode._lora_update) and, for a stacked gate/up weight, SiLU·mul (SILU: the program
 takes gate rows and the same up rows and stores silu(gate)·up). The GEMV releases the next kernel
-after its main loop (pdl_release), except the gate/up one (launch.py says why).
+after its main loop (pdl_release), except the gate/up one (launch.py says why); with LORA it also
+waits there, as the fragment kernel does (LATE_WAIT: fp4_decode.pdl_start).
 
 The fragment kernel, _nvfp4_mma_kernel (M <= 16 and K a multiple of 128), decodes the weights
 straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of fp4_decode.py) and lets each
@@ -165,6 +166,7 @@ def _nvfp4_gemv_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
+    LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
     SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (1, I)
 ):
     """y[0, n] = sum_k x[0, k] · W[n, k] on CUDA cores: BN rows of W per program as a (W, R = BN/W)
@@ -174,7 +176,8 @@ def _nvfp4_gemv_kernel(
     and the same up rows, interleaved in its tile (columns 2j, 2j + 1: gate row j, up row I + j),
     and stores silu(gate)·up: the SiLU·mul kernel's work, without its launch or the (1, 2I) round
     trip. The next kernel is released after the main loop, except by the gate/up GEMV (SILU)."""
-    pdl_start(USE_PDL, SILU)
+    if not LATE_WAIT:
+        pdl_start(USE_PDL, SILU)
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
@@ -201,7 +204,9 @@ def _nvfp4_gemv_kernel(
         acc = _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
 
     # ---- epilogue: the row of y (or fp32 partial sums for the split-K reduce)
-    if not SILU:
+    if LATE_WAIT:
+        pdl_start(USE_PDL)                               # the shrink's partials are read from here on
+    elif not SILU:
         pdl_release(USE_PDL)
     out_ptr += pid_k * stride_os
     update = None                                        # the LoRA update of a row finished here
@@ -430,6 +435,7 @@ def _nvfp4_mma_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr,   # the folded LoRA expand
+    LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
     registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
@@ -438,7 +444,8 @@ def _nvfp4_mma_kernel(
     rows (every program of an unsplit launch, the last split with REDUCE) adds the LoRA update
     (_mma_update) before storing them: the expand kernel's work, without its launch. A split launch
     without REDUCE leaves the update to the reduce kernel (gemm._mma)."""
-    pdl_start(USE_PDL)
+    if not LATE_WAIT:
+        pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     T = tl.arange(0, 4)[:, None, None, None, None]
@@ -466,6 +473,8 @@ def _nvfp4_mma_kernel(
         for u in tl.static_range(U):
             acc0, acc1 = _mma_step(acc0, acc1, step[u], NT, W, R, INTERPRET)
 
+    if LATE_WAIT:
+        pdl_start(USE_PDL)                               # the shrink's partials are read from here on
     # ---- epilogue: acc[t, g, w, r, q] is y at token 2t + q % 2 (+ 8 for acc1), row g + 8·(q // 2)
     rows = 16 * tile + G + 8 * (Q // 2)                                         # (1, 8, W, R, 4)
     tok = 2 * T + Q % 2                                                         # (4, 1, 1, 1, 4)

@@ -72,6 +72,7 @@ def project(stack, mods, x, silu_mul=False, refresh=True):
     grouped = wrapped and lora_update.group_applies(mods)
     if not grouped and any(lora_update.is_adapter(m) and m.enabled for m in mods):
         return None
+    x = x.contiguous()              # a folding matmul reads x before its wait on the shrink: no copy between
     fold_silu = silu_mul and folds_silu(stack, x)
     silu_done = []
 

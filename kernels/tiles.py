@@ -115,10 +115,12 @@ def _nvfp4_mm_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr,   # the folded LoRA expand
+    LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program. With LORA, whoever
     finishes the tile adds the LoRA update before storing it (the expand kernel's work)."""
-    pdl_start(USE_PDL)
+    if not LATE_WAIT:
+        pdl_start(USE_PDL)
     # ---- grouped program order: GROUP weight tiles are swept over all m-tiles together (L2)
     pid_n, pid_m = _grouped_order(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(M, BM), GROUP)
     pid_k = tl.program_id(1)
@@ -149,6 +151,8 @@ def _nvfp4_mm_kernel(
             acc = tl.dot(x, tl.trans(w), acc)                                      # (BM, BN)
     if SWAP_AB:
         acc = tl.trans(acc)                                                        # (BM, BN)
+    if LATE_WAIT:
+        pdl_start(USE_PDL)                               # the shrink's partials are read from here on
 
     # ---- epilogue: the y tile (or an fp32 partial sum for the split-K reduce)
     offs_n = pid_n * BN + tl.arange(0, BN)

@@ -159,7 +159,8 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
 def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, monkeypatch):
     """On an NVFP4 base the GEMV's row (1) gets the update from the base kernel itself (fold_expand:
     no expand launch), and so do the fragment kernel's rows (2..16 here, K = 512); a single adapter (lora_linear) and a q/k/v-like
-    group over a model.Stack give the torch path within bf16 rounding on every route."""
+    group over a model.Stack give the torch path within bf16 rounding on every route, and a
+    non-contiguous x the same bits as a contiguous one (the matmul reads x before its wait on the shrink)."""
     import nvfp4
     from kernels import stacked
     from model import Stack
@@ -178,10 +179,12 @@ def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, monkeypatch)
     with torch.no_grad():
         got_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
         got_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
+        strided = torch.stack([x, torch.zeros_like(x)], -1)[..., 0]   # x's values, not contiguous
+        got_strided = kernels.lora_linear(strided, bases[0], A0, B0, mods[0].scaling)
         monkeypatch.setattr(kl, "_decode_kernels", lambda x2: False)
         want_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
         want_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
-    assert not calls
+    assert not calls and not strided.is_contiguous() and torch.equal(got_strided, got_fwd)
     for got, want in ((got_fwd, want_fwd), (got_group, want_group)):
         assert (got.float() - want.float()).abs().max() <= 2 * want.float().abs().max() * 2 ** -8
 

@@ -141,6 +141,9 @@ def test_lora_update_only_where_it_folds():
         gemm.matmul(x1, packed, scale, gs, lora=(hp, B[:16], 1.0))
     with pytest.raises(ValueError, match="reduce_folds_lora"):     # the h form: the register-A route only
         gemm.matmul(x1, packed, scale, gs, lora=(hp[0].bfloat16(), B, 1.0))
+    strided = torch.randn(1, 128, generator=gen).bfloat16().to(DEV)[:, ::2]     # (1, 64), not contiguous
+    with pytest.raises(ValueError, match="contiguous"):           # a copy of x would land after the shrink
+        gemm.linear(strided, packed, scale, gs, lora=(hp, B, 1.0))
 
 
 def test_lora_folds_at_decode_on_the_7b_shapes(monkeypatch):
