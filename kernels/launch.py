@@ -27,9 +27,10 @@ CUDA-core GEMV that is not the gate/up one: it releases after its main loop (sma
 decode kernel comes right after the qkv GEMV; scheduled early, its programs would wait on the SMs
 through the whole GEMV. A matmul that folds a LoRA update (GEMV, fragment kernel, swapped tiles, after
 lora.lora_shrink) waits and releases after its main loop: the shrink runs beside the weight stream
-instead of before it (fp4_decode.pdl_start says why that is safe). A kernel may also load, before its wait, what the kernel just before it
-does not write (attention's first cache tile, RMSNorm's weight and residual): that latency then
-passes under the previous kernel's tail.
+instead of before it (fp4_decode.pdl_start says why that is safe). A kernel may also load, before
+its wait, what the kernel just before it does not write (attention's first cache tile, RMSNorm's
+weight and residual, the first loop step's weights of the GEMV and the fragment kernel): that
+latency then passes under the previous kernel's tail.
 
 Split-K summed in the launch: every split stores its fp32 partial tile and counts itself in an
 int32 per output tile (fp4_decode._last_split); the split that counts last sums the partials in

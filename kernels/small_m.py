@@ -28,7 +28,7 @@ The fragment kernel, _nvfp4_mma_kernel (M <= 16 and K a multiple of 128), decode
 straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of fp4_decode.py) and lets each
 lane own the k of its own 16-byte loads, so no bits need to move inside a byte: about 3.5 SASS
 instructions per weight in the loop for any M <= 8. The comment above _decode_mma_ptx gives the
-register maps. A loop step loads U windows (U = 1, 2 or 4: _mma_loads) before it decodes any
+register maps. A loop step loads U windows (U = 1, 2 or 4: _mma_step_weights, _mma_run) before it decodes any
 (_mma_step): short programs (a few windows, the small weights) are a chain of load latencies, and
 two windows in flight a warp shorten it. Where it finishes y (unsplit, or its last split summing the
 others) it folds the LoRA expand in too (LORA: _mma_update, the update as one small MMA per program
@@ -70,10 +70,20 @@ GEMV_POST = tl.constexpr(2.0 ** 55)  # so its sums are ·2^-62: ·2^55 brings th
 # The CUDA-core kernel (one row of x): fp32 FMAs, a chain of 16 per scale block.
 
 @triton.jit
-def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
+def _gemv_weights(packed_ptr, rows, stride_pn, kb0, kb_end, BKB: tl.constexpr, IL: tl.constexpr):
+    """The (W, R, BKB) packed bytes of one step of the tile. Only the last step can be partial, and
+    its mask is constant over each thread's 16 bytes (K2 % 16 == 0), so loads stay vectorized;
+    bytes past kb_end decode to some finite w, and meet x = 0."""
+    offs_b = kb0 + tl.arange(0, BKB)[None, None, :]
+    return tl.load(packed_ptr + _tiled_offsets(rows, offs_b, stride_pn, 64, IL), mask=offs_b < kb_end)
+
+
+@triton.jit
+def _gemv_row(acc, p, sb, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
               BKB: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc (W, R, BKB/8) += (sum over each 16-weight block of w·x) · scale for one row of x: an
-    in-thread chain of 16 FMAs per block (lo, hi interleaved in k order), one FMA with the scale.
+    """acc (W, R, BKB/8) += (sum over each 16-weight block of w·x) · scale for one row of x, from
+    the step's packed bytes p and scale bytes sb: an in-thread chain of 16 FMAs per block (lo, hi
+    interleaved in k order), one FMA with the scale.
     A thread holds bytes 16t..16t+15 of its rows, so it needs the x2 words 16t..16t+15 (each the
     bf16 pair x[2j], x[2j+1] that meets byte j). A load gives a thread 4 contiguous words, so they
     come as four loads (words 16t + 4r + 0..3) stacked in registers, a copy per warp (dim 1). At
@@ -89,6 +99,8 @@ def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.conste
     x3 = tl.load(x2_ptr + offs + 12, mask=chunk < kb_end, other=0)
     xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))           # (BKB/16, W, 4, 2, 2): [t, ., c, a, b]
     xw = xw.permute(1, 0, 4, 3, 2).reshape(W, BKB)           # word 16t + 4(a + 2b) + c
+    lo, hi = _e2m1x2_to_f32(p, INTERPRET)                                    # e2m1·2^-126, (W, R, BKB)
+    s = _gemv_scales(sb, W, R, BKB, INTERPRET)
     # x·2^64, so that its products with e2m1·2^-126 stay normal; one bf16x2 multiply on the GPU
     if INTERPRET:
         xe = (xw << 16).to(tl.float32, bitcast=True) * X_SCALE
@@ -103,16 +115,21 @@ def _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.conste
 
 
 @triton.jit
-def _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
-                 BKB: tl.constexpr, IL: tl.constexpr, INTERPRET: tl.constexpr):
-    """The (W, R, BKB/8) E4M3 scales of the tile as fp32. A thread's 16 bytes of a row hold two
-    16-weight blocks, so it needs two scale bytes: they are loaded 2 at a time as a (BKB/16, W, R,
-    2) tensor (threads along the blocks, like the bytes; a plain (W, R, BKB/8) load would give a
-    thread 16 contiguous scales and need a shared-memory shuffle). Blocks past kb_end read as 0."""
+def _gemv_scale_bytes(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
+                      BKB: tl.constexpr, IL: tl.constexpr):
+    """The (BKB/16, W, R, 2) E4M3 scale bytes of one step of the tile. A thread's 16 bytes of a row
+    hold two 16-weight blocks, so it needs two scale bytes: they are loaded 2 at a time, threads
+    along the blocks like the bytes (a plain (W, R, BKB/8) load would give a thread 16 contiguous
+    scales and need a shared-memory shuffle). Blocks past kb_end read as 0."""
     t = tl.arange(0, BKB // 16)[:, None, None, None]
     c = tl.arange(0, 2)[None, None, None, :]
     ptrs = scale_ptr + _tiled_offsets(tl.permute(rows, 2, 0, 1)[:, :, :, None], kb0 // 8 + 2 * t + c, stride_sn, 8, IL)
-    sb = tl.load(ptrs, mask=kb0 + 16 * t < kb_end, other=0)
+    return tl.load(ptrs, mask=kb0 + 16 * t < kb_end, other=0)
+
+
+@triton.jit
+def _gemv_scales(sb, W: tl.constexpr, R: tl.constexpr, BKB: tl.constexpr, INTERPRET: tl.constexpr):
+    """_gemv_scale_bytes' bytes as the (W, R, BKB/8) fp32 scales of the tile."""
     sb = sb.permute(1, 2, 0, 3).reshape(W, R, BKB // 8)                # (W, R, BKB/8) u8
     if INTERPRET:
         return _e4m3_to_f32(sb, 0)
@@ -176,8 +193,6 @@ def _nvfp4_gemv_kernel(
     and the same up rows, interleaved in its tile (columns 2j, 2j + 1: gate row j, up row I + j),
     and stores silu(gate)·up: the SiLU·mul kernel's work, without its launch or the (1, 2I) round
     trip. The next kernel is released after the main loop, except by the gate/up GEMV (SILU)."""
-    if not LATE_WAIT:
-        pdl_start(USE_PDL, SILU)
     R: tl.constexpr = BN // W                            # rows per warp
     BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
     pid_n = tl.program_id(0)
@@ -192,16 +207,20 @@ def _nvfp4_gemv_kernel(
     kb_start = pid_k * SPLIT2
     kb_end = min(K2, kb_start + SPLIT2)                  # SPLIT2 is a multiple of BKB
 
-    # ---- main loop over the bytes of the rows, BKB at a time; only the last step can be partial,
-    # and its mask is constant over each thread's 16 bytes (K2 % 16 == 0), so loads stay vectorized
-    acc = tl.zeros((W, R, BKB // 8), dtype=tl.float32)
-    for kb0 in range(kb_start, kb_end, BKB):
+    # ---- main loop over the bytes of the rows, BKB at a time. The first step's weights and scales
+    # are loaded before the wait on the kernel before (they are not its output), so their latency
+    # passes under that kernel's tail; x only after it.
+    p = _gemv_weights(packed_ptr, rows, stride_pn, kb_start, kb_end, BKB, IL)
+    sb = _gemv_scale_bytes(scale_ptr, rows, stride_sn, kb_start, kb_end, W, R, BKB, IL)
+    if not LATE_WAIT:
+        pdl_start(USE_PDL, SILU)
+    acc = _gemv_row(tl.zeros((W, R, BKB // 8), dtype=tl.float32), p, sb, x2_ptr, kb_start, kb_end, W, R, BKB,
+                    INTERPRET)
+    for kb0 in range(kb_start + BKB, kb_end, BKB):
         kb0 = tl.multiple_of(kb0, BKB)
-        offs_b = kb0 + tl.arange(0, BKB)[None, None, :]       # bytes past kb_end decode to some
-        p = tl.load(packed_ptr + _tiled_offsets(rows, offs_b, stride_pn, 64, IL), mask=offs_b < kb_end)  # finite w;
-        lo, hi = _e2m1x2_to_f32(p, INTERPRET)                         # e2m1·2^-126, (W, R, BKB)   x = 0
-        s = _gemv_scales(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, IL, INTERPRET)
-        acc = _gemv_row(acc, lo, hi, s, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
+        p = _gemv_weights(packed_ptr, rows, stride_pn, kb0, kb_end, BKB, IL)
+        sb = _gemv_scale_bytes(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, IL)
+        acc = _gemv_row(acc, p, sb, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
 
     # ---- epilogue: the row of y (or fp32 partial sums for the split-K reduce)
     if LATE_WAIT:
@@ -366,10 +385,10 @@ def _mma_update(hp_ptr, lb_ptr, lora_scale, pid_n, M, N, R_LORA, LSPLIT: tl.cons
 
 
 @triton.jit
-def _mma_loads(x2_ptr, p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, G, Q, WP, M,
-               stride_x2m, stride_p4n, stride_sn, NT: tl.constexpr, IL: tl.constexpr, INTERPRET: tl.constexpr):
-    """Everything one 128-k window needs, loaded (zeros from win_end on): the lane's W words of
-    rows g and g + 8, its four scales as mma operands, and the x words of token tile 0 (and 1)."""
+def _mma_weights(p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
+                 IL: tl.constexpr, INTERPRET: tl.constexpr):
+    """The W half of a 128-k window (zeros from win_end on): the lane's words of rows g and g + 8,
+    and its four scales as mma operands."""
     wo = 4 * T + Q                                                              # lane t's 4 words
     # a split's last step may pass its end; a tensor, since the interpreter takes no scalar masks
     valid = win + 0 * wo < win_end                                              # (4, 1, 1, 1, 4)
@@ -383,16 +402,48 @@ def _mma_loads(x2_ptr, p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, G, 
         s = _e4m3_to_f32(sb, -OPERAND_SHIFT)                                 # scale·2^-7
     else:   # scale·2^119 as bf16 (exact): the decode's fma makes the operand w·scale·2^-7
         s = (sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * SCALE_TO_OPERAND).to(tl.bfloat16)
+    return w0, w1, s
+
+
+@triton.jit
+def _mma_xwords(x2_ptr, win, win_end, T, G, Q, WP, M, stride_x2m, NT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The x half of a 128-k window: the x words of token tile 0 and (NT = 2) tile 1, else tile 0
+    twice."""
+    valid = win + 0 * (4 * T + Q) < win_end
     xa = _mma_xs(x2_ptr, G, stride_x2m, win * 64, M, valid, T, Q, WP, INTERPRET)      # token tile 0
     xb = xa
     if NT == 2:
         xb = _mma_xs(x2_ptr, G + 8, stride_x2m, win * 64, M, valid, T, Q, WP, INTERPRET)  # token tile 1
-    return (w0, w1, s) + xa + xb
+    return xa + xb
+
+
+@triton.jit
+def _mma_run(acc0, acc1, weights, x2_ptr, win, win_end, T, G, Q, WP, M, stride_x2m, NT: tl.constexpr,
+             W: tl.constexpr, R: tl.constexpr, U: tl.constexpr, INTERPRET: tl.constexpr):
+    """One loop step: the x words of its U windows loaded (their weights are loaded: weights, a
+    tuple of _mma_weights), then each window decoded and multiplied (_mma_step)."""
+    xs = ()
+    for u in tl.static_range(U):
+        xs = xs + (_mma_xwords(x2_ptr, win + u, win_end, T, G, Q, WP, M, stride_x2m, NT, INTERPRET),)
+    for u in tl.static_range(U):
+        acc0, acc1 = _mma_step(acc0, acc1, weights[u] + xs[u], NT, W, R, INTERPRET)
+    return acc0, acc1
+
+
+@triton.jit
+def _mma_step_weights(p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
+                      IL: tl.constexpr, U: tl.constexpr, INTERPRET: tl.constexpr):
+    """_mma_weights of the U windows from win, as a tuple."""
+    ws = ()
+    for u in tl.static_range(U):
+        ws = ws + (_mma_weights(p4_ptr, scale_ptr, win + u, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
+                                IL, INTERPRET),)
+    return ws
 
 
 @triton.jit
 def _mma_step(acc0, acc1, window, NT: tl.constexpr, W: tl.constexpr, R: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc0 (acc1) += one window of W (_mma_loads' values) times x's token tile 0 (1): decode +
+    """acc0 (acc1) += one window of W (_mma_weights' and _mma_xwords' values) times x's token tile 0 (1): decode +
     mma.sync, or the emulation."""
     w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = window
     if NT == 1:
@@ -444,8 +495,6 @@ def _nvfp4_mma_kernel(
     rows (every program of an unsplit launch, the last split with REDUCE) adds the LoRA update
     (_mma_update) before storing them: the expand kernel's work, without its launch. A split launch
     without REDUCE leaves the update to the reduce kernel (gemm._mma)."""
-    if not LATE_WAIT:
-        pdl_start(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     T = tl.arange(0, 4)[:, None, None, None, None]
@@ -464,14 +513,19 @@ def _nvfp4_mma_kernel(
 
     acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 0..7
     acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
-    for win in range(win_start, win_end, U):
-        # every load of the step's U windows first, then their decodes and mma.sync
-        step = ()
-        for u in tl.static_range(U):
-            step = step + (_mma_loads(x2_ptr, p4_ptr, scale_ptr, win + u, win_end, row0, row1, srow, T, G, Q, WP,
-                                      M, stride_x2m, stride_p4n, stride_sn, NT, IL, INTERPRET),)
-        for u in tl.static_range(U):
-            acc0, acc1 = _mma_step(acc0, acc1, step[u], NT, W, R, INTERPRET)
+    # every load of a step's U windows first, then their decodes and mma.sync; the first step's
+    # weights before the wait on the kernel before (they are not its output), its x after
+    first = _mma_step_weights(p4_ptr, scale_ptr, win_start, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
+                              IL, U, INTERPRET)
+    if not LATE_WAIT:
+        pdl_start(USE_PDL)
+    acc0, acc1 = _mma_run(acc0, acc1, first, x2_ptr, win_start, win_end, T, G, Q, WP, M, stride_x2m, NT, W, R, U,
+                          INTERPRET)
+    for win in range(win_start + U, win_end, U):
+        step = _mma_step_weights(p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
+                                 IL, U, INTERPRET)
+        acc0, acc1 = _mma_run(acc0, acc1, step, x2_ptr, win, win_end, T, G, Q, WP, M, stride_x2m, NT, W, R, U,
+                              INTERPRET)
 
     if LATE_WAIT:
         pdl_start(USE_PDL)                               # the shrink's partials are read from here on
