@@ -22,7 +22,8 @@ four SASS instructions per weight. Two epilogue folds save a launch each: the Lo
 (LORA: fp4_decode._lora_update) and, for a stacked gate/up weight, SiLU·mul (SILU: the program
 takes gate rows and the same up rows and stores silu(gate)·up). The GEMV releases the next kernel
 after its main loop (pdl_release), except the gate/up one (launch.py says why); with LORA it also
-waits there, as the fragment kernel does (LATE_WAIT: fp4_decode.pdl_start).
+waits there, as the fragment kernel does (LATE_WAIT: fp4_decode.pdl_start). Without it, both kernels
+load their first loop step's weights and scales before the wait, and x after it.
 
 The fragment kernel, _nvfp4_mma_kernel (M <= 16 and K a multiple of 128), decodes the weights
 straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of fp4_decode.py) and lets each
