@@ -85,9 +85,11 @@ def pdl_start(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = True):
     reason: launch.py).
 
     A kernel may load before pdl_start what was written two or more launches back (paged attention's
-    first tile, RMSNorm's weight and residual): the kernel before it let it be scheduled only after
-    its own wait, when every kernel before that one had finished. Its own predecessor's output must
-    be read after. So a matmul that folds a LoRA update (LATE_WAIT: the kernel before it is
+    first tile, RMSNorm's weight and residual, a matmul's first step of W): the kernel before it let
+    it be scheduled only after its own wait, when every kernel before that one had finished. Its own
+    predecessor's output must be read after. (W is written when a model is loaded or quantized; the
+    one launch that writes it just before a matmul, the pad of an odd K, makes gemm launch that
+    matmul without PDL.) So a matmul that folds a LoRA update (LATE_WAIT: the kernel before it is
     lora.lora_shrink, whose input x is the matmul's too) calls pdl_start after its main loop: the
     loop reads only x and the weights and writes nothing, and the shrink's partials, which only the
     epilogue reads, arrive while it streams the weights."""

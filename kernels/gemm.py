@@ -354,9 +354,10 @@ def _lora_args(lora, out, split, reduce):
 def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s)) with the tile kernel in cfg's shape."""
     scale = scale.view(torch.uint8)          # E4M3 bits; decoded in-kernel
-    late = lora is not None and x.shape[1] % MIN_RED == 0   # as in _gemv: no pad between shrink and loop
-    if x.shape[1] % MIN_RED:               # odd K: pad the reduction (a copy; model shapes never)
+    pdl = launch.pdl_launch(x.device)
+    if x.shape[1] % MIN_RED:               # odd K: pad the reduction (a copy; model shapes never), which
         x, packed, scale = _pad(x, 1, MIN_RED), _pad(packed, 1, MIN_RED // 2), _pad(scale, 1, MIN_RED // 16)
+        pdl = launch.NO_PDL                # writes what the kernel reads: it runs after it, without PDL
     M, K = x.shape
     N = packed.shape[0]
     out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
@@ -379,9 +380,9 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         *targets, *lora_ptrs,
         M, N, K, k_split, R,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=late,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=lora is not None,
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap, IL=il,
-        INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **launch.pdl_launch(x.device))
+        INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 
@@ -395,10 +396,10 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
     out = torch.empty((M, N // 2 if silu_mul else N), device=x.device, dtype=torch.bfloat16)
     if M == 0:
         return out
-    late = lora is not None                  # wait on the shrink after the loop (matmul), unless
-    if K % 32:                               # a weight row must be whole 16-byte loads; the pad
+    pdl = launch.pdl_launch(x.device)
+    if K % 32:                               # a weight row must be whole 16-byte loads; the pad writes
         x, packed, scale = _pad(x, 1, 32), _pad(packed, 1, 16), _pad(scale.view(torch.uint8), 1, 2)
-        K, late = x.shape[1], False          # writes the x the loop reads
+        K, pdl = x.shape[1], launch.NO_PDL   # what the kernel reads before its wait: no PDL then
 
     bk = min(cfg.bk, triton.next_power_of_2(K))
     tiles = cdiv(out.shape[1], cfg.bn // 2 if silu_mul else cfg.bn)
@@ -415,9 +416,9 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         M, N, K // 2, k_split // 2, R,
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(R)), SILU=silu_mul,
-        LATE_WAIT=late,
+        LATE_WAIT=lora is not None,
         BN=cfg.bn, BK=bk, W=cfg.warps, IL=il, INTERPRET=launch.interpreting(),
-        num_warps=cfg.warps, num_stages=cfg.stages, **launch.pdl_launch(x.device))
+        num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
 
 

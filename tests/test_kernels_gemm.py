@@ -52,6 +52,32 @@ def test_wrapper_picks_cuda_core_path_for_tiny_m(M, monkeypatch):
     assert gemm.route(M, 32, 64, x.device, False) == "gemv"
 
 
+@pytest.mark.parametrize("M,K,padded", [(1, 64, False), (1, 48, True), (3, 64, False), (3, 48, True)])
+def test_a_padded_launch_runs_without_pdl(M, K, padded, monkeypatch):
+    """The GEMV and the tiles load W (and, folding an update, x) before their PDL wait; where K needs
+    a pad, the pad writes what they read just before them, so that launch goes without PDL (a plain
+    stream-ordered launch). PDL is stood in for here (the interpreter has none): the launch keywords
+    are recorded, then the kernel runs without it."""
+    from kernels import launch
+    seen = []
+    monkeypatch.setattr(launch, "pdl_launch", lambda device: dict(USE_PDL=True, launch_pdl=True))
+    for name in ("_nvfp4_gemv_kernel", "_nvfp4_mm_kernel"):
+        kernel = getattr(gemm, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel):
+                def run(*args, **kw):
+                    seen.append(kw["USE_PDL"])
+                    return kernel[grid](*args, **dict(kw, **launch.NO_PDL))
+                return run
+        monkeypatch.setattr(gemm, name, Spy())
+    gen = torch.Generator().manual_seed(M + K)
+    packed, scale, gs = random_weight(32, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    assert_close(kernels.nvfp4_matmul(x, packed, scale, gs), reference_matmul(x, packed, scale, gs), f"M={M} K={K}")
+    assert seen == [not padded], seen
+
+
 @pytest.mark.parametrize("M,K,fragment", [(2, 128, True), (8, 256, True), (16, 128, True), (4, 192, False),
                                          (2, 192, False), (17, 128, False)])
 def test_wrapper_routes_small_m_to_fragment_kernel(M, K, fragment, monkeypatch):
