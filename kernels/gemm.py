@@ -400,7 +400,6 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
     if K % 32:                               # a weight row must be whole 16-byte loads; the pad writes
         x, packed, scale = _pad(x, 1, 32), _pad(packed, 1, 16), _pad(scale.view(torch.uint8), 1, 2)
         K, pdl = x.shape[1], launch.NO_PDL   # what the kernel reads before its wait: no PDL then
-
     bk = min(cfg.bk, triton.next_power_of_2(K))
     tiles = cdiv(out.shape[1], cfg.bn // 2 if silu_mul else cfg.bn)
     split, k_split = shapes.gemv_split(cfg, tiles, K, bk, silu_mul, launch.num_sms(x.device))

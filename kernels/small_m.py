@@ -29,9 +29,9 @@ The fragment kernel, _nvfp4_mma_kernel (M <= 16 and K a multiple of 128), decode
 straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of fp4_decode.py) and lets each
 lane own the k of its own 16-byte loads, so no bits need to move inside a byte: about 3.5 SASS
 instructions per weight in the loop for any M <= 8. The comment above _decode_mma_ptx gives the
-register maps. A loop step loads U windows (U = 1, 2 or 4: _mma_step_weights, _mma_run) before it decodes any
-(_mma_step): short programs (a few windows, the small weights) are a chain of load latencies, and
-two windows in flight a warp shorten it. Where it finishes y (unsplit, or its last split summing the
+register maps. A loop step loads U windows (U = 1, 2 or 4: _mma_step_weights, _mma_run) before it
+decodes any (_mma_step): short programs (a few windows, the small weights) are a chain of load
+latencies, and two windows in flight a warp shorten it. Where it finishes y (unsplit, or its last split summing the
 others) it folds the LoRA expand in too (LORA: _mma_update, the update as one small MMA per program
 in the epilogue, re-laid out to the fragments' layout); a split launch that leaves the sum to the
 reduce kernel leaves the update to it as well. Both kernels read either layout of W (IL:
