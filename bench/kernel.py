@@ -208,18 +208,19 @@ def time_shape(name, N, K, Ms, device, gen, eager_ms=(1,), fwd_only=False):
 # one call for a profiler
 
 def once(device, cases):
-    """One forward call of each "shape:M" case inside an NVTX range named after it, for a profiler:
+    """One forward call of each "shape:M" case inside an NVTX range named after it, for a profiler,
+    on the weights as NVFP4Linear holds them on CUDA (shipped_weight: the interleaved layout):
     ncu --clock-control none --nvtx --nvtx-include "regex:7B.*/" --section WarpStateStats ...
     python bench/kernel.py --once "7B gate_up:1,7B gate_up:16"."""
     gen = torch.Generator(device=device).manual_seed(0)
     for case in cases.split(","):
         name, _, M = case.rpartition(":")
         N, K = SHAPES[name]
-        w, x = random_weight(N, K, device, gen), torch.randn(int(M), K, device=device, generator=gen).bfloat16()
-        gemm.nvfp4_matmul(x, *w)                          # compile outside the range
+        w, x = shipped_weight(N, K, device, gen), torch.randn(int(M), K, device=device, generator=gen).bfloat16()
+        gemm.nvfp4_matmul(x, *w, interleaved=True)        # compile outside the range
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_push(f"{name} M={M}")
-        gemm.nvfp4_matmul(x, *w)
+        gemm.nvfp4_matmul(x, *w, interleaved=True)
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
 
