@@ -14,6 +14,7 @@ speedup = cuBLAS time / our time, and the route (gemm.route) of the forward and 
     python bench/kernel.py --ms 1,2,4,8,16 --fwd-only   # a subset
     python bench/kernel.py --floor            # what no kernel reading the weight can beat (see floor())
     python bench/kernel.py --split-cost --no-bench --no-check   # M = 2..16: the fragment route's split-K sum
+    python bench/kernel.py --lora-cost --no-bench --no-check --shapes "7B qkv,7B o,7B gate_up,7B down" --ms 1,8,16
     python bench/kernel.py --once "7B gate_up:1,7B down:16"   # one call each, for ncu
     python bench/kernel.py --out DIR          # where the JSON and log go
 
@@ -40,6 +41,7 @@ import triton.testing
 
 import nvfp4
 from kernels import gemm, launch, shapes, tuning
+from kernels import lora as kl
 from kernels.fp4_decode import pdl_start
 from marlin_kernel import reference_dequantize
 
@@ -358,6 +360,54 @@ def split_cost(device, log, names, Ms):
     return rows
 
 
+# the adapters train.py attaches at decode: rank 32 on each projection, q/k/v and gate/up as one group
+LORA_RANKS = {"7B qkv": 96, "7B o": 32, "7B gate_up": 64, "7B down": 32,
+              "32B qkv": 96, "32B o": 32, "32B gate_up": 64, "32B down": 32}
+
+
+def lora_calls(x, w, A, B, scale):
+    """The decode sequences lora_cost compares for one projection (w shipped: interleaved), each a
+    callable -> y: the base matmul alone; with the update folded in from an h computed once before
+    (what the fold itself costs); the shrink launch and then the folding matmul, as decode runs
+    where gemm.folds_lora holds, or else the shrink, the matmul and the expand kernel."""
+    M, K = x.shape
+    N = w[0].shape[0]
+    hp = kl.lora_shrink(x, A, B)
+    calls = {"plain": lambda: gemm.matmul(x, *w, interleaved=True)}
+    if gemm.folds_lora(M, N, K, x.device, True):
+        calls["fold, h given"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=(hp, B, scale))
+        calls["shrink + fold"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=(kl.lora_shrink(x, A, B), B, scale))
+    else:
+        calls["shrink + expand"] = lambda: kl.lora_expand_(kl.lora_shrink(x, A, B), B,
+                                                            gemm.matmul(x, *w, interleaved=True), scale)
+    return calls
+
+
+def lora_cost(device, log, names, Ms):
+    """What train.py's adapters add to each projection at decode (LORA_RANKS, M rows): the times of
+    lora_calls' sequences and of the shrink launch alone, timed like the table (graph replays,
+    rotated weights; under PDL, as decode launches them). The difference between "shrink + fold"
+    and "fold, h given" is what the shrink's launch costs the step."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    rows = []
+    for name in names:
+        N, K = SHAPES[name]
+        R = LORA_RANKS[name]
+        qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 / 16, device))])
+        A = (torch.randn(R, K, device=device, generator=gen) / K ** 0.5).bfloat16()
+        B = torch.randn(N, R, device=device, generator=gen).bfloat16()
+        for M in Ms:
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            sets = Rotating([lora_calls(x, w, A, B, 0.5) for w in qs.items])    # one per weight copy
+            us = {what: bench_ms(lambda: sets.next()[what]()) * 1e3 for what in sets.items[0]}
+            us["shrink alone"] = bench_ms(lambda: kl.lora_shrink(x, A, B)) * 1e3
+            rows.append(dict(shape=name, M=M, R=R, us=us, path=gemm.route(M, N, K, device, True)))
+            log(f"lora {name:>11} M={M:2d} R={R:3d} | " + "  ".join(f"{k} {v:6.2f}" for k, v in us.items()))
+        del qs
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------
 # main
 
@@ -374,6 +424,8 @@ def main(argv=None):
                     help="also time each shape's streaming-read and dequantize floors (floor())")
     ap.add_argument("--split-cost", action="store_true",
                     help="M = 2..16 on the fragment route: the split-K sum's cost (split_cost())")
+    ap.add_argument("--lora-cost", action="store_true",
+                    help="what train.py's adapters add to each projection at decode, M from --ms (lora_cost())")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -409,6 +461,10 @@ def main(argv=None):
         small = [m for m in map(int, args.ms.split(",")) if 1 < m <= 16]
         out["split_cost"] = split_cost(device, log, names, small)
         log(f"# split cost took {time.time() - t1:.0f} s")
+    if args.lora_cost:
+        t1 = time.time()
+        out["lora_cost"] = lora_cost(device, log, names, [m for m in map(int, args.ms.split(",")) if m <= 16])
+        log(f"# lora cost took {time.time() - t1:.0f} s")
     if not args.no_bench:
         gen = torch.Generator(device=device).manual_seed(0)
         rows = []

@@ -55,3 +55,30 @@ def test_main_needs_a_gpu_and_says_so():
         pytest.skip("a GPU is here: the bench would run")
     with pytest.raises(SystemExit, match="CUDA"):
         load_bench("kernel").main(["--check"])
+
+
+@pytest.mark.parametrize("M,folds", [(1, True), (4, True), (1, False)])
+def test_lora_calls_each_give_the_projection_with_its_update(M, folds):
+    """bench/kernel.py --lora-cost times lora_calls' sequences: the plain matmul gives x·Wᵀ, and each
+    sequence with the adapter gives x·Wᵀ + s·bf16(x·Aᵀ)·Bᵀ (float64, within bf16 rounding): the fold
+    where gemm.folds_lora holds, else the expand kernel (without the in-kernel split sum the GEMV
+    cannot fold)."""
+    import dataclasses
+    import nvfp4
+    bench = load_bench("kernel")
+    gen = torch.Generator().manual_seed(6)
+    packed, scale, gs = random_weight(64, 256, gen)
+    w = (*nvfp4.interleave(packed, scale), gs)
+    x = torch.randn(M, 256, generator=gen).bfloat16().to(DEV)
+    A = (torch.randn(24, 256, generator=gen) / 16).bfloat16().to(DEV)
+    B = torch.randn(64, 24, generator=gen).bfloat16().to(DEV)
+    base = reference_matmul(x, packed, scale, gs)
+    full = base + 0.5 * (x.double() @ A.double().t()).bfloat16().double() @ B.double().t()
+    with tuning.using(dataclasses.replace(tuning.current(), reduce_in_kernel=folds)):
+        calls = bench.lora_calls(x, w, A, B, 0.5)
+        want_names = {"plain", "fold, h given", "shrink + fold"} if folds else {"plain", "shrink + expand"}
+        assert set(calls) == want_names
+        for what, fn in calls.items():
+            want = base if what == "plain" else full
+            err = (fn().double() - want).abs().max() / want.abs().max()
+            assert err < 2 ** -7, (what, err.item())
