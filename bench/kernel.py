@@ -372,9 +372,9 @@ def lora_calls(x, w, A, B, scale):
     where gemm.folds_lora holds, or else the shrink, the matmul and the expand kernel."""
     M, K = x.shape
     N = w[0].shape[0]
-    hp = kl.lora_shrink(x, A, B)
     calls = {"plain": lambda: gemm.matmul(x, *w, interleaved=True)}
     if gemm.folds_lora(M, N, K, x.device, True):
+        hp = kl.lora_shrink(x, A, B)
         calls["fold, h given"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=(hp, B, scale))
         calls["shrink + fold"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=(kl.lora_shrink(x, A, B), B, scale))
     else:

@@ -444,8 +444,8 @@ def _mma_step_weights(p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, Q, s
 
 @triton.jit
 def _mma_step(acc0, acc1, window, NT: tl.constexpr, W: tl.constexpr, R: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc0 (acc1) += one window of W (_mma_weights' and _mma_xwords' values) times x's token tile 0 (1): decode +
-    mma.sync, or the emulation."""
+    """acc0 (acc1) += one window of W (_mma_weights' and _mma_xwords' values) times x's token tile
+    0 (1): decode + mma.sync, or the emulation."""
     w0, w1, s, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3 = window
     if NT == 1:
         if INTERPRET:
