@@ -293,7 +293,8 @@ def test_gpu_first_capture_warms_every_smaller_bucket_and_changes_no_sample(tiny
 @pytest.mark.gpu
 def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
     """The Triton path (fp32 dots) inside the engine, with and without CUDA graphs, at batch 8 and
-    at batch 1 (where kernels.lm_head's GEMV computes the lm_head)."""
+    at batch 1 (where kernels.lm_head's GEMV computes the lm_head; the graphs' warm-up of the
+    smaller buckets runs it at 2 rows too, its other row count)."""
     path, hf = tiny_hf_dir("qwen2")
     hf = hf.cuda()
     model = _load(path, device="cuda")
@@ -306,7 +307,7 @@ def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
             for p, comps in zip(prompts, out):
                 ref = hf_greedy(hf, p, 24)
                 assert all(c.token_ids == ref for c in comps), f"graphs={graphs}: {comps[0].token_ids} vs {ref}"
-    assert gemv_rows and set(gemv_rows) == {1}
+    assert 1 in gemv_rows and max(gemv_rows) <= kernels.current().lm_head_max_rows
 
 
 @pytest.mark.gpu
