@@ -3,9 +3,9 @@
 At decode time M is the batch, 1..16 rows of x against a weight of millions of elements: the
 product is memory-bound, and an MMA tile of 16 rows or more would spend most of its work on
 padding. What is left to win is the instruction count per weight of the decode, so both kernels
-here keep the weights in registers from load to multiply (never through shared memory; the GEMV's
-x words are, see _gemv_row). gemm.route chooses between them; gemm._gemv and gemm._mma launch them with shapes.py's
-GemvConfig / MmaConfig.
+here keep the weights in registers from load to multiply, never through shared memory (the GEMV's
+x words may pass through it: _gemv_row). gemm.route chooses between them; gemm._gemv and gemm._mma
+launch them with shapes.py's GemvConfig / MmaConfig.
 
 The CUDA-core kernel, _nvfp4_gemv_kernel (one row of x: batch-1 decode), decodes E2M1 to fp32
 e2m1·2^-126 (fp4_decode._E2M1X4_TO_F32_PTX, ~2.4 integer ops per weight). x is multiplied by 2^64
@@ -31,11 +31,11 @@ lane own the k of its own 16-byte loads, so no bits need to move inside a byte: 
 instructions per weight in the loop for any M <= 8. The comment above _decode_mma_ptx gives the
 register maps. A loop step loads U windows (U = 1, 2 or 4: _mma_step_weights, _mma_run) before it
 decodes any (_mma_step): short programs (a few windows, the small weights) are a chain of load
-latencies, and two windows in flight a warp shorten it. Where it finishes y (unsplit, or its last split summing the
-others) it folds the LoRA expand in too (LORA: _mma_update, the update as one small MMA per program
-in the epilogue, re-laid out to the fragments' layout); a split launch that leaves the sum to the
-reduce kernel leaves the update to it as well. Both kernels read either layout of W (IL:
-nvfp4.interleave, where the fragment kernel's warp loads are 512 contiguous bytes).
+latencies, and two windows in flight a warp shorten it. Where it finishes y (unsplit, or its last
+split summing the others) it folds the LoRA expand in too (LORA: _mma_update, the update as one
+small MMA per program in the epilogue, re-laid out to the fragments' layout); a split launch that
+leaves the sum to the reduce kernel leaves the update to it as well. Both kernels read either
+layout of W (IL: nvfp4.interleave, where the fragment kernel's warp loads are 512 contiguous bytes).
 
     x2       int32 (M, K/2)      x viewed as bf16 pairs
     packed   uint8 (N, K/2)      (the fragment kernel reads it as int32 words, (N, K/8))
