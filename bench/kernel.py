@@ -15,6 +15,7 @@ speedup = cuBLAS time / our time, and the route (gemm.route) of the forward and 
     python bench/kernel.py --floor            # what no kernel reading the weight can beat (see floor())
     python bench/kernel.py --split-cost --no-bench --no-check   # M = 2..16: the fragment route's split-K sum
     python bench/kernel.py --lora-cost --no-bench --no-check --shapes "7B qkv,7B o,7B gate_up,7B down" --ms 1,8,16
+    python bench/kernel.py --lora-trace --no-bench --no-check --shapes "7B qkv,7B o,7B gate_up,7B down" --ms 1,8
     python bench/kernel.py --once "7B gate_up:1,7B down:16"   # one call each, for ncu
     python bench/kernel.py --out DIR          # where the JSON and log go
 
@@ -29,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -40,7 +42,7 @@ import triton.language as tl
 import triton.testing
 
 import nvfp4
-from kernels import gemm, launch, shapes, tuning
+from kernels import fused_ops, gemm, launch, shapes, tuning
 from kernels import lora as kl
 from kernels.fp4_decode import pdl_start
 from marlin_kernel import reference_dequantize
@@ -376,11 +378,19 @@ def lora_calls(x, w, A, B, scale):
     if gemm.folds_lora(M, N, K, x.device, True):
         hp = kl.lora_shrink(x, A, B)
         calls["fold, h given"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=(hp, B, scale))
-        calls["shrink + fold"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=(kl.lora_shrink(x, A, B), B, scale))
+        calls["shrink + fold"] = lambda: adapted(x, w, A, B, scale)
     else:
-        calls["shrink + expand"] = lambda: kl.lora_expand_(kl.lora_shrink(x, A, B), B,
-                                                            gemm.matmul(x, *w, interleaved=True), scale)
+        calls["shrink + expand"] = lambda: adapted(x, w, A, B, scale)
     return calls
+
+
+def adapted(x, w, A, B, scale):
+    """x·Wᵀ + s·(x Aᵀ)Bᵀ as decode runs it: the shrink, then the matmul folding the update where
+    gemm.folds_lora holds, else the matmul and the expand kernel."""
+    hp = kl.lora_shrink(x, A, B)
+    if gemm.folds_lora(x.shape[0], w[0].shape[0], x.shape[1], x.device, True):
+        return gemm.matmul(x, *w, interleaved=True, lora=(hp, B, scale))
+    return kl.lora_expand_(hp, B, gemm.matmul(x, *w, interleaved=True), scale)
 
 
 def lora_cost(device, log, names, Ms):
@@ -408,6 +418,84 @@ def lora_cost(device, log, names, Ms):
     return rows
 
 
+TRACE_REPS = 16      # [norm, projection] pairs a lora_trace graph chains
+
+
+def lora_trace(device, log, names, Ms, out_dir):
+    """Where the adapters' time goes in a chain of decode launches: a CUDA graph of TRACE_REPS x
+    [RMSNorm, matmul] and one of TRACE_REPS x [RMSNorm, shrink, folding matmul (or matmul and
+    expand)], each profiled over replays (torch.profiler's kernel records), then trace_timings.
+    The norm writes the projection's input, as in a decoder layer; weights rotate as in the table."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    rows = []
+    for name in names:
+        N, K = SHAPES[name]
+        R = LORA_RANKS[name]
+        qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 / 16, device))])
+        A = (torch.randn(R, K, device=device, generator=gen) / K ** 0.5).bfloat16()
+        B = torch.randn(N, R, device=device, generator=gen).bfloat16()
+        norm_w = torch.ones(K, device=device)
+        for M in Ms:
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            for kind in ("plain", "lora"):
+                def step():
+                    a = fused_ops.rms_norm(x, norm_w, 1e-6)
+                    w = qs.next()
+                    return gemm.matmul(a, *w, interleaved=True) if kind == "plain" else adapted(a, w, A, B, 0.5)
+                stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):                # compiles, and the split counts of this stream
+                    step()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    for _ in range(TRACE_REPS):
+                        step()
+                graph.replay()
+                torch.cuda.synchronize()
+                path = os.path.join(out_dir, "lora_trace.json")
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        graph.replay()
+                    torch.cuda.synchronize()
+                prof.export_chrome_trace(path)
+                with open(path) as f:
+                    events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+                t = trace_timings(events)
+                rows.append(dict(shape=name, M=M, R=R, kind=kind, us=t))
+                log(f"trace {name:>11} M={M:2d} {kind:5s} | " + "  ".join(f"{k} {v:6.2f}" for k, v in t.items()))
+        del qs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def trace_timings(events):
+    """Kernel records (chrome-trace dicts: name, ts, dur in us) of chained [norm, ...] iterations ->
+    medians over the iterations, in us from the end of the iteration's norm: when the kernels of
+    each part (shrink, expand, reduce, and matmul: every other one, such as the register-A route's
+    reorder of x and its product) start and end (a kernel launched under PDL starts when it is
+    scheduled, which may be well before its wait returns); `done`, when the last of them ends;
+    `period`, from one norm's end to the next (what the pair costs a chain)."""
+    its = []
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if "rms_norm" in e["name"]:
+            its.append({"norm": e["ts"] + e["dur"]})
+        elif its:
+            key = next((k for k in ("shrink", "expand", "reduce") if k in e["name"]), "matmul")
+            start, end = its[-1].get(key, (e["ts"], e["ts"] + e["dur"]))
+            its[-1][key] = (min(start, e["ts"]), max(end, e["ts"] + e["dur"]))
+    its = [it for it in its if len(it) > 1]
+    if len(its) < 2:
+        raise ValueError(f"trace_timings: {len(its)} [norm, ...] iterations in the trace, need 2 or more")
+    out = {}
+    for key in ("shrink", "matmul", "reduce", "expand"):
+        have = [it for it in its if key in it]
+        if have:
+            out[key + " start"] = statistics.median(it[key][0] - it["norm"] for it in have)
+            out[key + " end"] = statistics.median(it[key][1] - it["norm"] for it in have)
+    out["done"] = statistics.median(max(v[1] for k, v in it.items() if k != "norm") - it["norm"] for it in its)
+    out["period"] = statistics.median(b["norm"] - a["norm"] for a, b in zip(its, its[1:]))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # main
 
@@ -426,6 +514,8 @@ def main(argv=None):
                     help="M = 2..16 on the fragment route: the split-K sum's cost (split_cost())")
     ap.add_argument("--lora-cost", action="store_true",
                     help="what train.py's adapters add to each projection at decode, M from --ms (lora_cost())")
+    ap.add_argument("--lora-trace", action="store_true",
+                    help="a profiled chain of [norm, projection] launches with and without the adapters (lora_trace())")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -465,6 +555,9 @@ def main(argv=None):
         t1 = time.time()
         out["lora_cost"] = lora_cost(device, log, names, [m for m in map(int, args.ms.split(",")) if m <= 16])
         log(f"# lora cost took {time.time() - t1:.0f} s")
+    if args.lora_trace:
+        Ms = [m for m in map(int, args.ms.split(",")) if m <= 16]
+        out["lora_trace"] = lora_trace(device, log, names, Ms, args.out)
     if not args.no_bench:
         gen = torch.Generator(device=device).manual_seed(0)
         rows = []

@@ -82,3 +82,30 @@ def test_lora_calls_each_give_the_projection_with_its_update(M, folds):
             want = base if what == "plain" else full
             err = (fn().double() - want).abs().max() / want.abs().max()
             assert err < 2 ** -7, (what, err.item())
+
+
+def test_trace_timings_measures_from_each_norms_end():
+    """bench/kernel.py --lora-trace's reading of a profiled chain: per [norm, ...] iteration, each
+    part's start and end from that norm's end (a matmul that starts before it, under PDL, reads
+    negative; a matmul of two kernels spans both), the last end, and the norm-to-norm period;
+    medians over the iterations, by hand."""
+    bench = load_bench("kernel")
+
+    def chain(n, shrink):
+        events, t = [], 0.0
+        for i in range(n):
+            events.append(dict(name="_rms_norm_kernel", ts=t, dur=1.0))                 # ends at t + 1
+            if shrink:
+                events.append(dict(name="_lora_shrink_kernel", ts=t + 0.5, dur=3.0))    # -0.5 .. 2.5 from the norm's end
+            events.append(dict(name="_fragment_order_kernel", ts=t + (2.0 if shrink else 0.5), dur=1.0))
+            events.append(dict(name="_wgmma_ws_kernel", ts=t + 3.0, dur=3.5 + i))       # the matmul: both
+            t += 10.0 + i
+        return events[::-1]                                                           # any order in
+
+    plain = bench.trace_timings(chain(3, False))
+    assert plain == {"matmul start": -0.5, "matmul end": 6.5, "done": 6.5, "period": 10.5}
+    lora = bench.trace_timings(chain(3, True))
+    assert lora == {"shrink start": -0.5, "shrink end": 2.5, "matmul start": 1.0, "matmul end": 6.5,
+                    "done": 6.5, "period": 10.5}
+    with pytest.raises(ValueError, match="iterations"):
+        bench.trace_timings(chain(1, True))
