@@ -393,6 +393,17 @@ def adapted(x, w, A, B, scale):
     return kl.lora_expand_(hp, B, gemm.matmul(x, *w, interleaved=True), scale)
 
 
+def lora_operands(name, device, gen):
+    """(N, K, R, rotated shipped weights, A (R, K), B (N, R)) of one SHAPES projection with train.py's
+    adapter rank (LORA_RANKS), A scaled so that x Aᵀ stays O(1)."""
+    N, K = SHAPES[name]
+    R = LORA_RANKS[name]
+    qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 / 16, device))])
+    A = (torch.randn(R, K, device=device, generator=gen) / K ** 0.5).bfloat16()
+    B = torch.randn(N, R, device=device, generator=gen).bfloat16()
+    return N, K, R, qs, A, B
+
+
 def lora_cost(device, log, names, Ms):
     """What train.py's adapters add to each projection at decode (LORA_RANKS, M rows): the times of
     lora_calls' sequences and of the shrink launch alone, timed like the table (graph replays,
@@ -401,11 +412,7 @@ def lora_cost(device, log, names, Ms):
     gen = torch.Generator(device=device).manual_seed(4)
     rows = []
     for name in names:
-        N, K = SHAPES[name]
-        R = LORA_RANKS[name]
-        qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 / 16, device))])
-        A = (torch.randn(R, K, device=device, generator=gen) / K ** 0.5).bfloat16()
-        B = torch.randn(N, R, device=device, generator=gen).bfloat16()
+        N, K, R, qs, A, B = lora_operands(name, device, gen)
         for M in Ms:
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
             sets = Rotating([lora_calls(x, w, A, B, 0.5) for w in qs.items])    # one per weight copy
@@ -429,11 +436,7 @@ def lora_trace(device, log, names, Ms, out_dir):
     gen = torch.Generator(device=device).manual_seed(5)
     rows = []
     for name in names:
-        N, K = SHAPES[name]
-        R = LORA_RANKS[name]
-        qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 / 16, device))])
-        A = (torch.randn(R, K, device=device, generator=gen) / K ** 0.5).bfloat16()
-        B = torch.randn(N, R, device=device, generator=gen).bfloat16()
+        N, K, R, qs, A, B = lora_operands(name, device, gen)
         norm_w = torch.ones(K, device=device)
         for M in Ms:
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
