@@ -215,10 +215,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))  # fp32: AQN noise must be representable
+        self.feeds = None   # (parent, names): the group that projects the output next (Block sets it)
 
     def forward(self, x, residual=None):
         """(..., C) -> norm(x) in x.dtype; with residual: (norm(x + residual), x + residual)."""
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual, self.feeds)
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant: str, dtype) -> nn.Module:
@@ -277,6 +278,9 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, quant, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, quant, dtype)
+        # each norm feeds a group that shares its input (ops.rms_norm may begin the group's LoRA update)
+        self.input_layernorm.feeds = (self.self_attn, GROUPS["self_attn"])
+        self.post_attention_layernorm.feeds = (self.mlp, GROUPS["mlp"])
 
     def forward(self, x, residual, cos, sin, attn_ctx=None):
         """Input: the stream hˡ = x + residual (residual None: x alone, the embeddings). Output: the

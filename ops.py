@@ -28,7 +28,7 @@ The ops:
 
     nvfp4_linear(layer, x)            x·W'ᵀ + b for an NVFP4 layer, W' its dequantized weight
     dense_weight(layer, dtype)        W' itself (training passes: plan.py)
-    rms_norm(x, w, eps, residual)     x / sqrt(mean_c(x²) + ε) ⊙ w; with residual: (norm(x + r), x + r)
+    rms_norm(x, w, eps, residual, feeds)  x / sqrt(mean_c(x²) + ε) ⊙ w; with residual: (norm(x + r), x + r)
     apply_rope / rope(q, k, cos, sin)  (x1, x2) -> (x1·cos - x2·sin, x2·cos + x1·sin) on channel halves
     embed_rope(ids, pos, E, inv_freq)  E[ids] and cos, sin of pos·inv_freq
     project(parent, names, x)         [parent.<name>(x) for name in names]: q/k/v share x
@@ -172,12 +172,17 @@ def dense_weight(layer, dtype=torch.bfloat16):
 # ----------------------------------------------------------------------------------------------
 # the decoder's small ops
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(x, weight, eps, residual=None, feeds=None):
     """x (..., C), weight (C,) fp32 -> norm(x) in x.dtype; with residual: (norm(x + residual), x + residual).
     The fast kernel may read residual before the kernel launched just before it has finished, so
-    residual must be the stream, never the output of the op just before (a decoder layer's is)."""
+    residual must be the stream, never the output of the op just before (a decoder layer's is).
+    feeds = (parent, names): the group that projects the result next (q/k/v, gate/up); the fast path
+    may begin that group's LoRA update in the norm's launch, which project then finishes."""
     if kernels.runs(x):
-        return kernels.rms_norm(x, weight, eps, residual)
+        group = _group(*feeds) if feeds is not None and _fused_matmuls(x) else None
+        if group is not None:
+            group = (*group, refresh_casts(x))                            # (stack, members, refresh)
+        return kernels.rms_norm(x, weight, eps, residual, group)
     return kernels.compiled(_rms_norm, x)(x, weight, eps, residual)
 
 
@@ -238,9 +243,15 @@ def gated_mlp_input(parent, x):
 
 
 def _stacked(parent, names, x, silu_mul):
-    """The group's projection by its stack (kernels.project), or None: no stack, a stack that no
-    longer holds the members' tensors (they moved: .to(), a reload; the stack is dropped for good),
-    or adapters one update cannot serve."""
+    """The group's projection by its stack (kernels.project), or None: no stack (_group), or adapters
+    one update cannot serve."""
+    group = _group(parent, names)
+    return None if group is None else kernels.project(*group, x, silu_mul, refresh_casts(x))
+
+
+def _group(parent, names):
+    """(stack, members) of parent's group, or None: no stack, or a stack that no longer holds the
+    members' tensors (they moved: .to(), a reload; the stack is dropped for good)."""
     stack = getattr(parent, "stacked", None)
     if stack is None:
         return None
@@ -248,7 +259,7 @@ def _stacked(parent, names, x, silu_mul):
     if not stack.holds([getattr(m, "base_layer", m) for m in mods]):     # through a LoRA wrapper
         parent.stacked = None
         return None
-    return kernels.project(stack, mods, x, silu_mul, refresh_casts(x))
+    return stack, mods
 
 
 def _silu_mul(gate, up):

@@ -430,8 +430,10 @@ TRACE_REPS = 16      # [norm, projection] pairs a lora_trace graph chains
 
 def lora_trace(device, log, names, Ms, out_dir):
     """Where the adapters' time goes in a chain of decode launches: a CUDA graph of TRACE_REPS x
-    [RMSNorm, matmul] and one of TRACE_REPS x [RMSNorm, shrink, folding matmul (or matmul and
-    expand)], each profiled over replays (torch.profiler's kernel records), then trace_timings.
+    [RMSNorm, matmul], one of TRACE_REPS x [RMSNorm, shrink, folding matmul (or matmul and
+    expand)] and, where the matmul folds, one of TRACE_REPS x [RMSNorm with the shrink in its launch
+    (lora.norm_shrink_rows, as before q/k/v and gate/up), folding matmul], each profiled over replays
+    (torch.profiler's kernel records), then trace_timings.
     The norm writes the projection's input, as in a decoder layer; weights rotate as in the table."""
     gen = torch.Generator(device=device).manual_seed(5)
     rows = []
@@ -440,8 +442,12 @@ def lora_trace(device, log, names, Ms, out_dir):
         norm_w = torch.ones(K, device=device)
         for M in Ms:
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
-            for kind in ("plain", "lora"):
+            folds = gemm.folds_lora(M, N, K, device, True)
+            for kind in ("plain", "lora") + (("norm+shrink",) if folds else ()):
                 def step():
+                    if kind == "norm+shrink":
+                        a, _, hp = kl.norm_shrink_rows(x, norm_w, 1e-6, None, A)
+                        return gemm.matmul(a, *qs.next(), interleaved=True, lora=gemm.Fold(hp, B, 0.5, x_fresh=True))
                     a = fused_ops.rms_norm(x, norm_w, 1e-6)
                     w = qs.next()
                     return gemm.matmul(a, *w, interleaved=True) if kind == "plain" else adapted(a, w, A, B, 0.5)
@@ -472,14 +478,15 @@ def lora_trace(device, log, names, Ms, out_dir):
 
 def trace_timings(events):
     """Kernel records (chrome-trace dicts: name, ts, dur in us) of chained [norm, ...] iterations ->
-    medians over the iterations, in us from the end of the iteration's norm: when the kernels of
+    medians over the iterations, in us from the end of the iteration's norm (RMSNorm's launch, or the
+    norm's with the shrink in it, which counts as the norm): when the kernels of
     each part (shrink, expand, reduce, and matmul: every other one, such as the register-A route's
     reorder of x and its product) start and end (a kernel launched under PDL starts when it is
     scheduled, which may be well before its wait returns); `done`, when the last of them ends;
     `period`, from one norm's end to the next (what the pair costs a chain)."""
     its = []
     for e in sorted(events, key=lambda e: e["ts"]):
-        if "rms_norm" in e["name"]:
+        if "rms_norm" in e["name"] or "norm_shrink" in e["name"]:
             its.append({"norm": e["ts"] + e["dur"]})
         elif its:
             key = next((k for k in ("shrink", "expand", "reduce") if k in e["name"]), "matmul")

@@ -15,7 +15,8 @@ trunk's objects only by their attributes (duck typing). What is here:
         gemm_runs(x), nvfp4_matmul(x, packed, scale, global_scale, bias=None, interleaved=False),
         nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False), dequantize(...)
     the decoder's small ops (fused_ops.py)
-        rms_norm, rope_fits, rope, embed_rope, silu_mul, lm_head_fits, lm_head
+        rms_norm (with the shrink of the group it feeds: lora.py), rope_fits, rope, embed_rope, silu_mul,
+        lm_head_fits, lm_head
     q/k/v and gate/up as one matmul (stacked.py): project(stack, mods, x, silu_mul, refresh)
     LoRA (lora.py): lora_linear(x, base, A, B, scale)
     the training pass's small ops, forward and backward (compiled.py): compiled(fn, x)
@@ -104,9 +105,12 @@ def nvfp4_matmul_dx(dy, packed, scale, global_scale, interleaved=False):
 # ----------------------------------------------------------------------------------------------
 # the decoder's small ops
 
-def rms_norm(x, weight, eps, residual=None):
-    """RMSNorm in one kernel: y, or with residual (y, x + residual) (fused_ops.rms_norm)."""
-    return fused_ops.rms_norm(x, weight, eps, residual)
+def rms_norm(x, weight, eps, residual=None, group=None):
+    """RMSNorm in one kernel: y, or with residual (y, x + residual) (fused_ops.rms_norm). group =
+    (stack, mods, refresh), the stacked group that reads y (as project takes it): at decode rows its
+    LoRA shrink runs in the norm's launch (lora.norm_shrink), one launch a group fewer."""
+    out = lora.norm_shrink(x, weight, eps, residual, *group) if group is not None else None
+    return fused_ops.rms_norm(x, weight, eps, residual) if out is None else out
 
 
 def rope_fits(q, k) -> bool:

@@ -33,7 +33,8 @@ gate and up halves of one stacked output) and writes a fresh contiguous (..., n)
 streams a bf16 weight read once a call against 1-2 rows (lm_head_fits); at 3-4 rows the per-row
 accumulators cost more than they save, and cuBLAS takes over.
 
-`rotate_halves` is a device function shared with the paged decode kernel (paged_decode.py), which
+`norm_inputs` and `norm_row` are the norm's device functions, shared with lora.py's norm + shrink
+launch. `rotate_halves` is a device function shared with the paged decode kernel (paged_decode.py), which
 rotates q and the new k itself at decode: its rotation gives the very bits of rope.
 
 Tests: tests/test_kernels_fused_ops.py against the torch ops (CPU: Triton interpreter; GPU: CUDA).
@@ -59,23 +60,33 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, C, eps, HAS_RES: t
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < C
-    w, r = _norm_inputs(w_ptr, res_ptr + row * C, offs, mask, HAS_RES)
+    w, r = norm_inputs(w_ptr, res_ptr + row * C, offs, mask, HAS_RES)
     pdl_start(USE_PDL)
-    x = tl.load(x_ptr + row * C + offs, mask=mask, other=0.0)
-    if HAS_RES:     # x + residual, rounded to the activation dtype as torch's add does
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * C + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / C + eps)
-    tl.store(out_ptr + row * C + offs, (h * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y, s = norm_row(x_ptr + row * C, r, w, offs, mask, C, eps, HAS_RES)
+    if HAS_RES:
+        tl.store(sum_ptr + row * C + offs, s, mask=mask)
+    tl.store(out_ptr + row * C + offs, y, mask=mask)
 
 
 @triton.jit
-def _norm_inputs(w_ptr, res_row, offs, mask, HAS_RES: tl.constexpr):
+def norm_inputs(w_ptr, res_row, offs, mask, HAS_RES: tl.constexpr):
     """-> the norm's weight and its row of the residual (the weight again without one)."""
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     r = tl.load(res_row + offs, mask=mask, other=0.0) if HAS_RES else w
     return w, r
+
+
+@triton.jit
+def norm_row(x_row, r, w, offs, mask, C, eps, HAS_RES: tl.constexpr):
+    """One row's norm from norm_inputs' w and r: -> (y, s) in x's dtype, s = x + r rounded as
+    torch's add rounds it (x itself without a residual) and y = s / sqrt(mean(s²) + ε) ⊙ w in fp32.
+    Shared with lora.py's norm + shrink launch, whose y must be this kernel's bits."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    h = x.to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / C + eps)
+    return (h * w).to(x.dtype), x
 
 
 @triton.jit

@@ -58,6 +58,7 @@ shapes; GPU: real shapes). The oracle is marlin_kernel.reference_matmul (float64
 python bench/kernel.py.
 """
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,17 @@ from .tiles import (_nvfp4_dequant_kernel, _nvfp4_mm_dx_kernel, _nvfp4_mm_kernel
 
 BLOCK = 16               # NVFP4 scale block along K
 GLUON_TRITON = "3.6."    # the Triton release register_a*.py's Gluon is written for
+
+
+class Fold(NamedTuple):
+    """A LoRA update for matmul's lora= (a plain (h, B, scale) tuple reads as one with x_fresh False).
+    x_fresh: the launch just before the matmul wrote x as well as h (lora.norm_shrink), so the
+    kernel must wait on it before it reads x; else the launch before is lora.lora_shrink, which only
+    read x, and the kernel streams x and W before its wait (LATE_WAIT)."""
+    h: torch.Tensor
+    B: torch.Tensor
+    scale: float
+    x_fresh: bool = False
 
 # ----------------------------------------------------------------------------------------------
 # input checks
@@ -117,7 +129,7 @@ def _check_act(name, t, cols):
 def _check_lora(lora, M, N, K, device, interleaved):
     """Check a LoRA update in either of matmul's forms, and where it folds; -> True for the h form
     (h (M, R) bf16), False for the partials form (hp (split, M, R) fp32)."""
-    first, B, s = lora
+    first, B, s = lora[:3]
     h_form = first.dim() == 2
     if h_form:
         if first.dtype != torch.bfloat16 or first.shape[0] != M or not first.is_contiguous():
@@ -321,7 +333,7 @@ def _reduce(part, global_scale, bias, out, lora=None):
     if part is out:
         return out
     if lora is not None:
-        h, B, s = lora
+        h, B, s = lora[:3]
         R = B.shape[1]
         # 16 x 128 tiles: as many programs as the flat reduce has blocks of 1024 at 8 rows
         (M, N), BM, BN = out.shape, 16, 128
@@ -339,6 +351,12 @@ def _reduce(part, global_scale, bias, out, lora=None):
     return out
 
 
+def _late_wait(lora) -> bool:
+    """Does the kernel wait on the launch before it only after its main loop (LATE_WAIT)? Where it
+    folds the partials of a shrink that did not write x (Fold)."""
+    return lora is not None and not getattr(lora, "x_fresh", False)
+
+
 def _lora_args(lora, out, split, reduce):
     """A launch's LoRA arguments: (hp, B, s), R and the constexprs LORA, LSPLIT (dummies without
     lora). The update folds in only where the kernel finishes its own tiles (one pass, or the split
@@ -346,7 +364,7 @@ def _lora_args(lora, out, split, reduce):
     if lora is not None and split > 1 and not reduce:
         raise ValueError("the LoRA update folds into a kernel only where it sums its own split-K partials "
                          "(tuning's reduce_in_kernel; see folds_lora)")
-    hp, lb, ls = lora if lora is not None else (out, out, 0.0)
+    hp, lb, ls = lora[:3] if lora is not None else (out, out, 0.0)
     R = lb.shape[1] if lora is not None else 1
     return (hp, lb, ls), R, dict(LORA=lora is not None, LSPLIT=hp.shape[0] if lora is not None else 1)
 
@@ -380,7 +398,7 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         *targets, *lora_ptrs,
         M, N, K, k_split, R,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=lora is not None,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=_late_wait(lora),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap, IL=il,
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -415,7 +433,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         M, N, K // 2, k_split // 2, R,
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(R)), SILU=silu_mul,
-        LATE_WAIT=lora is not None,
+        LATE_WAIT=_late_wait(lora),
         BN=cfg.bn, BK=bk, W=cfg.warps, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -445,7 +463,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         *targets, *lora_ptrs,
         M, N, K // 128, per, R,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=lora is not None,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=_late_wait(lora),
         W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=1, **launch.pdl_launch(x.device))
     return out if finishes else _reduce(part, global_scale, bias, out, lora)
@@ -552,7 +570,8 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
     lora = (hp, B, s), where folds_lora(M, N, K, ...): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the update
     of lora.lora_expand_ (hp (split, M, R) fp32 from lora.lora_shrink, launched just before this call
     on this x, B (N, R) bf16): the kernel streams x and W before it waits on that launch (LATE_WAIT
-    in fp4_decode.pdl_start), so nothing may write x between the two; or lora = (h, B, s) with
+    in fp4_decode.pdl_start), so nothing may write x between the two (a Fold with x_fresh: the
+    launch before wrote x and hp, lora.norm_shrink, and the kernel waits first); or lora = (h, B, s) with
     h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by the reduce
     kernel of the register-A route; elsewhere a ValueError, never a dropped update. silu_mul, where
     folds_silu(M): W stacks gate and up (N = 2I rows), and the result is silu(y[:, :I])·y[:, I:]
@@ -568,6 +587,7 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
             raise ValueError(f"bias must be a contiguous bf16 tensor of shape ({N},), got "
                              f"{bias.dtype} {tuple(bias.shape)}")
     if lora is not None:       # every route that runs here folds it, or the check says no
+        lora = Fold(*lora)
         _check_lora(lora, M, N, K, x.device, interleaved)
     kernel = route(M, N, K, x.device, interleaved)
     if kernel == "wgmma":

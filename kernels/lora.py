@@ -28,6 +28,15 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
     follow cuBLAS. (Measured on an H200, 7B, train.py's adapters: the shrink first beside the
     fragment kernel too, and PDL after it, decode 8 and 16 sequences 8-9% faster than both kernels
     after it without PDL; bench/ab.py.)
+  * where the group's input comes from an RMSNorm (q/k/v, gate/up) at up to tuning's
+    norm_shrink_max_m rows, the shrink runs inside the norm's launch instead (norm_shrink): under
+    PDL a launch is scheduled only once the kernel two places ahead has finished, so a shrink
+    launched between the norm and the matmul keeps the matmul off the SMs until the norm is done,
+    where without it the matmul is resident and streaming its first weights during the norm. Each
+    program of that launch normalizes its whole row (the norm kernel's own device functions, so y
+    has its bits), stores a share of it, and dots it with whole rows of A: h needs no partial sums
+    and the launch takes one round trip after its wait, as the norm alone does. The matmul then
+    waits before it reads x (gemm.Fold's x_fresh).
   * beyond lora_max_m rows (the GRPO batch) the shrink is F.linear, and where the NVFP4 matmul's
     register-A route splits K its reduce kernel adds s·h·Bᵀ (fold_in_reduce: qkv, o and down);
     elsewhere one addmm, in place on the fresh base output without autograd (a copy of y first
@@ -66,6 +75,7 @@ import triton.language as tl
 
 from . import gemm, launch, tuning
 from .fp4_decode import _last_split, pdl_start
+from .fused_ops import norm_inputs, norm_row
 
 ROWS = 16        # rows of x a shrink / expand program holds (one MMA tile): tuning's lora_max_m is at most this
 
@@ -140,6 +150,31 @@ def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, h_ptr, count_ptr, M, R, K, strid
             for s in tl.static_range(1, SPLIT):
                 h += tl.load(part_ptr + s * M * R + offs, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(h_ptr + offs, h, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _norm_shrink_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, h_ptr, M, R, C, eps,
+                        HAS_RES: tl.constexpr, BR: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (m, i): row m's RMSNorm whole (fused_ops.norm_row: the norm kernel's bits), its i-th
+    share of the columns stored, and h[m, ranks of tile i] = y · A[tile i]ᵀ over all of C in fp32.
+    A program holds its row and BR whole rows of A, so no program waits on another and h needs no
+    partial sums: one round trip to L2 after the wait, as in the norm alone. A (read in full before
+    the wait), the norm's weight and the residual stream were written two or more launches back."""
+    m, i = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = tl.arange(0, BLOCK_C)
+    inside = cols < C
+    offs_r = i * BR + tl.arange(0, BR)
+    a = tl.load(a_ptr + offs_r[:, None] * C + cols[None, :], mask=(offs_r[:, None] < R) & inside[None, :],
+                other=0.0)                                                          # (BR, BLOCK_C)
+    w, r = norm_inputs(w_ptr, res_ptr + m * C, cols, inside, HAS_RES)
+    pdl_start(USE_PDL)
+    y, s = norm_row(x_ptr + m * C, r, w, cols, inside, C, eps, HAS_RES)             # (BLOCK_C,)
+    mine = inside & (cols // tl.cdiv(C, tl.num_programs(1)) == i)
+    tl.store(out_ptr + m * C + cols, y, mask=mine)
+    if HAS_RES:
+        tl.store(sum_ptr + m * C + cols, s, mask=mine)
+    h = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)              # (BR,)
+    tl.store(h_ptr + m * R + offs_r, h, mask=offs_r < R)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -220,6 +255,57 @@ def lora_expand_(hp, B, y, scale):
     return y
 
 
+def norm_shrink(x, weight, eps, residual, holder, mods, refresh=True):
+    """The RMSNorm before a stacked group (fused_ops.rms_norm's result: y, or (y, x + residual)) with
+    the group's shrink y Aᵀ in the same launch, or None where that does not apply (norm_shrinks).
+    The partials wait on holder (`lora_h`, with y) for the group's update (group_update), so the
+    matmul that folds them waits on one launch that wrote both its x and its h."""
+    holder.lora_h = None
+    C = x.shape[-1]
+    if not norm_shrinks(mods, x.reshape(-1, C)):
+        return None
+    A, _ = group_casts(holder, mods, x, refresh)
+    y, total, hp = norm_shrink_rows(x.reshape(-1, C), weight, eps,
+                                    residual.reshape(-1, C) if residual is not None else None, A)
+    y = y.view(x.shape)
+    holder.lora_h = (y, hp)
+    return y if residual is None else (y, total.view(x.shape))
+
+
+def norm_shrink_rows(x, weight, eps, residual, A):
+    """One launch: y = RMSNorm(x [+ residual]) (M, C), the sum x + residual (None without one), and
+    hp (1, M, R) fp32 = y Aᵀ, for rows x (M <= lora_max_m), weight (C,) fp32, A (R, C) in x's dtype."""
+    t = tuning.current()
+    (M, C), R = x.shape, A.shape[0]
+    if not (M <= t.lora_max_m and A.shape[1] == C and x.dtype == A.dtype):
+        raise ValueError(f"norm_shrink: x {x.dtype} {tuple(x.shape)} and A {A.dtype} {tuple(A.shape)} do not fit "
+                         f"h = norm(x) Aᵀ with at most {t.lora_max_m} rows and one dtype")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out
+    BR, block = t.norm_shrink_ranks, triton.next_power_of_2(C)
+    hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
+    _norm_shrink_kernel[(M, triton.cdiv(R, BR))](
+        x, residual.contiguous() if residual is not None else x, weight, out, total, A.contiguous(), hp,
+        M, R, C, eps, HAS_RES=residual is not None, BR=BR, BLOCK_C=block,
+        num_warps=min(16, max(1, block // 256)), **launch.pdl_launch(x.device))   # as fused_ops.rms_norm
+    return out, total if residual is not None else None, hp
+
+
+def norm_shrinks(mods, x2) -> bool:
+    """Does the norm before the group mods run its shrink (norm_shrink), for rows x2 (M, C)? Where
+    group_update would run an early shrink (the decode kernels, an NVFP4 base, one update for the
+    group) and M <= tuning's norm_shrink_max_m."""
+    return (is_adapter(mods[0]) and group_applies(mods) and _decode_kernels(x2)
+            and early_shrink(mods[0].base_layer) and x2.shape[0] <= tuning.current().norm_shrink_max_m)
+
+
+def _take_h(holder, x):
+    """The shrink partials a norm computed for this group's input x (norm_shrink), or None; taken once."""
+    pending, holder.lora_h = getattr(holder, "lora_h", None), None
+    return pending[1] if pending is not None and pending[0] is x else None
+
+
 # ----------------------------------------------------------------------------------------------
 # the update of one adapter, and of a stacked group
 
@@ -239,14 +325,16 @@ def _decode_kernels(x2) -> bool:
     return x2.is_cuda and not torch.is_grad_enabled() and x2.shape[0] <= tuning.current().lora_max_m
 
 
-def _delta_kernels(x2, A, B, y, scale, base):
+def _delta_kernels(x2, A, B, y, scale, base, hp=None):
     """y + scale · (x Aᵀ) Bᵀ by the kernels, y a function computing the base output (given lora=,
-    the update to fold in): where early_shrink says so, x Aᵀ runs before it, and where fold_expand
-    says so the base matmul adds the update itself (no expand kernel); otherwise both run after it."""
+    the update to fold in): where early_shrink says so, x Aᵀ runs before it (or ran in the norm's
+    launch: hp given), and where fold_expand says so the base matmul adds the update itself (no
+    expand kernel); otherwise both run after it."""
     if early_shrink(base):
-        hp = lora_shrink(x2, A, B)
+        fresh = hp is not None                # the launch just before wrote x too: the matmul waits first
+        hp = hp if fresh else lora_shrink(x2, A, B)
         if fold_expand(base, x2, B):
-            return y(lora=(hp, B.contiguous(), float(scale)))
+            return y(lora=gemm.Fold(hp, B.contiguous(), float(scale), x_fresh=fresh))
         y = y()
     else:
         y = y()
@@ -313,9 +401,10 @@ def group_update(holder, mods, x, y, refresh=True):
     """y() + every adapter's update, for adapters mods (group_applies) that share the input x and
     whose base outputs are the column blocks of what y (the stacked matmul, given lora= to fold)
     returns: one shrink and one expand (or fold) for the group; refresh: as group_casts."""
-    A, B = group_casts(holder, mods, x, refresh)
+    hp = _take_h(holder, x)
+    A, B = group_casts(holder, mods, x, refresh and hp is None)               # the norm refreshed them
     first = mods[0]
     x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
     if _decode_kernels(x2):
-        return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer)
+        return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer, hp)
     return _update(y, F.linear(x, A), B, first.scaling, first.base_layer)    # h: (..., Σr)

@@ -120,6 +120,10 @@ class Tuning:
     lora_shrink_k: int = 256          # ... and k, in one load before its PDL wait: K / this many programs a
                                       # row tile stream A at once, and its last one sums their partials
     lora_expand_cols: int = 64        # output columns an expand program updates
+    norm_shrink_max_m: int = 1        # to this many rows the RMSNorm before an adapted group (q/k/v, gate/up)
+                                      # runs the group's shrink in its own launch (lora.norm_shrink): at 8
+                                      # rows its rows x ranks programs, waiting beside the matmul, cost more
+    norm_shrink_ranks: int = 1        # ... each program taking one whole row and this many rank rows
 
     # ---- the decoder's small ops (fused_ops.py)
     lm_head_max_rows: int = 2         # the lm_head GEMV to this many rows (at 3-4 the per-row accumulators
@@ -156,6 +160,8 @@ class Tuning:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Tuning.{name}: a tile side, a power of two >= 16, got {v}")
+        if self.norm_shrink_ranks < 1 or self.norm_shrink_ranks & (self.norm_shrink_ranks - 1):
+            raise ValueError(f"Tuning.norm_shrink_ranks: a power of two, got {self.norm_shrink_ranks}")
         if self.lm_head_max_rows > len(self.lm_head_tiles) or self.lm_head_max_rows > 2:
             raise ValueError(f"Tuning.lm_head_max_rows: the lm_head GEMV takes 1 or 2 rows, one tile each, "
                              f"got {self.lm_head_max_rows} with {len(self.lm_head_tiles)} tiles")

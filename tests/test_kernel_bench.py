@@ -107,5 +107,7 @@ def test_trace_timings_measures_from_each_norms_end():
     lora = bench.trace_timings(chain(3, True))
     assert lora == {"shrink start": -0.5, "shrink end": 2.5, "matmul start": 1.0, "matmul end": 6.5,
                     "done": 6.5, "period": 10.5}
+    fused = [dict(e, name="_norm_shrink_kernel") if "rms_norm" in e["name"] else e for e in chain(3, False)]
+    assert bench.trace_timings(fused) == plain                                       # the norm's launch
     with pytest.raises(ValueError, match="iterations"):
         bench.trace_timings(chain(1, True))

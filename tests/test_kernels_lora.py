@@ -83,6 +83,78 @@ def test_lora_delta_rejects_what_it_cannot_do():
         lora_delta_(x, A, B, torch.zeros(16, 2).t(), 1.0)
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M, C, R, residual, dtype", [(1, 200, 8, True, torch.float32),
+                                                      (5, 300, 40, False, torch.float32),
+                                                      (16, 520, 160, True, torch.float32),
+                                                      (3, 264, 96, True, torch.bfloat16)])
+def test_norm_shrink_rows_is_the_norm_and_its_shrink(M, C, R, residual, dtype):
+    """One launch gives RMSNorm(x + residual), the rounded sum and h = y Aᵀ: y and the sum are the
+    norm kernel's bits (fused_ops.rms_norm) and within rounding of the trunk's torch norm
+    (ops._rms_norm), h the float64 product of that y; rank rows in 16-row tiles, R not always a
+    multiple of them, so the columns each program stores are uneven shares too. bf16: within a step
+    or two (the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest)."""
+    import ops
+    from kernels import fused_ops
+    g = torch.Generator().manual_seed(M)
+    x, r = torch.randn(M, C, generator=g).to(dtype), torch.randn(M, C, generator=g).to(dtype)
+    w = 1 + 0.1 * torch.randn(C, generator=g)                                  # fp32, as RMSNorm's weight
+    A = (torch.randn(R, C, generator=g) / C ** 0.5).to(dtype)
+    y, total, hp = kl.norm_shrink_rows(x, w, 1e-6, r if residual else None, A)
+    kernel = fused_ops.rms_norm(x, w, 1e-6, r if residual else None)
+    want = ops._rms_norm(x, w, 1e-6, r if residual else None)
+    (kernel_y, kernel_sum), (want_y, want_sum) = (t if residual else (t, None) for t in (kernel, want))
+    assert torch.equal(y, kernel_y)
+    step = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-6
+    if residual:
+        assert torch.equal(total, kernel_sum)
+        assert torch.equal(total, want_sum) if dtype == torch.float32 else (
+            (total.double() - want_sum.double()).abs() <= step * want_sum.double().abs()).all()
+    else:
+        assert total is None
+    assert ((y.double() - want_y.double()).abs() <= step * want_y.double().abs() + 1e-7).all()
+    assert hp.shape == (1, M, R)
+    h = y.double() @ A.double().t()                                           # (M, R)
+    check_close(hp[0], h, 1e-6 * h.abs().max().item(), "h = norm(x) Aᵀ")
+
+
+@pytest.mark.interpreter
+def test_decode_norms_run_their_groups_shrink(tiny_hf_dir, monkeypatch):
+    """A decode forward of an NVFP4 model with adapters (the kernels' rows, on the CPU): the norm
+    before q/k/v and the one before gate/up run their group's shrink (norm_shrink_rows), so the shrink
+    kernel runs for o and down alone (tuning's norm_shrink_max_m raised to the two rows); the logits
+    equal the training forward's and those with the shrink in its own launch (the default at two
+    rows)."""
+    from checkpoint import load_model
+    from conftest import rel_err
+    from lora import LoRAConfig, apply_lora, lora_modules
+    model = load_model(tiny_hf_dir("qwen2")[0], quant="nvfp4", device="cpu", dtype=torch.float32)
+    apply_lora(model, LoRAConfig(r=4, alpha=8))
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.normal_(0, 0.1)
+    monkeypatch.setattr(kernels, "runs", lambda x: not torch.is_grad_enabled())
+    monkeypatch.setattr(kl, "_decode_kernels", lambda x2: not torch.is_grad_enabled() and x2.shape[0] <= 16)
+    launched = {"norm": 0, "shrink": 0}
+    for name, key in (("norm_shrink_rows", "norm"), ("lora_shrink", "shrink")):
+        real = getattr(kl, name)
+        monkeypatch.setattr(kl, name, lambda *a, _real=real, _key=key: launched.__setitem__(
+            _key, launched[_key] + 1) or _real(*a))
+    ids, pos = torch.tensor([[5], [9]]), torch.tensor([[3], [7]])             # two decode rows
+    layers = model.config.num_layers
+    with torch.no_grad():
+        with tuning.using(dataclasses.replace(tuning.current(), norm_shrink_max_m=2)):
+            fused = model(ids, pos)
+        assert launched == {"norm": 2 * layers, "shrink": 2 * layers}
+        apart = model(ids, pos)                         # tuning's default: the norm's shrink at one row only
+        assert launched == {"norm": 2 * layers, "shrink": 6 * layers}
+    with torch.enable_grad():
+        trained = model(ids, pos)
+    assert rel_err(fused, trained) < 1e-5 and rel_err(fused, apart) < 1e-5
+    assert all(getattr(p, "stacked").lora_h is None for layer in model.model.layers
+               for p in (layer.self_attn, layer.mlp))                         # every pending h was taken
+
+
 def test_early_shrink_on_nvfp4_bases_and_where_the_expand_folds():
     """The shrink goes before the base matmul on an NVFP4 base (any rows), never on a dense base; the
     base kernel then folds the expand in for bf16 rows where gemm.folds_lora holds for the product
@@ -226,6 +298,46 @@ def test_gpu_7b_decode_folds_match_the_expand_kernel(name, rows, monkeypatch):
     step = 2.0 ** -7 * torch.maximum(got.double().abs(), want.double().abs())    # one bf16 step of the larger
     assert (err <= step + 1e-6).all(), f"{name} rows={rows}: {(err > step + 1e-6).sum().item()} elements off"
     assert (got.double() - base.double()).abs().max() > 0.01, "the update is not zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 16])
+@pytest.mark.parametrize("name", ["qkv", "gate_up"])
+def test_gpu_norm_shrink_feeds_the_groups_fold(name, rows, monkeypatch):
+    """Qwen2.5-7B's q/k/v and gate/up (SiLU·mul) after their norm at decode, with train.py's rank-32
+    adapters: the norm's launch runs the group's shrink (kernels.rms_norm given the group; rows beyond
+    tuning's default norm_shrink_max_m too, the kernel being the same), the
+    matmul after it folds those partials, waiting before it reads x (gemm.Fold's x_fresh), and no
+    shrink kernel runs. Against the norm kernel, then the group with its own shrink: the sum and y
+    have the same bits (the same sum of squares), and the group's output is within two bf16 steps of
+    the larger (the update's partials are summed in another order)."""
+    import nvfp4
+    from kernels import fused_ops
+    from model import Stack
+    sizes, K = {"qkv": ((3584, 512, 512), 3584), "gate_up": ((18944, 18944), 3584)}[name]
+    torch.manual_seed(rows)
+    g = torch.tensor([448.0 * 6 / 0.1], device="cuda")
+    bases = [nvfp4.NVFP4Linear.from_weight(torch.randn(n, K, device="cuda", dtype=torch.bfloat16) * 0.02,
+                                           global_scale=g).interleave_() for n in sizes]
+    mods = _adapters(bases, r=32, alpha=64)
+    stack = Stack(bases)
+    x, r = (torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = 1 + 0.1 * torch.randn(K, device="cuda")
+    silu = name == "gate_up"
+    shrinks, real = [], kl.lora_shrink
+    monkeypatch.setattr(kl, "lora_shrink", lambda *a: shrinks.append(1) or real(*a))
+    with torch.no_grad(), tuning.using(dataclasses.replace(tuning.current(), norm_shrink_max_m=16)):
+        y, total = kernels.rms_norm(x, w, 1e-6, r, group=(stack, mods, True))
+        got = kernels.project(stack, mods, y, silu, True)
+        assert not shrinks and stack.lora_h is None
+        want_y, want_total = fused_ops.rms_norm(x, w, 1e-6, r)
+        want = kernels.project(stack, mods, want_y, silu, True)
+        assert shrinks == [1]
+    got, want = (torch.cat(t, -1) if isinstance(t, list) else t for t in (got, want))
+    assert torch.equal(total, want_total) and torch.equal(y, want_y)
+    err = (got.double() - want.double()).abs()
+    step = 2.0 ** -7 * torch.maximum(got.double().abs(), want.double().abs())
+    assert (err <= 2 * step + 1e-3).all(), f"{name} rows={rows}: {(err > 2 * step + 1e-3).sum().item()} elements off"
 
 
 @pytest.mark.gpu

@@ -67,6 +67,8 @@ def test_fields_are_validated_by_name():
         Tuning(lora_max_m=32)
     with pytest.raises(ValueError, match="Tuning.lm_head_max_rows"):
         Tuning(lm_head_max_rows=3)
+    with pytest.raises(ValueError, match="Tuning.norm_shrink_ranks"):
+        Tuning(norm_shrink_ranks=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         current().pdl = False
     assert all(f.type in (bool, int, float, tuple) or f.name == "medium" for f in dataclasses.fields(Tuning))
