@@ -320,8 +320,8 @@ def test_qwen3_lora_adapter_round_trips_with_peft(tiny_hf_dir, tmp_path, quant):
 def _count_head_norms(monkeypatch, head_dim):
     """Record the fused RMSNorm calls over head_dim-wide rows (q_norm, k_norm on the fast path)."""
     calls, real = [], kernels.rms_norm
-    monkeypatch.setattr(kernels, "rms_norm", lambda x, w, eps, residual=None:
-                        calls.append(w.numel() == head_dim) or real(x, w, eps, residual))
+    monkeypatch.setattr(kernels, "rms_norm", lambda x, w, eps, residual=None, group=None:
+                        calls.append(w.numel() == head_dim) or real(x, w, eps, residual, group))
     return calls
 
 
