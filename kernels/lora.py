@@ -258,8 +258,8 @@ def lora_expand_(hp, B, y, scale):
 def norm_shrink(x, weight, eps, residual, holder, mods, refresh=True):
     """The RMSNorm before a stacked group (fused_ops.rms_norm's result: y, or (y, x + residual)) with
     the group's shrink y Aᵀ in the same launch, or None where that does not apply (norm_shrinks).
-    The partials wait on holder (`lora_h`, with y) for the group's update (group_update), so the
-    matmul that folds them waits on one launch that wrote both its x and its h."""
+    h waits on holder (`lora_h`, with y) for the group's update (group_update), so the matmul that
+    folds it waits on one launch that wrote both its x and its h."""
     holder.lora_h = None
     C = x.shape[-1]
     if not norm_shrinks(mods, x.reshape(-1, C)):
