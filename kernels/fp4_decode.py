@@ -1,6 +1,6 @@
 """NVFP4 inside a kernel: E2M1 codes and E4M3 scales to exact bf16 / fp32 operands, and the epilogue.
 
-Every NVFP4 kernel (tiles.py, small_m.py, register_a*.py; gemm.py launches them) reads
+Every NVFP4 kernel (tiles.py, gemv.py, small_m.py, register_a*.py; gemm.py launches them) reads
 the compressed-tensors bytes, in their own layout or in nvfp4.interleave's 16 x 128 tiles
 (_tiled_offsets), and decodes them in registers. The pieces they share are here: @triton.jit
 device functions (inlined into the kernels) and inline-PTX strings held as tl.constexpr (a jit
@@ -23,9 +23,9 @@ multiply by scale·2^119, so the operand is w·scale·2^-7 (OPERAND_SHIFT): ever
 bf16 and exact (2 significant bits times 4). The factor 2^7/global_scale (OPERAND_POST) is
 applied to the fp32 accumulator in the epilogue (_finish).
 
-E2M1 to fp32, for the CUDA-core kernel: the same bit trick with the magnitude bits on fp32 bits
-22..24 and the sign on bit 31 gives exactly e2m1 · 2^-126 (±0.5 is an fp32 subnormal, kept since
-nothing runs with .ftz; 19 integer ops per 8 weights, _E2M1X4_TO_F32_PTX).
+E2M1 to fp16 pairs, for the CUDA-core GEMV (gemv.py): the magnitude bits on fp16 bits 9..11 and
+the sign on bit 15 give exactly e2m1 · 2^-14 (±0.5 the fp16 subnormal 2^-15); nibbles j and j+4 of
+a word share one shift, so a pair of codes costs three integer ops (gemv._gemv_row says how).
 
 E4M3 to fp32 (_e4m3_to_f32): integer ops (sign, exponent + bias shift, mantissa, subnormal
 branch) and a bitcast, exact, with any power of two folded into the exponent, so no float8 type
@@ -34,7 +34,7 @@ hardware's fp8 conversion on the GPU and this function only under the interprete
 
 Under TRITON_INTERPRET=1 (CPU tests) inline PTX cannot run and the interpreter's bf16 tl.dot is
 wrong (triton 3.9), so the wrappers pass INTERPRET=True: the codes are decoded with plain tl ops
-to the same values (_e2m1x2_to_f32's branch, _e2m1_f32) and the kernels run their dots on fp32
+to the same values (_e2m1x2_to_f32, _e2m1_f32) and the kernels run their dots on fp32
 copies. _to_bf16 rounds to nearest even by hand there, since that interpreter truncates.
 
 pdl_start, the first statement of every kernel, is the device side of programmatic dependent
@@ -173,34 +173,15 @@ def _e4m3_to_f32(bits, EXP_SHIFT: tl.constexpr):
     return tl.where((b & 0x80) != 0, -v, v)
 
 
-# Four packed bytes -> eight fp32 e2m1·2^-126 ($0..$3: low nibbles of bytes 0..3, $4..$7: high
-# nibbles; $8: the 4 bytes = nibbles n0..n7 from bit 0). Two words first gather four nibbles each
-# with the magnitude at bits p..p+2 and the sign at p+9, p = 2, 6, 18, 22 (lop3 0xE4 = a where
-# c is set, else b): za from w<<2 (magnitudes) and w<<8 (signs) holds n0, n1, n4, n5; zb from
-# w>>6 and w holds n2, n3, n6, n7. Each output is then (z << (22 - p)) & 0x81C00000: the
-# magnitude on bits 22..24, the sign on bit 31. 19 integer ops per 8 weights.
-_E2M1X4_TO_F32_PTX = tl.constexpr(
-    "{ .reg .b32 a, b, za, zb; shl.b32 a, $8, 2; shl.b32 b, $8, 8; lop3.b32 za, a, b, 0x01DC01DC, 0xE4; "
-    "shr.b32 a, $8, 6; lop3.b32 zb, a, $8, 0x01DC01DC, 0xE4; " + " ".join(
-        f"shl.b32 a, {z}, {22 - p}; and.b32 ${i}, a, 0x81C00000;" for i, (z, p) in enumerate(
-            (("za", 2), ("zb", 2), ("za", 18), ("zb", 18), ("za", 6), ("zb", 6), ("za", 22), ("zb", 22)))) + " }")
-
-
 @triton.jit
-def _e2m1x2_to_f32(p, INTERPRET: tl.constexpr):
+def _e2m1x2_to_f32(p):
     """Packed bytes (uint8 tensor) -> (lo, hi) float32 e2m1·2^-126 of the low / high nibble, exact:
-    the magnitude bits on fp32 bits 22..24, the sign on bit 31 (module docstring). Code ±1 (±0.5)
-    becomes an fp32 subnormal, which the GPU keeps (our PTX has no .ftz; bench/kernel.py --check checks)."""
-    if INTERPRET:
-        b = p.to(tl.int32)
-        lo = ((b << 28) >> 6) & -0x7E400000             # -0x7E400000 == 0x81C00000
-        hi = ((b << 24) >> 6) & -0x7E400000
-        lo, hi = lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
-    else:
-        lo, hi = tl.inline_asm_elementwise(
-            _E2M1X4_TO_F32_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [p],
-            dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-    return lo, hi
+    the magnitude bits on fp32 bits 22..24, the sign on bit 31 (the tile kernels' emulation under
+    the interpreter, of the bf16 decode's values before the scale)."""
+    b = p.to(tl.int32)
+    lo = ((b << 28) >> 6) & -0x7E400000             # -0x7E400000 == 0x81C00000
+    hi = ((b << 24) >> 6) & -0x7E400000
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -332,7 +313,7 @@ def _add_update(y, update, INTERPRET: tl.constexpr):
 def silu_mul(g, u):
     """silu(g)·u for g, u in the activation dtype, as torch's F.silu(g) * u rounds it: silu in fp32
     rounded to the dtype, then the product in fp32 rounded. fused_ops' SiLU·mul kernel, and the
-    GEMV's epilogue when it stores silu(gate)·up itself (small_m.py)."""
+    GEMV's epilogue when it stores silu(gate)·up itself (gemv.py)."""
     gf = g.to(tl.float32)
     s = (gf / (1 + tl.exp(-gf))).to(g.dtype)
     return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)

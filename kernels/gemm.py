@@ -19,7 +19,7 @@ This file holds the input checks, the one function that decides which kernel com
 tuning.py's fields; the launch shapes shapes.py's):
 
     route            forward y = x·Wᵀ                                  kernel
-    "gemv"           M = 1 (batch-1 decode)                             small_m._nvfp4_gemv_kernel
+    "gemv"           M = 1 (batch-1 decode)                             gemv._nvfp4_gemv_kernel
     "fragment"       2 <= M <= 16, K a multiple of 128                  small_m._nvfp4_mma_kernel
     "wgmma"          16 < M <= 128 on every weight, to 512 on big ones, register_a (sm_90, triton 3.6,
                      above where its waves fill; on big weights from     interleaved weights only)
@@ -68,7 +68,8 @@ from . import launch, shapes, tuning
 from . import register_a as rak
 from . import register_a_dx as rad
 from .shapes import GEMV_ROWS, MIN_RED, cdiv, fragment_rows
-from .small_m import _nvfp4_gemv_kernel, _nvfp4_mma_kernel
+from .gemv import _nvfp4_gemv_kernel
+from .small_m import _nvfp4_mma_kernel
 from .tiles import (_nvfp4_dequant_kernel, _nvfp4_mm_dx_kernel, _nvfp4_mm_kernel, _splitk_reduce_kernel,
                     _splitk_reduce_lora_kernel)
 
@@ -434,7 +435,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(R)), SILU=silu_mul,
         LATE_WAIT=_late_wait(lora),
-        BN=cfg.bn, BK=bk, W=cfg.warps, IL=il, INTERPRET=launch.interpreting(),
+        BN=cfg.bn, BK=bk, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
 

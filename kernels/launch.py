@@ -23,7 +23,7 @@ fp4_decode.pdl_start (the register-A kernels issue the same two instructions the
 is tuning.current().pdl, read at each launch.
 
 When is the next kernel scheduled? Every kernel releases it right after its own wait, except the
-CUDA-core GEMV that is not the gate/up one: it releases after its main loop (small_m.py). The paged
+CUDA-core GEMV that is not the gate/up one: it releases after its main loop (gemv.py). The paged
 decode kernel comes right after the qkv GEMV; scheduled early, its programs would wait on the SMs
 through the whole GEMV. A matmul that folds a LoRA update (GEMV, fragment kernel, swapped tiles, after
 lora.lora_shrink) waits and releases after its main loop: the shrink runs beside the weight stream

@@ -60,9 +60,9 @@ def next_power_of_2(n: int) -> int:
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape of the CUDA-core kernel (one row of x). bn: weight rows per program (bn / warps
-    per warp); bk: k per loop step (bk/2 bytes of each row, 16 per thread); split: programs along K
-    (0 = choose: gemv_split)."""
+    """Launch shape of the CUDA-core kernel (one row of x). bn: weight rows per program; bk: k per
+    loop step (bk/2 bytes of each row, 16 a lane: bk/32 lanes, so a thread holds bn·bk/(1024·warps)
+    rows of its lane); split: programs along K (0 = choose: gemv_split)."""
     bn: int = 32
     bk: int = 1024
     warps: int = 4
@@ -145,9 +145,10 @@ def fragment_rows(M: int, K: int) -> bool:
 
 def fwd_config(M: int, N: int, K: int):
     """Launch shape for y = x·Wᵀ on the GEMV, fragment and tile routes (the H100 sweep winners)."""
-    if M <= GEMV_ROWS:           # 8 rows per thread (x's decode amortized, 96 registers); a step
-        # covers 512 k (256 B of each row) where K is not a multiple of 1024 (7B: 3584, 18944), so
-        # that no step runs half masked
+    if M <= GEMV_ROWS:           # 4 rows a thread at 512-k steps (72 registers), 8 at 1024-k steps
+        # (x's prep amortized, 132 registers); 512 k (256 B of each row) where K is not a multiple of
+        # 1024 (7B: 3584, 18944), so that no step runs half masked (1024-k steps or bn = 64 measured
+        # slower there: kernels/README.md)
         return GemvConfig(bn=32, bk=1024 if K % 1024 == 0 else 512)
     if fragment_rows(M, K):      # mma.sync on fragments decoded in registers
         # 128 weight rows per program for the wide weights (gate_up: 8 warps, or 4 warps of two

@@ -1,29 +1,11 @@
-"""The decode-time kernels: y = x·Wᵀ for a few rows of x (M <= 16), on CUDA cores or mma.sync.
+"""The decode-time kernel for a few rows of x: y = x·Wᵀ at 2 <= M <= 16 on mma.sync fragments.
 
-At decode time M is the batch, 1..16 rows of x against a weight of millions of elements: the
+At decode time M is the batch, a few rows of x against a weight of millions of elements: the
 product is memory-bound, and an MMA tile of 16 rows or more would spend most of its work on
-padding. What is left to win is the instruction count per weight of the decode, so both kernels
-here keep the weights in registers from load to multiply, never through shared memory (the GEMV's
-x words may pass through it: _gemv_row). gemm.route chooses between them; gemm._gemv and gemm._mma
-launch them with shapes.py's GemvConfig / MmaConfig.
-
-The CUDA-core kernel, _nvfp4_gemv_kernel (one row of x: batch-1 decode), decodes E2M1 to fp32
-e2m1·2^-126 (fp4_decode._E2M1X4_TO_F32_PTX, ~2.4 integer ops per weight). x is multiplied by 2^64
-(X_SCALE) so that the products stay normal (|x| < 2^64 assumed), and
-
-    acc[BN, K/16] += (sum over each 16-weight block of w·x) · scale    # fp32: a chain of 16 FMAs
-    y[n-tile] = sum(acc) · 2^62/global_scale (+ bias)                   # and one FMA per block
-
-so the scale (E4M3 -> fp32 by the hardware's fp8 conversion) costs one FMA per 16 weights. Each
-thread owns 16 bytes (32 weights) of each of its rows per step; x is read as int32 words, each
-the bf16 pair (x[2j], x[2j+1]) that meets byte j of W (low nibble = even k), and every warp loads
-the 16 words its threads need straight into registers in the weights' layout (_gemv_row): about
-four SASS instructions per weight. Two epilogue folds save a launch each: the LoRA expand
-(LORA: fp4_decode._lora_update) and, for a stacked gate/up weight, SiLU·mul (SILU: the program
-takes gate rows and the same up rows and stores silu(gate)·up). The GEMV releases the next kernel
-after its main loop (pdl_release), except the gate/up one (launch.py says why); with LORA it also
-waits there, as the fragment kernel does (LATE_WAIT: fp4_decode.pdl_start). Without it, both kernels
-load their first loop step's weights and scales before the wait, and x after it.
+padding. What is left to win is the instruction count per weight of the decode, so the kernel
+keeps the weights in registers from load to multiply, never through shared memory. gemm.route
+chooses it (one row goes to the CUDA-core GEMV, gemv.py); gemm._mma launches it with shapes.py's
+MmaConfig.
 
 The fragment kernel, _nvfp4_mma_kernel (M <= 16 and K a multiple of 128), decodes the weights
 straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of fp4_decode.py) and lets each
@@ -34,11 +16,11 @@ decodes any (_mma_step): short programs (a few windows, the small weights) are a
 latencies, and two windows in flight a warp shorten it. Where it finishes y (unsplit, or its last
 split summing the others) it folds the LoRA expand in too (LORA: _mma_update, the update as one
 small MMA per program in the epilogue, re-laid out to the fragments' layout); a split launch that
-leaves the sum to the reduce kernel leaves the update to it as well. Both kernels read either
-layout of W (IL: nvfp4.interleave, where the fragment kernel's warp loads are 512 contiguous bytes).
+leaves the sum to the reduce kernel leaves the update to it as well. It reads either layout of W
+(IL: nvfp4.interleave, where its warp loads are 512 contiguous bytes).
 
     x2       int32 (M, K/2)      x viewed as bf16 pairs
-    packed   uint8 (N, K/2)      (the fragment kernel reads it as int32 words, (N, K/8))
+    packed   uint8 (N, K/2)      read as int32 words, (N, K/8)
     scale    uint8 (N, K/16)     E4M3 bits
     out      bf16 (M, N), or fp32 partial sums (split, M, N) that the split finishing last for its
              rows adds up into y (REDUCE: fp4_decode._last_split / _sum_splits), or else
@@ -46,9 +28,7 @@ layout of W (IL: nvfp4.interleave, where the fragment kernel's warp loads are 51
 
 M is not specialized (do_not_specialize, as in tiles.py). Under the interpreter (INTERPRET) the PTX
 is replaced by plain-tl emulations of the same sums (_mma_emulate).
-Leaves out: more than one row on CUDA cores (from two rows the fragment kernel is faster).
-
-Test: tests/test_kernels_small_m.py through gemm's wrappers: the GEMV and the fragment kernel
+Test: tests/test_kernels_small_m.py through gemm's wrappers: the fragment kernel (and the GEMV)
 against float64 (CPU: the index maps, through the emulation; GPU: the PTX, on the real projection
 shapes too), the in-kernel split sum, the folded LoRA update and SiLU·mul; the routing:
 tests/test_kernels_gemm.py. Benchmark: python bench/kernel.py.
@@ -56,194 +36,8 @@ tests/test_kernels_gemm.py. Benchmark: python bench/kernel.py.
 import triton
 import triton.language as tl
 
-from .fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x2_to_f32, _e2m1x4_to_bf16_ptx,
-                         _e4m3_to_f32, _finish, _last_split, _lora_update, _lora_update_tile, _add_update,
-                         _sum_splits, _tile_offsets, _tiled_offsets, pdl_release, pdl_start, silu_mul)
-
-# ----------------------------------------------------------------------------------------------
-# constants
-
-X_SCALE = tl.constexpr(2.0 ** 64)    # the CUDA-core kernel multiplies x by 2^64 (weights are ·2^-126),
-GEMV_POST = tl.constexpr(2.0 ** 55)  # so its sums are ·2^-62: ·2^55 brings them to the MMA's ·2^-7
-
-
-# ----------------------------------------------------------------------------------------------
-# The CUDA-core kernel (one row of x): fp32 FMAs, a chain of 16 per scale block.
-
-@triton.jit
-def _gemv_weights(packed_ptr, rows, stride_pn, kb0, kb_end, BKB: tl.constexpr, IL: tl.constexpr):
-    """The (W, R, BKB) packed bytes of one step of the tile. Only the last step can be partial, and
-    its mask is constant over each thread's 16 bytes (K2 % 16 == 0), so loads stay vectorized;
-    bytes past kb_end decode to some finite w, and meet x = 0."""
-    offs_b = kb0 + tl.arange(0, BKB)[None, None, :]
-    return tl.load(packed_ptr + _tiled_offsets(rows, offs_b, stride_pn, 64, IL), mask=offs_b < kb_end)
-
-
-@triton.jit
-def _gemv_row(acc, p, sb, x2_ptr, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
-              BKB: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc (W, R, BKB/8) += (sum over each 16-weight block of w·x) · scale for one row of x, from
-    the step's packed bytes p and scale bytes sb: an in-thread chain of 16 FMAs per block (lo, hi
-    interleaved in k order), one FMA with the scale.
-    A thread holds bytes 16t..16t+15 of its rows, so it needs the x2 words 16t..16t+15 (each the
-    bf16 pair x[2j], x[2j+1] that meets byte j). A load gives a thread 4 contiguous words, so they
-    come as four loads (words 16t + 4r + 0..3) stacked in registers, a copy per warp (dim 1). At
-    1024-k steps (BKB = 512: a warp's 32 lanes span one row) Triton lays out the weights' load the
-    same way and the loop has no barrier; at 512-k steps (the 7B shapes: K = 3584) it puts one lane
-    bit and two of the warps on W, and moves xe and xo into that layout through shared memory,
-    behind barriers, every step (triton 3.6, sm_90 SASS). Words past kb_end read as 0."""
-    chunk = kb0 + 16 * tl.arange(0, BKB // 16)[:, None, None]                   # (BKB/16, 1, 1)
-    offs = tl.broadcast_to(chunk + tl.arange(0, 4)[None, None, :], (BKB // 16, W, 4))
-    x0 = tl.load(x2_ptr + offs, mask=chunk < kb_end, other=0)
-    x1 = tl.load(x2_ptr + offs + 4, mask=chunk < kb_end, other=0)
-    x2 = tl.load(x2_ptr + offs + 8, mask=chunk < kb_end, other=0)
-    x3 = tl.load(x2_ptr + offs + 12, mask=chunk < kb_end, other=0)
-    xw = tl.join(tl.join(x0, x1), tl.join(x2, x3))           # (BKB/16, W, 4, 2, 2): [t, ., c, a, b]
-    xw = xw.permute(1, 0, 4, 3, 2).reshape(W, BKB)           # word 16t + 4(a + 2b) + c
-    lo, hi = _e2m1x2_to_f32(p, INTERPRET)                                    # e2m1·2^-126, (W, R, BKB)
-    s = _gemv_scales(sb, W, R, BKB, INTERPRET)
-    # x·2^64, so that its products with e2m1·2^-126 stay normal; one bf16x2 multiply on the GPU
-    if INTERPRET:
-        xe = (xw << 16).to(tl.float32, bitcast=True) * X_SCALE
-        xo = (xw & -65536).to(tl.float32, bitcast=True) * X_SCALE
-    else:
-        xe, xo = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, c, z; mov.b32 c, 0x5F805F80; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, c, z;"
-            " shl.b32 $0, t, 16; and.b32 $1, t, 0xFFFF0000; }",
-            "=r,=r,r", [xw], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    prod = tl.join(lo * xe[:, None, :], hi * xo[:, None, :])                  # (W, R, BKB, 2)
-    return acc + tl.sum(prod.reshape(W, R, BKB // 8, 16), axis=3) * s
-
-
-@triton.jit
-def _gemv_scale_bytes(scale_ptr, rows, stride_sn, kb0, kb_end, W: tl.constexpr, R: tl.constexpr,
-                      BKB: tl.constexpr, IL: tl.constexpr):
-    """The (BKB/16, W, R, 2) E4M3 scale bytes of one step of the tile. A thread's 16 bytes of a row
-    hold two 16-weight blocks, so it needs two scale bytes: they are loaded 2 at a time, threads
-    along the blocks like the bytes (a plain (W, R, BKB/8) load would give a thread 16 contiguous
-    scales and need a shared-memory shuffle). Blocks past kb_end read as 0."""
-    t = tl.arange(0, BKB // 16)[:, None, None, None]
-    c = tl.arange(0, 2)[None, None, None, :]
-    ptrs = scale_ptr + _tiled_offsets(tl.permute(rows, 2, 0, 1)[:, :, :, None], kb0 // 8 + 2 * t + c, stride_sn, 8, IL)
-    return tl.load(ptrs, mask=kb0 + 16 * t < kb_end, other=0)
-
-
-@triton.jit
-def _gemv_scales(sb, W: tl.constexpr, R: tl.constexpr, BKB: tl.constexpr, INTERPRET: tl.constexpr):
-    """_gemv_scale_bytes' bytes as the (W, R, BKB/8) fp32 scales of the tile."""
-    sb = sb.permute(1, 2, 0, 3).reshape(W, R, BKB // 8)                # (W, R, BKB/8) u8
-    if INTERPRET:
-        return _e4m3_to_f32(sb, 0)
-    return sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, lora,
-                HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, SILU: tl.constexpr, INTERPRET: tl.constexpr):
-    """Row m of y (or of the fp32 partial sums) from its (W, R, BKB/8) accumulator; lora: the
-    (W, R) LoRA update of a finished row, or None. With SILU, row m of silu(gate)·up: the columns
-    2j, 2j + 1 of the (W, R) tile are gate row j and up row j (see the kernel), and y is (M, N/2)."""
-    y = tl.sum(acc, axis=2) * GEMV_POST                                           # (W, R)
-    if not PARTIAL:
-        y = _add_update(_finish(y, gs_ptr, bias_ptr, offs_n, N, HAS_BIAS, INTERPRET), lora, INTERPRET)
-    if SILU:                                         # the bf16 gate and up that y would hold, then
-        W: tl.constexpr = y.shape[0]                 # fused_ops.silu_mul's math
-        R: tl.constexpr = y.shape[1]
-        g, u = tl.split(tl.reshape(y, (W, R // 2, 2)))
-        y = silu_mul(g, u)                                                        # (W, R/2)
-        offs_n, _ = tl.split(tl.reshape(offs_n, (W, R // 2, 2)))                  # j: y's column
-        N = N // 2
-    if m < M:
-        tl.store(out_ptr + m * stride_om + offs_n, y, mask=offs_n < N)
-
-
-@triton.jit
-def _gemv_update(hp_ptr, lb_ptr, lora_scale, m: tl.constexpr, offs_n, M, N, R, LSPLIT: tl.constexpr,
-                 LR: tl.constexpr, INTERPRET: tl.constexpr):
-    """The (W, R) LoRA update of row m of y (fp4_decode._lora_update)."""
-    return _lora_update(hp_ptr, lb_ptr, lora_scale, tl.full((1,), m, tl.int32), offs_n, M, N, R, LSPLIT, LR, INTERPRET)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _nvfp4_gemv_kernel(
-    # pointers (x2: x viewed as int32 words, one bf16 pair each)
-    x2_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
-    y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
-    hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ, hp (LSPLIT, M, R_LORA) fp32, B (N, R_LORA)
-    # sizes: x (M = 1, K), W (N, K), K2 = K/2 (bytes per row of W, words of x2);
-    # each program of split pid_k reduces the bytes [pid_k·SPLIT2, +SPLIT2) of its rows
-    M, N, K2, SPLIT2, R_LORA,
-    # strides (the innermost stride of every tensor is 1)
-    stride_pn, stride_sn, stride_om, stride_os,
-    # meta
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,     # PARTIAL: write fp32 partial sums (split-K)
-    REDUCE: tl.constexpr, NSPLIT: tl.constexpr,        # REDUCE: the tile's last split sums them
-    BN: tl.constexpr, BK: tl.constexpr,
-    W: tl.constexpr,                                   # = num_warps: warp w owns rows w·R .. w·R+R-1
-    IL: tl.constexpr,                                  # W interleaved (nvfp4.interleave)
-    INTERPRET: tl.constexpr,
-    USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
-    LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
-    LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
-    SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (1, I)
-):
-    """y[0, n] = sum_k x[0, k] · W[n, k] on CUDA cores: BN rows of W per program as a (W, R = BN/W)
-    tile (each warp owns R rows and loads its own copy of x), one fp32 accumulator. With LORA,
-    whoever finishes the row adds the LoRA update (fp4_decode._lora_update) before storing it: the
-    expand kernel's work, without its launch. With SILU (no split), a program takes BN/2 gate rows
-    and the same up rows, interleaved in its tile (columns 2j, 2j + 1: gate row j, up row I + j),
-    and stores silu(gate)·up: the SiLU·mul kernel's work, without its launch or the (1, 2I) round
-    trip. The next kernel is released after the main loop, except by the gate/up GEMV (SILU)."""
-    R: tl.constexpr = BN // W                            # rows per warp
-    BKB: tl.constexpr = BK // 2                          # bytes of a weight row per step
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    if SILU:
-        tl.static_assert(not PARTIAL and R % 2 == 0)
-        r = tl.arange(0, R)[None, :]
-        offs_n = pid_n * (BN // 2) + (R // 2) * tl.arange(0, W)[:, None] + r // 2 + (r % 2) * (N // 2)  # (W, R)
-    else:
-        offs_n = pid_n * BN + R * tl.arange(0, W)[:, None] + tl.arange(0, R)[None, :]   # (W, R)
-    rows = (offs_n % N)[:, :, None]                      # rows past N wrapped, never stored
-    kb_start = pid_k * SPLIT2
-    kb_end = min(K2, kb_start + SPLIT2)                  # SPLIT2 is a multiple of BKB
-
-    # ---- main loop over the bytes of the rows, BKB at a time. The first step's weights and scales
-    # are loaded before the wait on the kernel before (they are not its output), so their latency
-    # passes under that kernel's tail; x only after it.
-    p = _gemv_weights(packed_ptr, rows, stride_pn, kb_start, kb_end, BKB, IL)
-    sb = _gemv_scale_bytes(scale_ptr, rows, stride_sn, kb_start, kb_end, W, R, BKB, IL)
-    if not LATE_WAIT:
-        pdl_start(USE_PDL, SILU)
-    acc = _gemv_row(tl.zeros((W, R, BKB // 8), dtype=tl.float32), p, sb, x2_ptr, kb_start, kb_end, W, R, BKB,
-                    INTERPRET)
-    for kb0 in range(kb_start + BKB, kb_end, BKB):
-        kb0 = tl.multiple_of(kb0, BKB)
-        p = _gemv_weights(packed_ptr, rows, stride_pn, kb0, kb_end, BKB, IL)
-        sb = _gemv_scale_bytes(scale_ptr, rows, stride_sn, kb0, kb_end, W, R, BKB, IL)
-        acc = _gemv_row(acc, p, sb, x2_ptr, kb0, kb_end, W, R, BKB, INTERPRET)
-
-    # ---- epilogue: the row of y (or fp32 partial sums for the split-K reduce)
-    if LATE_WAIT:
-        pdl_start(USE_PDL)                               # the shrink's partials are read from here on
-    elif not SILU:
-        pdl_release(USE_PDL)
-    out_ptr += pid_k * stride_os
-    update = None                                        # the LoRA update of a row finished here
-    if LORA:
-        if not PARTIAL:
-            update = _gemv_update(hp_ptr, lb_ptr, lora_scale, 0, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
-    _gemv_store(acc, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, update, HAS_BIAS, PARTIAL, SILU,
-                INTERPRET)
-    if REDUCE:
-        if _last_split(count_ptr, pid_n, NSPLIT):
-            m = tl.arange(0, 1)[:, None, None]                                    # (1, 1, 1)
-            upd_all = None
-            if LORA:
-                upd_all = _lora_update(hp_ptr, lb_ptr, lora_scale, m, offs_n[None], M, N, R_LORA, LSPLIT, LR, INTERPRET)
-            _sum_splits(out_ptr - pid_k * stride_os, y_ptr, m * stride_om + offs_n[None], (m < M) & (offs_n < N)[None],
-                        offs_n[None], N, stride_os, gs_ptr, bias_ptr, upd_all, NSPLIT, HAS_BIAS, INTERPRET)
-
+from .fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x4_to_bf16_ptx, _e4m3_to_f32, _finish,
+                         _last_split, _lora_update_tile, _add_update, _sum_splits, _tile_offsets, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # The fragment kernel (M <= 16): mma.sync on weights decoded straight into the MMA's registers.

@@ -26,7 +26,7 @@ dx = dy·W is the same loop with the reduction over N: acc[BK, BM] += wᵀ @ dy[
 A split launch writes fp32 partial sums (split, M, N). Swapped, the split of a tile that finishes
 last (counted by an atomic per tile in a zeroed int32 buffer, which it sets back to zero) adds them
 up in order with the epilogue (scale, bias, cast): one launch, and the same bits as the reduce
-kernel (fp4_decode._last_split / _sum_splits, shared with small_m.py). Otherwise
+kernel (fp4_decode._last_split / _sum_splits, shared with gemv.py and small_m.py). Otherwise
 _splitk_reduce_kernel does it: deterministic, no atomics. It also serves the fragment kernel's
 split launches at larger M (small_m.py) and the register-A kernel's (register_a.py);
 _splitk_reduce_lora_kernel is the same sum in 2-D tiles that also adds a LoRA update s·h·Bᵀ (MMAs of
@@ -73,7 +73,7 @@ def _load_weight_tile(packed_ptr, scale_ptr, offs_n, k0, stride_pn, stride_sn,
     s = _e4m3_to_f32(sb, 126 - OPERAND_SHIFT)
     if INTERPRET:
         s = tl.broadcast_to(s[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)
-        lo, hi = _e2m1x2_to_f32(p, INTERPRET)
+        lo, hi = _e2m1x2_to_f32(p)
         lo, hi = (lo * s).to(tl.bfloat16), (hi * s).to(tl.bfloat16)
     else:
         s = tl.broadcast_to(s.to(tl.bfloat16)[:, :, None], (BN, BK // 16, 8)).reshape(BN, BK // 2)

@@ -96,8 +96,8 @@ class Tuning:
     dx_wide: int = 64_000_000         # the widest weights (gate_up, down) have more elements than this
 
     # ---- launch shapes of the GEMM kernels (shapes.py)
-    gemv_wave: int = 5                # CUDA-core GEMV programs an SM holds (96 registers x 128 threads); with
-                                      # 1024-k steps its split fills one such wave, not ~8 programs an SM
+    gemv_wave: int = 5                # programs an SM that a CUDA-core GEMV split of 1024-k steps (the 32B
+                                      # weights) fills, not ~8
     pair_windows: int = 4             # fragment programs of at most this many 128-k windows (twice that at
                                       # M <= 4) load two windows a step: short runs are chains of load latency
     long_run_windows: int = 12        # at M = 5..8 a fragment program of at least this many windows ...

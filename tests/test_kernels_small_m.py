@@ -66,6 +66,38 @@ def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
                   f"gemv M={M} N={N} K={K} {cfg}")
 
 
+def test_gemv_scales_each_block_of_x(poisoned):
+    """The GEMV sums each 16-k block in fp16 with the block's own power of two (gemv._gemv_row): x
+    at any magnitude from 2^-100 to 2^29, or spread over 2^-40 .. 2^20 block by block, matches
+    float64 as closely as x ~ 1 does; a block whose largest |x| is below 2^-118 adds exactly
+    nothing; |x| >= 2^30 anywhere makes the row NaN (fp16 would overflow), and x = 0 gives 0."""
+    N, K, cfg = 48, 512, GemvConfig(bn=16, bk=256)
+    gen = torch.Generator().manual_seed(7)
+    packed, scale, gs = random_weight(N, K, gen)
+    sign = torch.where(torch.rand(1, K, generator=gen) < 0.5, -1.0, 1.0)
+    base = sign * (0.5 + 0.5 * torch.rand(1, K, generator=gen))               # |x| in [0.5, 1)
+
+    def run(x):
+        x = x.bfloat16().to(DEV)
+        return gemm._gemv(x, packed, scale, gs, None, cfg), reference_matmul(x, packed, scale, gs)
+
+    for e in (-100, -60, -20, 0, 20, 29):
+        y, ref = run(base * 2.0 ** e)
+        assert assert_close(y, ref, f"|x| ~ 2^{e}") < 4e-3
+    spread = 2.0 ** torch.randint(-40, 21, (K // 16,), generator=gen).repeat_interleave(16).float()
+    y, ref = run(base * spread)
+    assert assert_close(y, ref, "blocks 2^-40 .. 2^20") < 4e-3
+    tiny = base.clone()
+    tiny[0, 32:48] *= 2.0 ** -120                                             # one block below 2^-118
+    zeroed = base.clone()
+    zeroed[0, 32:48] = 0
+    assert torch.equal(run(tiny)[0], run(zeroed)[0])
+    huge = base.clone()
+    huge[0, 100] = 2.0 ** 30
+    assert torch.isnan(run(huge)[0]).all()
+    assert (run(torch.zeros(1, K))[0] == 0).all()
+
+
 @pytest.mark.parametrize("M,N,K,R,cfg,il,tune,where", [
     (1, 48, 1056, 24, GemvConfig(bn=16, bk=64, split=3), False, {}, "last split"),
     (1, 64, 512, 16, GemvConfig(bn=32, bk=64, split=1), False, {}, "kernel"),      # one pass: every program
