@@ -1,10 +1,10 @@
-"""Tests for kernels/small_m.py: the CUDA-core GEMV (one row) and the mma.sync fragment kernel
-(M <= 16, K a multiple of 128), run through gemm's _gemv / _mma with a given GemvConfig / MmaConfig,
-against the float64 reference marlin_kernel.reference_matmul (plain torch), on buffers poisoned
-with NaN (conftest's `poisoned`).
+"""Tests for the decode-time kernels: the CUDA-core GEMV (one row, kernels/gemv.py) and the mma.sync
+fragment kernel (M <= 16, K a multiple of 128, kernels/small_m.py), run through gemm's _gemv / _mma
+with a given GemvConfig / MmaConfig, against the float64 reference marlin_kernel.reference_matmul
+(plain torch), on buffers poisoned with NaN (conftest's `poisoned`).
 
-On the CPU the interpreter runs tiny shapes, the fragment kernel's PTX replaced by its plain-fp32
-emulation (so the index maps are checked); the `gpu` test runs the PTX on the real Qwen2.5 projection
+On the CPU the interpreter runs tiny shapes, the kernels' PTX replaced by plain-tl emulations (so
+the index maps and the GEMV's block scaling are checked); the `gpu` test runs the PTX on the real Qwen2.5 projection
 shapes. Split-K summed inside the kernel (fp4_decode._last_split / _sum_splits) must give the bits
 of the separate reduce kernel. Exact decoding of every code: test_kernels_fp4_decode.py; the routing
 to these kernels: test_kernels_gemm.py; their launch arithmetic: test_kernels_shapes.py.
