@@ -24,8 +24,10 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
     row), the fragment kernel (2 to 16 rows: unsplit, or its last split summing the others) or the
     swapped tiles, else the split-K reduce kernel after a split fragment or register-A launch. No
     expand launch, except beside a register-A launch that does not split K (7B gate_up at 2 to 16
-    rows), whose kernel stores y itself: the expand follows it there. On a bf16 base both kernels
-    follow cuBLAS. (Measured on an H200, 7B, train.py's adapters: the shrink first beside the
+    rows), whose kernel stores y itself: the expand follows it there, and for gate/up it applies
+    SiLU·mul in the same launch (expand_silu_mul: the SiLU·mul kernel's work, gate and up never
+    written back). On a bf16 base both kernels follow cuBLAS (the gate/up expand with SiLU·mul
+    too). (Measured on an H200, 7B, train.py's adapters: the shrink first beside the
     fragment kernel too, and PDL after it, decode 8 and 16 sequences 8-9% faster than both kernels
     after it without PDL; bench/ab.py.)
   * where the group's input comes from an RMSNorm (q/k/v, gate/up) at up to tuning's
@@ -74,7 +76,7 @@ import triton
 import triton.language as tl
 
 from . import gemm, launch, tuning
-from .fp4_decode import _last_split, pdl_start
+from .fp4_decode import _last_split, pdl_start, silu_mul as silu_mul_math
 from .fused_ops import norm_inputs, norm_row
 
 ROWS = 16        # rows of x a shrink / expand program holds (one MMA tile): tuning's lora_max_m is at most this
@@ -203,6 +205,37 @@ def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, M, N, R, stride_ym, scale,
     tl.store(ys, (y + scale * d).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, M, I, R, stride_ym, scale,
+                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
+                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[m, n] = silu(g)·u for BN columns n of I, where g and u are y's gate column n and up column
+    I + n after the expand (_lora_expand_kernel's arithmetic: bf16(y + scale · bf16(Σ_j hp[j]) · B[row]))."""
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)                           # (BN,) columns of I
+    offs_r = tl.arange(0, R_PAD)
+    b_mask = (offs_n[:, None] < I) & (offs_r[None, :] < R)
+    b_g = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=b_mask, other=0.0)        # (BN, R_PAD)
+    b_u = tl.load(b_ptr + (I + offs_n[:, None]) * R + offs_r[None, :], mask=b_mask, other=0.0)
+    pdl_start(USE_PDL)                               # B is a weight: loaded before the wait, hp and y after it
+    h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
+    h = tl.zeros((BM, R_PAD), tl.float32)
+    for j in tl.static_range(SPLIT):
+        h += tl.load(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], mask=h_mask, other=0.0)
+    h = h.to(y_ptr.dtype.element_ty)
+    if FP32_DOT:
+        d_g = tl.dot(h.to(tl.float32), tl.trans(b_g.to(tl.float32)), input_precision="ieee")
+        d_u = tl.dot(h.to(tl.float32), tl.trans(b_u.to(tl.float32)), input_precision="ieee")
+    else:
+        d_g = tl.dot(h, tl.trans(b_g))                                             # (BM, BN)
+        d_u = tl.dot(h, tl.trans(b_u))
+    y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
+    ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    g = (tl.load(ys, mask=y_mask, other=0.0).to(tl.float32) + scale * d_g).to(y_ptr.dtype.element_ty)
+    u = (tl.load(ys + I, mask=y_mask, other=0.0).to(tl.float32) + scale * d_u).to(y_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * I + offs_n[None, :], silu_mul_math(g, u), mask=y_mask)
+
+
 def lora_delta_(x, A, B, y, scale):
     """y += scale · (x Aᵀ) Bᵀ in place and return y: x (M, K), A (R, K), B (N, R), y (M, N), one
     dtype, M <= lora_max_m. Two launches: shrink over chunks of K (summed by its last chunk), then
@@ -253,6 +286,27 @@ def lora_expand_(hp, B, y, scale):
                                                FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
                                                **launch.pdl_launch(y.device))
     return y
+
+
+def expand_silu_mul(hp, B, y, scale):
+    """silu(g)·u (M, N/2) of y (M, N) = [g, u] after lora_expand_(hp, B, y, scale), in one launch that
+    writes neither g nor u back: the gate/up group's update where its matmul stores y itself
+    (register-A at 2-16 rows), with the SiLU·mul kernel's work, the same bits as the two launches."""
+    t = tuning.current()
+    split, M, R = hp.shape
+    N = B.shape[0]
+    if tuple(y.shape) != (M, N) or B.shape[1] != R or N % 2:
+        raise ValueError(f"expand_silu_mul: B {tuple(B.shape)}, y {tuple(y.shape)} do not fit y (M, N) += h Bᵀ "
+                         f"with h ({M}, {R}) and N even (gate and up)")
+    if y.dtype != B.dtype or y.stride(-1) != 1:
+        raise ValueError(f"expand_silu_mul needs one dtype and y's rows contiguous, got B {B.dtype}, y {y.dtype}")
+    I, BN = N // 2, t.lora_expand_cols
+    out = torch.empty(M, I, device=y.device, dtype=y.dtype)
+    _expand_silu_kernel[(triton.cdiv(I, BN),)](hp, B.contiguous(), y, out, M, I, R, y.stride(0), scale, SPLIT=split,
+                                               BM=ROWS, BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
+                                               FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
+                                               **launch.pdl_launch(y.device))
+    return out
 
 
 def norm_shrink(x, weight, eps, residual, holder, mods, refresh=True):
@@ -325,11 +379,12 @@ def _decode_kernels(x2) -> bool:
     return x2.is_cuda and not torch.is_grad_enabled() and x2.shape[0] <= tuning.current().lora_max_m
 
 
-def _delta_kernels(x2, A, B, y, scale, base, hp=None):
+def _delta_kernels(x2, A, B, y, scale, base, hp=None, expand=None):
     """y + scale · (x Aᵀ) Bᵀ by the kernels, y a function computing the base output (given lora=,
     the update to fold in): where early_shrink says so, x Aᵀ runs before it (or ran in the norm's
     launch: hp given), and where fold_expand says so the base matmul adds the update itself (no
-    expand kernel); otherwise both run after it."""
+    expand kernel); otherwise both run after it. expand(hp, B, y2, scale) -> (rows, n): the expand
+    launch (lora_expand_ if None; expand_silu_mul where the caller wants SiLU·mul of the result)."""
     if early_shrink(base):
         fresh = hp is not None                # the launch just before wrote x too: the matmul waits first
         hp = hp if fresh else lora_shrink(x2, A, B)
@@ -339,7 +394,7 @@ def _delta_kernels(x2, A, B, y, scale, base, hp=None):
     else:
         y = y()
         hp = lora_shrink(x2, A, B)
-    return lora_expand_(hp, B, y.reshape(-1, y.shape[-1]), scale).view(y.shape)
+    return (expand or lora_expand_)(hp, B, y.reshape(-1, y.shape[-1]), scale).view(*y.shape[:-1], -1)
 
 
 def _update(y, h, B, scale, base):
@@ -397,14 +452,15 @@ def group_casts(holder, mods, x, refresh=True):
     return A, B
 
 
-def group_update(holder, mods, x, y, refresh=True):
+def group_update(holder, mods, x, y, refresh=True, expand=None):
     """y() + every adapter's update, for adapters mods (group_applies) that share the input x and
     whose base outputs are the column blocks of what y (the stacked matmul, given lora= to fold)
-    returns: one shrink and one expand (or fold) for the group; refresh: as group_casts."""
+    returns: one shrink and one expand (or fold) for the group; refresh: as group_casts; expand:
+    the expand launch where one runs (_delta_kernels)."""
     hp = _take_h(holder, x)
     A, B = group_casts(holder, mods, x, refresh and hp is None)               # the norm refreshed them
     first = mods[0]
     x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
     if _decode_kernels(x2):
-        return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer, hp)
+        return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer, hp, expand)
     return _update(y, F.linear(x, A), B, first.scaling, first.base_layer)    # h: (..., Σr)

@@ -17,7 +17,9 @@ product, whose NVFP4 matmul comes back here through the trunk's seam), then the 
 updates on their column blocks as one group update (lora.group_update: two kernels, or one fold,
 for the whole group). For the MLP, `silu_mul=True` goes one step further at a decode row of batch 1:
 the gate/up GEMV stores silu(gate)·up itself (gemm.folds_silu), after the group's update folded
-into it too, so neither the (1, 2I) product nor the SiLU·mul launch exists. Where one update cannot
+into it too, so neither the (1, 2I) product nor the SiLU·mul launch exists; at 2-16 rows, where
+the matmul stores y and the update's expand runs as a launch after it, that launch applies SiLU·mul
+too (lora.expand_silu_mul: gate and up are not written back). Where one update cannot
 serve the group (adapters of different scalings, dropout active) `project` returns None and the
 caller runs the members one by one.
 
@@ -66,7 +68,8 @@ def project(stack, mods, x, silu_mul=False, refresh=True):
     matmul over the stack, then the group's LoRA update (the members are the trunk's adapters, or
     plain linears, or adapters switched off), then fused_ops.silu_mul. Where the stack's matmul
     finishes its rows itself (folds_silu: the GEMV) and the update is folded into it too, or there is
-    none, its epilogue applies SiLU·mul instead. refresh: whether the adapters' kept casts are
+    none, its epilogue applies SiLU·mul instead; where the update's expand is a launch of its own,
+    that launch does (lora.expand_silu_mul). refresh: whether the adapters' kept casts are
     refreshed (lora.group_casts). -> the outputs, or None where one update cannot serve the group."""
     wrapped = lora_update.is_adapter(mods[0])
     grouped = wrapped and lora_update.group_applies(mods)
@@ -80,7 +83,12 @@ def project(stack, mods, x, silu_mul=False, refresh=True):
         silu_done.append(fold_silu and (not wrapped or lora is not None))
         return matmul(stack, x, lora, silu_mul=silu_done[-1])             # (..., Σ N), or (..., N/2)
 
-    y = lora_update.group_update(stack, mods, x, base, refresh) if grouped else base()
+    def expand(hp, B, y2, scale):   # the update's expand launch, where one runs: SiLU·mul in it too
+        silu_done.append(True)
+        return lora_update.expand_silu_mul(hp, B, y2, scale)
+
+    y = (lora_update.group_update(stack, mods, x, base, refresh, expand if silu_mul else None)
+         if grouped else base())
     if silu_done[-1]:
         return y
     outs = list(y.split(stack.sizes, -1))

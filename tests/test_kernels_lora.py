@@ -2,7 +2,8 @@
 + expand kernels against float64 (in place, on row-strided outputs, with bad shapes); where each
 piece runs (early shrink, folds); the in-place addmm; on the GPU lora_linear and the group update
 against the torch path (F.linear and an addmm), folded into the NVFP4 GEMV, the fragment kernel and
-the split-K reduce or not, and on Qwen2.5-7B's projections at decode against the expand kernel. The
+the split-K reduce or not, and on Qwen2.5-7B's projections at decode against the expand kernel; the
+expand with SiLU·mul in its launch (against float64, and bit for bit against the two launches). The
 adapters are the trunk's lora.LoRALinear (the wing reads them by duck typing)."""
 import dataclasses
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import gemm, tuning
+from kernels import fused_ops, gemm, tuning
 from kernels import lora as kl
 from kernels.lora import lora_delta_
 
@@ -84,6 +85,37 @@ def test_lora_delta_rejects_what_it_cannot_do():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("M, I, R, split, dtype", [(1, 70, 8, 1, torch.float32), (5, 129, 40, 3, torch.float32),
+                                                   (16, 64, 96, 1, torch.float32), (3, 200, 64, 2, torch.bfloat16)])
+def test_expand_silu_mul_is_the_expand_then_silu_mul(M, I, R, split, dtype):
+    """expand_silu_mul(hp, B, y, s) = silu(g)·u of y = [g, u] after y += s·(Σ hp)·Bᵀ: 1 to 3 partials
+    of h summed, I and R not multiples of the tiles, y's rows wider than N (a strided view); y is not
+    written. fp32 against float64 within 1e-5. bf16 (h, g and u rounded, silu rounded, the product
+    rounded) has the bits of the two launches it replaces, lora_expand_ then fused_ops.silu_mul: a
+    float64 reference cannot be tight there, as one bf16 step of a negative g moves silu(g) by that
+    step relative."""
+    gen = torch.Generator().manual_seed(M)
+    hp = torch.randn(split, M, R, generator=gen)
+    B = torch.randn(2 * I, R, generator=gen).to(dtype)
+    wide = torch.randn(M, 2 * I + 5, generator=gen).to(dtype)
+    y = wide[:, :2 * I]
+    before = wide.clone()
+    got = kl.expand_silu_mul(hp, B, y, 0.5)
+    assert got.shape == (M, I) and got.dtype == dtype and torch.equal(wide, before)
+    if dtype == torch.float32:
+        gu = y.double() + 0.5 * hp.sum(0).double() @ B.double().t()
+        torch.testing.assert_close(got.double(), gu[:, :I] * torch.sigmoid(gu[:, :I]) * gu[:, I:],
+                                   rtol=1e-5, atol=1e-5)
+    else:
+        gu = kl.lora_expand_(hp, B, y.clone(), 0.5)
+        assert torch.equal(got, fused_ops.silu_mul(gu[:, :I], gu[:, I:]))
+    with pytest.raises(ValueError, match="do not fit"):
+        kl.expand_silu_mul(hp, B[:-1], y[:, :-1], 0.5)
+    with pytest.raises(ValueError, match="one dtype"):
+        kl.expand_silu_mul(hp, B.double(), y, 0.5)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("M, C, R, residual, dtype", [(1, 200, 8, True, torch.float32),
                                                       (5, 300, 40, False, torch.float32),
                                                       (16, 520, 160, True, torch.float32),
@@ -95,7 +127,6 @@ def test_norm_shrink_rows_is_the_norm_and_its_shrink(M, C, R, residual, dtype):
     multiple of them, so the columns each program stores are uneven shares too. bf16: within a step
     or two (the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest)."""
     import ops
-    from kernels import fused_ops
     g = torch.Generator().manual_seed(M)
     x, r = torch.randn(M, C, generator=g).to(dtype), torch.randn(M, C, generator=g).to(dtype)
     w = 1 + 0.1 * torch.randn(C, generator=g)                                  # fp32, as RMSNorm's weight
@@ -301,6 +332,41 @@ def test_gpu_7b_decode_folds_match_the_expand_kernel(name, rows, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 8, 16])
+def test_gpu_7b_gate_up_expand_runs_silu_mul_in_its_launch(rows, monkeypatch):
+    """Qwen2.5-7B's gate/up with train.py's rank-32 adapters at 2-16 decode rows, where the register-A
+    matmul stores y itself: project(silu_mul=True) runs one expand_silu_mul launch and neither the
+    expand kernel nor the SiLU·mul kernel, and its result has the bits of the two launches (the
+    shrink, the unfolded matmul, lora_expand_, fused_ops.silu_mul)."""
+    import nvfp4
+    from kernels import stacked
+    from model import Stack
+    torch.manual_seed(rows)
+    g = torch.tensor([448.0 * 6 / 0.1], device="cuda")
+    bases = [nvfp4.NVFP4Linear.from_weight(torch.randn(18944, 3584, device="cuda", dtype=torch.bfloat16) * 0.02,
+                                           global_scale=g).interleave_() for _ in range(2)]
+    mods = _adapters(bases, r=32, alpha=64)
+    stack = Stack(bases)
+    x = torch.randn(rows, 3584, device="cuda", dtype=torch.bfloat16)
+    A, B = _group_ab(mods, torch.bfloat16)
+    if gemm.folds_lora(rows, B.shape[0], 3584, x.device, True):
+        pytest.skip("gate/up folds its update into the matmul here: no expand launch to fuse")
+    calls = []
+    for name in ("lora_expand_", "expand_silu_mul"):
+        real = getattr(kl, name)
+        monkeypatch.setattr(kl, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+    real_silu = fused_ops.silu_mul
+    monkeypatch.setattr(fused_ops, "silu_mul", lambda *a: calls.append("silu_mul") or real_silu(*a))
+    with torch.no_grad():
+        got = kernels.project(stack, mods, x, True, True)
+        assert calls == ["expand_silu_mul"]
+        y = kl.lora_expand_(kl.lora_shrink(x, A, B), B, stacked.matmul(stack, x), mods[0].scaling)
+        want = real_silu(*y.split(18944, -1))
+    assert torch.equal(got, want)
+    assert (got.double() - real_silu(*stacked.matmul(stack, x).split(18944, -1)).double()).abs().max() > 0.01
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 8, 16])
 @pytest.mark.parametrize("name", ["qkv", "gate_up"])
 def test_gpu_norm_shrink_feeds_the_groups_fold(name, rows, monkeypatch):
@@ -312,7 +378,6 @@ def test_gpu_norm_shrink_feeds_the_groups_fold(name, rows, monkeypatch):
     have the same bits (the same sum of squares), and the group's output is within two bf16 steps of
     the larger (the update's partials are summed in another order)."""
     import nvfp4
-    from kernels import fused_ops
     from model import Stack
     sizes, K = {"qkv": ((3584, 512, 512), 3584), "gate_up": ((18944, 18944), 3584)}[name]
     torch.manual_seed(rows)
