@@ -376,7 +376,7 @@ def lora_calls(x, w, A, B, scale):
     N = w[0].shape[0]
     calls = {"plain": lambda: gemm.matmul(x, *w, interleaved=True)}
     if gemm.folds_lora(M, N, K, x.device, True):
-        hp = kl.lora_shrink(x, A, B)
+        hp = kl.shrink(x, A, B)
         calls["fold, h given"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=(hp, B, scale))
         calls["shrink + fold"] = lambda: adapted(x, w, A, B, scale)
     else:
@@ -387,7 +387,7 @@ def lora_calls(x, w, A, B, scale):
 def adapted(x, w, A, B, scale):
     """x·Wᵀ + s·(x Aᵀ)Bᵀ as decode runs it: the shrink, then the matmul folding the update where
     gemm.folds_lora holds, else the matmul and the expand kernel."""
-    hp = kl.lora_shrink(x, A, B)
+    hp = kl.shrink(x, A, B)
     if gemm.folds_lora(x.shape[0], w[0].shape[0], x.shape[1], x.device, True):
         return gemm.matmul(x, *w, interleaved=True, lora=(hp, B, scale))
     return kl.lora_expand_(hp, B, gemm.matmul(x, *w, interleaved=True), scale)
@@ -417,7 +417,7 @@ def lora_cost(device, log, names, Ms):
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
             sets = Rotating([lora_calls(x, w, A, B, 0.5) for w in qs.items])    # one per weight copy
             us = {what: bench_ms(lambda: sets.next()[what]()) * 1e3 for what in sets.items[0]}
-            us["shrink alone"] = bench_ms(lambda: kl.lora_shrink(x, A, B)) * 1e3
+            us["shrink alone"] = bench_ms(lambda: kl.shrink(x, A, B)) * 1e3
             rows.append(dict(shape=name, M=M, R=R, us=us, path=gemm.route(M, N, K, device, True)))
             log(f"lora {name:>11} M={M:2d} R={R:3d} | " + "  ".join(f"{k} {v:6.2f}" for k, v in us.items()))
         del qs

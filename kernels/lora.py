@@ -10,6 +10,7 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
 
         shrink, program (r-tile i, k-chunk j):   part[j, :, i] = x[:, K_j] · A[i, K_j]ᵀ        fp32
                                                  the last of row i's chunks: hp[:, i] = Σ_j part[j]
+                (at one row, program (m, r):     hp[m, r] = x[m, :] · A[r, :]   whole rows: row_shrink)
         expand, program (n-tile):                h = bf16(hp)               (M, R)
                                                  y[:, n] = y[:, n] + s · h · B[n, :]ᵀ       in place
 
@@ -19,6 +20,8 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
     of tuning's lora_shrink_k in one load, issued before its programmatic-dependent-launch wait
     (A is a weight: fp4_decode.pdl_start's rule), so the loads overlap the kernel before; the
     chunk that finishes last sums the row tile's partials in chunk order (deterministic) into hp.
+    At one row (tuning's row_shrink_max_m) a program takes a whole row of x and of A instead (the
+    norm + shrink launch below without its norm), so no partials wait for a last program to sum them.
   * on an NVFP4 base the shrink runs before the base matmul (early_shrink: it reads x only), and
     whatever finishes y adds the update as it stores y (fold_expand, gemm.folds_lora): the GEMV (1
     row), the fragment kernel (2 to 16 rows: unsplit, or its last split summing the others) or the
@@ -156,25 +159,31 @@ def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, h_ptr, count_ptr, M, R, K, strid
 
 @triton.jit(do_not_specialize=["M"])
 def _norm_shrink_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, h_ptr, M, R, C, eps,
-                        HAS_RES: tl.constexpr, BR: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+                        NORM: tl.constexpr, HAS_RES: tl.constexpr, BR: tl.constexpr, BLOCK_C: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """Program (m, i): row m's RMSNorm whole (fused_ops.norm_row: the norm kernel's bits), its i-th
-    share of the columns stored, and h[m, ranks of tile i] = y · A[tile i]ᵀ over all of C in fp32.
-    A program holds its row and BR whole rows of A, so no program waits on another and h needs no
-    partial sums: one round trip to L2 after the wait, as in the norm alone. A (read in full before
-    the wait), the norm's weight and the residual stream were written two or more launches back."""
+    share of the columns stored, and h[m, ranks of tile i] = y · A[tile i]ᵀ over all of C in fp32;
+    without NORM, y is row m of x itself (the shrink alone: row_shrink). A program holds its row and
+    BR whole rows of A, so no program waits on another and h needs no partial sums: one round trip
+    to L2 after the wait, as in the norm alone. A (read in full before the wait), the norm's weight
+    and the residual stream were written two or more launches back."""
     m, i = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
     inside = cols < C
     offs_r = i * BR + tl.arange(0, BR)
     a = tl.load(a_ptr + offs_r[:, None] * C + cols[None, :], mask=(offs_r[:, None] < R) & inside[None, :],
                 other=0.0)                                                          # (BR, BLOCK_C)
-    w, r = norm_inputs(w_ptr, res_ptr + m * C, cols, inside, HAS_RES)
+    if NORM:
+        w, r = norm_inputs(w_ptr, res_ptr + m * C, cols, inside, HAS_RES)
     pdl_start(USE_PDL)
-    y, s = norm_row(x_ptr + m * C, r, w, cols, inside, C, eps, HAS_RES)             # (BLOCK_C,)
-    mine = inside & (cols // tl.cdiv(C, tl.num_programs(1)) == i)
-    tl.store(out_ptr + m * C + cols, y, mask=mine)
-    if HAS_RES:
-        tl.store(sum_ptr + m * C + cols, s, mask=mine)
+    if NORM:
+        y, s = norm_row(x_ptr + m * C, r, w, cols, inside, C, eps, HAS_RES)         # (BLOCK_C,)
+        mine = inside & (cols // tl.cdiv(C, tl.num_programs(1)) == i)
+        tl.store(out_ptr + m * C + cols, y, mask=mine)
+        if HAS_RES:
+            tl.store(sum_ptr + m * C + cols, s, mask=mine)
+    else:
+        y = tl.load(x_ptr + m * C + cols, mask=inside, other=0.0)
     h = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)              # (BR,)
     tl.store(h_ptr + m * R + offs_r, h, mask=offs_r < R)
 
@@ -341,9 +350,28 @@ def norm_shrink_rows(x, weight, eps, residual, A):
     hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
     _norm_shrink_kernel[(M, triton.cdiv(R, BR))](
         x, residual.contiguous() if residual is not None else x, weight, out, total, A.contiguous(), hp,
-        M, R, C, eps, HAS_RES=residual is not None, BR=BR, BLOCK_C=block,
+        M, R, C, eps, NORM=True, HAS_RES=residual is not None, BR=BR, BLOCK_C=block,
         num_warps=min(16, max(1, block // 256)), **launch.pdl_launch(x.device))   # as fused_ops.rms_norm
     return out, total if residual is not None else None, hp
+
+
+def row_shrink(x, A):
+    """hp (1, M, R) fp32 = x Aᵀ for rows x (M, C) and A (R, C) of one dtype, each program one whole
+    row of x and norm_shrink_ranks whole rows of A (the norm + shrink launch without the norm): no
+    partial sums, no program waits on another. lora_shrink's work, where _delta_kernels chooses it
+    (shrink: M <= tuning's row_shrink_max_m)."""
+    t = tuning.current()
+    (M, C), R = x.shape, A.shape[0]
+    if not (A.shape[1] == C and x.dtype == A.dtype):
+        raise ValueError(f"row_shrink: x {x.dtype} {tuple(x.shape)} and A {A.dtype} {tuple(A.shape)} do not fit "
+                         f"h = x Aᵀ with one dtype")
+    BR, block = t.norm_shrink_ranks, triton.next_power_of_2(C)
+    hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
+    x = x.contiguous()
+    _norm_shrink_kernel[(M, triton.cdiv(R, BR))](x, x, x, x, x, A.contiguous(), hp, M, R, C, 0.0, NORM=False,
+                                                 HAS_RES=False, BR=BR, BLOCK_C=block,
+                                                 num_warps=min(16, max(1, block // 256)), **launch.pdl_launch(x.device))
+    return hp
 
 
 def norm_shrinks(mods, x2) -> bool:
@@ -387,14 +415,22 @@ def _delta_kernels(x2, A, B, y, scale, base, hp=None, expand=None):
     launch (lora_expand_ if None; expand_silu_mul where the caller wants SiLU·mul of the result)."""
     if early_shrink(base):
         fresh = hp is not None                # the launch just before wrote x too: the matmul waits first
-        hp = hp if fresh else lora_shrink(x2, A, B)
+        hp = hp if fresh else shrink(x2, A, B)
         if fold_expand(base, x2, B):
             return y(lora=gemm.Fold(hp, B.contiguous(), float(scale), x_fresh=fresh))
         y = y()
     else:
         y = y()
-        hp = lora_shrink(x2, A, B)
+        hp = shrink(x2, A, B)
     return (expand or lora_expand_)(hp, B, y.reshape(-1, y.shape[-1]), scale).view(*y.shape[:-1], -1)
+
+
+def shrink(x2, A, B):
+    """x Aᵀ as partials hp, as decode runs it: whole rows a program to tuning's row_shrink_max_m rows
+    (row_shrink), else chunks of K whose last sums the others (lora_shrink)."""
+    if x2.shape[0] <= tuning.current().row_shrink_max_m:
+        return row_shrink(x2, A)
+    return lora_shrink(x2, A, B)
 
 
 def _update(y, h, B, scale, base):

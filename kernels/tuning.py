@@ -124,6 +124,8 @@ class Tuning:
                                       # runs the group's shrink in its own launch (lora.norm_shrink): at 8
                                       # rows its rows x ranks programs, waiting beside the matmul, cost more
     norm_shrink_ranks: int = 1        # ... each program taking one whole row and this many rank rows
+    row_shrink_max_m: int = 1         # to this many rows the other shrinks (o, down) take whole rows too
+                                      # (lora.row_shrink): no partials for a last program to sum
 
     # ---- the decoder's small ops (fused_ops.py)
     lm_head_max_rows: int = 2         # the lm_head GEMV to this many rows (at 3-4 the per-row accumulators

@@ -85,6 +85,29 @@ def test_lora_delta_rejects_what_it_cannot_do():
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("M, C, R, dtype", [(1, 200, 8, torch.float32), (1, 3000, 40, torch.float32),
+                                            (2, 520, 96, torch.float32), (1, 264, 32, torch.bfloat16)])
+def test_row_shrink_is_x_at_a_transposed(M, C, R, dtype, monkeypatch):
+    """row_shrink (whole rows a program) against float64: C not a power of two, R not a multiple of
+    anything; and shrink() takes it to tuning's row_shrink_max_m rows, lora_shrink's chunks above."""
+    g = torch.Generator().manual_seed(C)
+    x, A = torch.randn(M, C, generator=g).to(dtype), (torch.randn(R, C, generator=g) / C ** 0.5).to(dtype)
+    want = x.double() @ A.double().t()
+    got = kl.row_shrink(x, A)
+    assert got.shape == (1, M, R) and got.dtype == torch.float32
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
+    B = torch.zeros(16, R, dtype=dtype)
+    rows, real = [], kl.row_shrink
+    monkeypatch.setattr(kl, "row_shrink", lambda *a: rows.append(1) or real(*a))
+    for limit, took in ((M, [1]), (M - 1, [1])):
+        with tuning.using(dataclasses.replace(tuning.current(), row_shrink_max_m=limit)):
+            torch.testing.assert_close(kl.shrink(x, A, B).sum(0).double(), want, rtol=1e-5, atol=1e-5)
+        assert rows == took
+    with pytest.raises(ValueError, match="do not fit"):
+        kl.row_shrink(x, A[:, 1:])
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("M, I, R, split, dtype", [(1, 70, 8, 1, torch.float32), (5, 129, 40, 3, torch.float32),
                                                    (16, 64, 96, 1, torch.float32), (3, 200, 64, 2, torch.bfloat16)])
 def test_expand_silu_mul_is_the_expand_then_silu_mul(M, I, R, split, dtype):
@@ -389,8 +412,8 @@ def test_gpu_norm_shrink_feeds_the_groups_fold(name, rows, monkeypatch):
     x, r = (torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w = 1 + 0.1 * torch.randn(K, device="cuda")
     silu = name == "gate_up"
-    shrinks, real = [], kl.lora_shrink
-    monkeypatch.setattr(kl, "lora_shrink", lambda *a: shrinks.append(1) or real(*a))
+    shrinks, real = [], kl.shrink
+    monkeypatch.setattr(kl, "shrink", lambda *a: shrinks.append(1) or real(*a))
     with torch.no_grad(), tuning.using(dataclasses.replace(tuning.current(), norm_shrink_max_m=16)):
         y, total = kernels.rms_norm(x, w, 1e-6, r, group=(stack, mods, True))
         got = kernels.project(stack, mods, y, silu, True)
