@@ -197,21 +197,32 @@ def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, M, N, R, stride_ym, scale,
     offs_m = tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_r = tl.arange(0, R_PAD)
-    h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
-    h = tl.zeros((BM, R_PAD), tl.float32)
-    for j in tl.static_range(SPLIT):                  # unrolled: the loads go out together
-        h += tl.load(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], mask=h_mask, other=0.0)
-    h = h.to(y_ptr.dtype.element_ty)                  # rounded as F.linear's h is
     b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :],
                 mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0.0)    # (BN, R_PAD)
+    h = _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT, y_ptr.dtype.element_ty)
+    y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(ys, _plus_update(tl.load(ys, mask=y_mask, other=0.0), h, b, scale, FP32_DOT), mask=y_mask)
+
+
+@triton.jit
+def _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT: tl.constexpr, dtype: tl.constexpr):
+    """h = Σ_j hp[j] (BM, R_PAD), rounded to the activations' dtype as F.linear's h is."""
+    h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
+    h = tl.zeros((offs_m.shape[0], offs_r.shape[0]), tl.float32)
+    for j in tl.static_range(SPLIT):                  # unrolled: the loads go out together
+        h += tl.load(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], mask=h_mask, other=0.0)
+    return h.to(dtype)
+
+
+@triton.jit
+def _plus_update(y, h, b, scale, FP32_DOT: tl.constexpr):
+    """y + scale · h·bᵀ for y (BM, BN), h (BM, R_PAD), b (BN, R_PAD): the sum in fp32, rounded once."""
     if FP32_DOT:
         d = tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
     else:
         d = tl.dot(h, tl.trans(b))                                                 # (BM, BN)
-    y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    y = tl.load(ys, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(ys, (y + scale * d).to(y_ptr.dtype.element_ty), mask=y_mask)
+    return (y.to(tl.float32) + scale * d).to(y.dtype)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -227,21 +238,11 @@ def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, M, I, R, stride_ym, scale
     b_g = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=b_mask, other=0.0)        # (BN, R_PAD)
     b_u = tl.load(b_ptr + (I + offs_n[:, None]) * R + offs_r[None, :], mask=b_mask, other=0.0)
     pdl_start(USE_PDL)                               # B is a weight: loaded before the wait, hp and y after it
-    h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
-    h = tl.zeros((BM, R_PAD), tl.float32)
-    for j in tl.static_range(SPLIT):
-        h += tl.load(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], mask=h_mask, other=0.0)
-    h = h.to(y_ptr.dtype.element_ty)
-    if FP32_DOT:
-        d_g = tl.dot(h.to(tl.float32), tl.trans(b_g.to(tl.float32)), input_precision="ieee")
-        d_u = tl.dot(h.to(tl.float32), tl.trans(b_u.to(tl.float32)), input_precision="ieee")
-    else:
-        d_g = tl.dot(h, tl.trans(b_g))                                             # (BM, BN)
-        d_u = tl.dot(h, tl.trans(b_u))
+    h = _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT, y_ptr.dtype.element_ty)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
     ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    g = (tl.load(ys, mask=y_mask, other=0.0).to(tl.float32) + scale * d_g).to(y_ptr.dtype.element_ty)
-    u = (tl.load(ys + I, mask=y_mask, other=0.0).to(tl.float32) + scale * d_u).to(y_ptr.dtype.element_ty)
+    g = _plus_update(tl.load(ys, mask=y_mask, other=0.0), h, b_g, scale, FP32_DOT)
+    u = _plus_update(tl.load(ys + I, mask=y_mask, other=0.0), h, b_u, scale, FP32_DOT)
     tl.store(out_ptr + offs_m[:, None] * I + offs_n[None, :], silu_mul_math(g, u), mask=y_mask)
 
 
@@ -358,8 +359,7 @@ def norm_shrink_rows(x, weight, eps, residual, A):
 def row_shrink(x, A):
     """hp (1, M, R) fp32 = x Aᵀ for rows x (M, C) and A (R, C) of one dtype, each program one whole
     row of x and norm_shrink_ranks whole rows of A (the norm + shrink launch without the norm): no
-    partial sums, no program waits on another. lora_shrink's work, where _delta_kernels chooses it
-    (shrink: M <= tuning's row_shrink_max_m)."""
+    partial sums, no program waits on another. lora_shrink's work at the rows shrink() gives it."""
     t = tuning.current()
     (M, C), R = x.shape, A.shape[0]
     if not (A.shape[1] == C and x.dtype == A.dtype):
