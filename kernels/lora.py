@@ -83,6 +83,7 @@ from .fp4_decode import _last_split, pdl_start, silu_mul as silu_mul_math
 from .fused_ops import norm_inputs, norm_row
 
 ROWS = 16        # rows of x a shrink / expand program holds (one MMA tile): tuning's lora_max_m is at most this
+ROW_SHRINK_MAX_C = 32768   # columns a row_shrink program holds whole (its row and a row of A, 16 warps)
 
 # ----------------------------------------------------------------------------------------------
 # where each piece runs
@@ -427,8 +428,9 @@ def _delta_kernels(x2, A, B, y, scale, base, hp=None, expand=None):
 
 def shrink(x2, A, B):
     """x Aᵀ as partials hp, as decode runs it: whole rows a program to tuning's row_shrink_max_m rows
-    (row_shrink), else chunks of K whose last sums the others (lora_shrink)."""
-    if x2.shape[0] <= tuning.current().row_shrink_max_m:
+    where a row fits one program (ROW_SHRINK_MAX_C: 64 values a thread of 16 warps; row_shrink), else
+    chunks of K whose last sums the others (lora_shrink)."""
+    if x2.shape[0] <= tuning.current().row_shrink_max_m and x2.shape[1] <= ROW_SHRINK_MAX_C:
         return row_shrink(x2, A)
     return lora_shrink(x2, A, B)
 

@@ -89,7 +89,8 @@ def test_lora_delta_rejects_what_it_cannot_do():
                                             (2, 520, 96, torch.float32), (1, 264, 32, torch.bfloat16)])
 def test_row_shrink_is_x_at_a_transposed(M, C, R, dtype, monkeypatch):
     """row_shrink (whole rows a program) against float64: C not a power of two, R not a multiple of
-    anything; and shrink() takes it to tuning's row_shrink_max_m rows, lora_shrink's chunks above."""
+    anything; and shrink() takes it to tuning's row_shrink_max_m rows and ROW_SHRINK_MAX_C columns,
+    lora_shrink's chunks beyond."""
     g = torch.Generator().manual_seed(C)
     x, A = torch.randn(M, C, generator=g).to(dtype), (torch.randn(R, C, generator=g) / C ** 0.5).to(dtype)
     want = x.double() @ A.double().t()
@@ -103,6 +104,10 @@ def test_row_shrink_is_x_at_a_transposed(M, C, R, dtype, monkeypatch):
         with tuning.using(dataclasses.replace(tuning.current(), row_shrink_max_m=limit)):
             torch.testing.assert_close(kl.shrink(x, A, B).sum(0).double(), want, rtol=1e-5, atol=1e-5)
         assert rows == took
+    monkeypatch.setattr(kl, "ROW_SHRINK_MAX_C", C - 1)                      # a row too wide for one program
+    with tuning.using(dataclasses.replace(tuning.current(), row_shrink_max_m=M)):
+        torch.testing.assert_close(kl.shrink(x, A, B).sum(0).double(), want, rtol=1e-5, atol=1e-5)
+    assert rows == [1]
     with pytest.raises(ValueError, match="do not fit"):
         kl.row_shrink(x, A[:, 1:])
 
