@@ -341,38 +341,40 @@ def norm_shrink_rows(x, weight, eps, residual, A):
     """One launch: y = RMSNorm(x [+ residual]) (M, C), the sum x + residual (None without one), and
     hp (1, M, R) fp32 = y Aᵀ, for rows x (M <= lora_max_m), weight (C,) fp32, A (R, C) in x's dtype."""
     t = tuning.current()
-    (M, C), R = x.shape, A.shape[0]
+    M, C = x.shape
     if not (M <= t.lora_max_m and A.shape[1] == C and x.dtype == A.dtype):
         raise ValueError(f"norm_shrink: x {x.dtype} {tuple(x.shape)} and A {A.dtype} {tuple(A.shape)} do not fit "
                          f"h = norm(x) Aᵀ with at most {t.lora_max_m} rows and one dtype")
     x = x.contiguous()
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
+    res = residual.contiguous() if residual is not None else x
+    hp = _whole_rows(x, A, res, weight, out, total, eps, True, residual is not None)
+    return out, total if residual is not None else None, hp
+
+
+def _whole_rows(x, A, res, weight, out, total, eps, NORM, HAS_RES):
+    """The launch of _norm_shrink_kernel over x (M, C) contiguous and A (R, C): program (m, i) a whole
+    row and norm_shrink_ranks rows of A, num_warps as fused_ops.rms_norm takes. -> hp (1, M, R) fp32."""
+    t = tuning.current()
+    (M, C), R = x.shape, A.shape[0]
     BR, block = t.norm_shrink_ranks, triton.next_power_of_2(C)
     hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
     _norm_shrink_kernel[(M, triton.cdiv(R, BR))](
-        x, residual.contiguous() if residual is not None else x, weight, out, total, A.contiguous(), hp,
-        M, R, C, eps, NORM=True, HAS_RES=residual is not None, BR=BR, BLOCK_C=block,
-        num_warps=min(16, max(1, block // 256)), **launch.pdl_launch(x.device))   # as fused_ops.rms_norm
-    return out, total if residual is not None else None, hp
+        x, res, weight, out, total, A.contiguous(), hp, M, R, C, eps, NORM=NORM, HAS_RES=HAS_RES, BR=BR,
+        BLOCK_C=block, num_warps=min(16, max(1, block // 256)), **launch.pdl_launch(x.device))
+    return hp
 
 
 def row_shrink(x, A):
     """hp (1, M, R) fp32 = x Aᵀ for rows x (M, C) and A (R, C) of one dtype, each program one whole
     row of x and norm_shrink_ranks whole rows of A (the norm + shrink launch without the norm): no
     partial sums, no program waits on another. lora_shrink's work at the rows shrink() gives it."""
-    t = tuning.current()
-    (M, C), R = x.shape, A.shape[0]
-    if not (A.shape[1] == C and x.dtype == A.dtype):
+    if not (A.shape[1] == x.shape[1] and x.dtype == A.dtype):
         raise ValueError(f"row_shrink: x {x.dtype} {tuple(x.shape)} and A {A.dtype} {tuple(A.shape)} do not fit "
                          f"h = x Aᵀ with one dtype")
-    BR, block = t.norm_shrink_ranks, triton.next_power_of_2(C)
-    hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
     x = x.contiguous()
-    _norm_shrink_kernel[(M, triton.cdiv(R, BR))](x, x, x, x, x, A.contiguous(), hp, M, R, C, 0.0, NORM=False,
-                                                 HAS_RES=False, BR=BR, BLOCK_C=block,
-                                                 num_warps=min(16, max(1, block // 256)), **launch.pdl_launch(x.device))
-    return hp
+    return _whole_rows(x, A, x, x, x, x, 0.0, False, False)               # no norm: x's pointer for its operands
 
 
 def norm_shrinks(mods, x2) -> bool:
