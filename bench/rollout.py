@@ -57,7 +57,7 @@ CONFIGS = {"7b": SHAPES["qwen2.5-7b"], "14b": SHAPES["qwen2.5-14b"], "32b": SHAP
            "qwen3-8b": SHAPES["qwen3-8b"],
            "tiny": dict(SHAPES["qwen2.5-7b"], hidden_size=512, intermediate_size=1024,   # a smoke test
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)}
-WORKLOADS = {f"batch{b}": dict(prompts=b, n=1, prompt_len=256, new=512) for b in (1, 2, 4, 8, 16)}
+WORKLOADS = {f"batch{b}": dict(prompts=b, n=1, prompt_len=256, new=512) for b in (1, 2, 4, 8, 16, 32, 64)}
 WORKLOADS["grpo"] = dict(prompts=16, n=8, prompt_len=256, new=1024)
 
 
@@ -246,7 +246,7 @@ def main():
                          "an -unfused suffix (ours-nvfp4-unfused) runs norms/RoPE/SiLU as plain torch ops, "
                          "a -nopdl suffix launches every Triton kernel without programmatic dependent launch, "
                          "a -lora suffix adds train.py's default LoRA adapters")
-    ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, batch2, batch4, batch8, batch16, grpo")
+    ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, batch2, ..., batch64 (powers of two), grpo")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--profile", action="store_true", help="also write per-kernel GPU time to OUT/profile.txt")

@@ -43,11 +43,11 @@ the sum runs in split order: deterministic.
 
 Folds. Two launches that follow a matmul on the rollout path can run inside it instead (the
 wing's lora.py and stacked.py ask for them through `matmul`'s lora= and silu_mul=):
-  * a LoRA update s·(x Aᵀ)Bᵀ: at decode (<= 16 rows) from the shrink kernel's partials, added by
-    whatever finishes y (folds_lora): the GEMV, the fragment kernel or the swapped tiles as they
-    store it, else the reduce kernel after a split fragment or register-A launch (not where the
-    register-A launch is unsplit: 7B gate_up); at the GRPO batch from h = x Aᵀ, where the register-A
-    kernel splits K (reduce_folds_lora), by its reduce kernel.
+  * a LoRA update s·(x Aᵀ)Bᵀ: at decode (to tuning's lora_max_m rows) from the shrink kernel's
+    partials, added by whatever finishes y (folds_lora): the GEMV, the fragment kernel or the
+    swapped tiles as they store it, else the reduce kernel after a split fragment or register-A
+    launch (not where the register-A launch is unsplit: 7B gate_up); beyond, from h = x Aᵀ, where
+    the register-A kernel splits K (reduce_folds_lora), by its reduce kernel.
   * SiLU·mul of a stacked gate/up weight at one row (folds_silu): the GEMV stores silu(gate)·up.
 
 Leaves out: activation quantization (this is W4A16), a re-layout of the bits inside a byte (the
@@ -267,14 +267,15 @@ def folds_lora(M: int, N: int, K: int, device, interleaved: bool) -> bool:
       * the fragment kernel (2..16 rows), on every launch: unsplit, each program finishes its rows;
         split with the sum in-kernel (fragment_sums_in_kernel), the last split; else the reduce kernel;
       * the register-A route at decode (gate_up from 2 rows, the big weights above
-        wgmma_small_min_m) where its one launch splits K (wgmma_reduces): the reduce kernel. Where it
-        does not (7B gate_up at 2..16 rows on an H100: its 592 row tiles leave no room in the decode
-        wave for a second split), the kernel stores y itself, and the expand kernel stays.
+        wgmma_small_min_m, every weight above 16 rows) where its one launch splits K
+        (wgmma_reduces): the reduce kernel. Where it does not (7B gate_up from 2 rows on an H100:
+        its 592 row tiles leave no room in the decode wave for a second split), the kernel stores y
+        itself, and the expand kernel stays.
     (Measured on an H200, 7B, train.py's adapters: decode at 8 and 16 sequences as fast as with the
     expand kernel, within the run's noise; ab_lora_7b_h200.json, `lora_fold_decode`.)"""
     t = tuning.current()
     if M > shapes.FRAGMENT_MAX_M:
-        return False
+        return reduce_folds_lora(M, N, K, device, interleaved)
     kernel = route(M, N, K, device, interleaved)
     if kernel in ("gemv", "tiles"):
         return t.reduce_in_kernel

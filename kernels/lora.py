@@ -5,8 +5,8 @@ every projection of every decode step adds s · (x Aᵀ) Bᵀ to its base output
 and an addmm per adapter: two cuBLAS launches per adapted linear that take no part in programmatic
 dependent launch, and at batch 1 each costs more than its few megabytes of A and B. So:
 
-  * up to tuning's lora_max_m rows (decode steps of up to 16 sequences) two Triton kernels do it,
-    launched with PDL like the rest of the step:
+  * up to tuning's lora_max_m rows (decode steps of up to 32 sequences) two Triton kernels do it,
+    launched with PDL like the rest of the step, every row of x in one MMA tile of 16, 32 or 64:
 
         shrink, program (r-tile i, k-chunk j):   part[j, :, i] = x[:, K_j] · A[i, K_j]ᵀ        fp32
                                                  the last of row i's chunks: hp[:, i] = Σ_j part[j]
@@ -26,7 +26,7 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
     whatever finishes y adds the update as it stores y (fold_expand, gemm.folds_lora): the GEMV (1
     row), the fragment kernel (2 to 16 rows: unsplit, or its last split summing the others) or the
     swapped tiles, else the split-K reduce kernel after a split fragment or register-A launch. No
-    expand launch, except beside a register-A launch that does not split K (7B gate_up at 2 to 16
+    expand launch, except beside a register-A launch that does not split K (7B gate_up from 2
     rows), whose kernel stores y itself: the expand follows it there, and for gate/up it applies
     SiLU·mul in the same launch (expand_silu_mul: the SiLU·mul kernel's work, gate and up never
     written back). On a bf16 base both kernels follow cuBLAS (the gate/up expand with SiLU·mul
@@ -42,7 +42,7 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
     has its bits), stores a share of it, and dots it with whole rows of A: h needs no partial sums
     and the launch takes one round trip after its wait, as the norm alone does. The matmul then
     waits before it reads x (gemm.Fold's x_fresh).
-  * beyond lora_max_m rows (the GRPO batch) the shrink is F.linear, and where the NVFP4 matmul's
+  * beyond lora_max_m rows (prefill, and the log-prob pass) the shrink is F.linear, and where the NVFP4 matmul's
     register-A route splits K its reduce kernel adds s·h·Bᵀ (fold_in_reduce: qkv, o and down);
     elsewhere one addmm, in place on the fresh base output without autograd (a copy of y first
     would cost more than the addmm).
@@ -81,8 +81,6 @@ import triton.language as tl
 from . import gemm, launch, tuning
 from .fp4_decode import _last_split, pdl_start, silu_mul as silu_mul_math
 from .fused_ops import norm_inputs, norm_row
-
-ROWS = 16        # rows of x a shrink / expand program holds (one MMA tile): tuning's lora_max_m is at most this
 ROW_SHRINK_MAX_C = 32768   # columns a row_shrink program holds whole (its row and a row of A, 16 warps)
 
 # ----------------------------------------------------------------------------------------------
@@ -247,6 +245,12 @@ def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, M, I, R, stride_ym, scale
     tl.store(out_ptr + offs_m[:, None] * I + offs_n[None, :], silu_mul_math(g, u), mask=y_mask)
 
 
+def _rows(M) -> int:
+    """The row tile a shrink / expand program holds: all M rows, in one MMA tile of 16, 32 or 64
+    (tuning.LORA_MAX_ROWS, so a decode step's programs each read their A or B once)."""
+    return max(16, triton.next_power_of_2(M))
+
+
 def lora_delta_(x, A, B, y, scale):
     """y += scale · (x Aᵀ) Bᵀ in place and return y: x (M, K), A (R, K), B (N, R), y (M, N), one
     dtype, M <= lora_max_m. Two launches: shrink over chunks of K (summed by its last chunk), then
@@ -273,7 +277,7 @@ def lora_shrink(x, A, B):
     hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
     part = launch.partials(split, hp[0])                                       # (split, M, R), or hp itself
     _lora_shrink_kernel[(tiles, split)](x, A, part, hp, launch.split_counts(x.device, tiles), M, R, K, x.stride(0),
-                                        BM=ROWS, BR=BR, BK=BK, SPLIT=split,
+                                        BM=_rows(M), BR=BR, BK=BK, SPLIT=split,
                                         FP32_DOT=launch.interpreting() or x.dtype == torch.float32,
                                         **launch.pdl_launch(x.device))
     return hp
@@ -293,7 +297,7 @@ def lora_expand_(hp, B, y, scale):
         raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
     BN = t.lora_expand_cols
     _lora_expand_kernel[(triton.cdiv(N, BN),)](hp, B.contiguous(), y, M, N, R, y.stride(0), scale, SPLIT=split,
-                                               BM=ROWS, BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
+                                               BM=_rows(M), BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
                                                FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
                                                **launch.pdl_launch(y.device))
     return y
@@ -302,7 +306,7 @@ def lora_expand_(hp, B, y, scale):
 def expand_silu_mul(hp, B, y, scale):
     """silu(g)·u (M, N/2) of y (M, N) = [g, u] after lora_expand_(hp, B, y, scale), in one launch that
     writes neither g nor u back: the gate/up group's update where its matmul stores y itself
-    (register-A at 2-16 rows), with the SiLU·mul kernel's work, the same bits as the two launches."""
+    (register-A from 2 rows), with the SiLU·mul kernel's work, the same bits as the two launches."""
     t = tuning.current()
     split, M, R = hp.shape
     N = B.shape[0]
@@ -314,7 +318,7 @@ def expand_silu_mul(hp, B, y, scale):
     I, BN = N // 2, t.lora_expand_cols
     out = torch.empty(M, I, device=y.device, dtype=y.dtype)
     _expand_silu_kernel[(triton.cdiv(I, BN),)](hp, B.contiguous(), y, out, M, I, R, y.stride(0), scale, SPLIT=split,
-                                               BM=ROWS, BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
+                                               BM=_rows(M), BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
                                                FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
                                                **launch.pdl_launch(y.device))
     return out

@@ -17,7 +17,7 @@ product, whose NVFP4 matmul comes back here through the trunk's seam), then the 
 updates on their column blocks as one group update (lora.group_update: two kernels, or one fold,
 for the whole group). For the MLP, `silu_mul=True` goes one step further at a decode row of batch 1:
 the gate/up GEMV stores silu(gate)·up itself (gemm.folds_silu), after the group's update folded
-into it too, so neither the (1, 2I) product nor the SiLU·mul launch exists; at 2-16 rows, where
+into it too, so neither the (1, 2I) product nor the SiLU·mul launch exists; at 2 or more rows, where
 the matmul stores y and the update's expand runs as a launch after it, that launch applies SiLU·mul
 too (lora.expand_silu_mul: gate and up are not written back). Where one update cannot
 serve the group (adapters of different scalings, dropout active) `project` returns None and the

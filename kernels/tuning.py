@@ -26,6 +26,8 @@ it names).
 import contextlib
 from dataclasses import dataclass, field, fields
 
+LORA_MAX_ROWS = 64   # the LoRA kernels' largest row tile (lora.py holds every row of x in one)
+
 # ----------------------------------------------------------------------------------------------
 # the tile kernels' launch shape: the type of `medium` below (shapes.py holds the other kernels')
 
@@ -114,7 +116,7 @@ class Tuning:
                                       # 64 < M < dequantize: x·Wᵀ with W decoded once into shared memory
 
     # ---- LoRA on the rollout path (lora.py)
-    lora_max_m: int = 16              # to this many rows the shrink / expand kernels (one MMA tile of rows)
+    lora_max_m: int = 32              # to this many rows (at most LORA_MAX_ROWS) the shrink / expand kernels
                                       # do the update; beyond, F.linear and an addmm (or the reduce kernel)
     lora_rank_rows: int = 16          # rank rows of A a shrink program takes (one MMA tile) ...
     lora_shrink_k: int = 256          # ... and k, in one load before its PDL wait: K / this many programs a
@@ -156,8 +158,9 @@ class Tuning:
                 raise ValueError(f"Tuning.{f.name} must be >= 0, got {v!r}")
             if f.name in ("wave_fill", "dx_wave_fill", "wgmma_decode_wave") and v > 1:
                 raise ValueError(f"Tuning.{f.name} is a share of a wave, in [0, 1], got {v!r}")
-        if self.lora_max_m > 16:
-            raise ValueError(f"Tuning.lora_max_m: the LoRA kernels hold one 16-row tile, got {self.lora_max_m}")
+        if self.lora_max_m > LORA_MAX_ROWS:
+            raise ValueError(f"Tuning.lora_max_m: the LoRA kernels hold every row in one tile of at most "
+                             f"{LORA_MAX_ROWS}, got {self.lora_max_m}")
         for name in ("lora_rank_rows", "lora_shrink_k", "lora_expand_cols"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):

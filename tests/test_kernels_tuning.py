@@ -64,7 +64,7 @@ def test_fields_are_validated_by_name():
     with pytest.raises(ValueError, match="Tuning.merge_chunk"):
         Tuning(merge_chunk=-1)
     with pytest.raises(ValueError, match="Tuning.lora_max_m"):
-        Tuning(lora_max_m=32)
+        Tuning(lora_max_m=65)
     with pytest.raises(ValueError, match="Tuning.lm_head_max_rows"):
         Tuning(lm_head_max_rows=3)
     with pytest.raises(ValueError, match="Tuning.norm_shrink_ranks"):
