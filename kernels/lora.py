@@ -245,10 +245,11 @@ def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, M, I, R, stride_ym, scale
     tl.store(out_ptr + offs_m[:, None] * I + offs_n[None, :], silu_mul_math(g, u), mask=y_mask)
 
 
-def _rows(M) -> int:
-    """The row tile a shrink / expand program holds: all M rows, in one MMA tile of 16, 32 or 64
-    (tuning.LORA_MAX_ROWS, so a decode step's programs each read their A or B once)."""
-    return max(16, triton.next_power_of_2(M))
+def _side(n) -> int:
+    """An MMA tile side holding n: a power of two, at least 16. A shrink / expand program holds all
+    M rows in one (16, 32 or 64: tuning.LORA_MAX_ROWS, so a decode step's programs each read their A
+    or B once), and an expand all R ranks."""
+    return max(16, triton.next_power_of_2(n))
 
 
 def lora_delta_(x, A, B, y, scale):
@@ -277,7 +278,7 @@ def lora_shrink(x, A, B):
     hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
     part = launch.partials(split, hp[0])                                       # (split, M, R), or hp itself
     _lora_shrink_kernel[(tiles, split)](x, A, part, hp, launch.split_counts(x.device, tiles), M, R, K, x.stride(0),
-                                        BM=_rows(M), BR=BR, BK=BK, SPLIT=split,
+                                        BM=_side(M), BR=BR, BK=BK, SPLIT=split,
                                         FP32_DOT=launch.interpreting() or x.dtype == torch.float32,
                                         **launch.pdl_launch(x.device))
     return hp
@@ -297,7 +298,7 @@ def lora_expand_(hp, B, y, scale):
         raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
     BN = t.lora_expand_cols
     _lora_expand_kernel[(triton.cdiv(N, BN),)](hp, B.contiguous(), y, M, N, R, y.stride(0), scale, SPLIT=split,
-                                               BM=_rows(M), BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
+                                               BM=_side(M), BN=BN, R_PAD=_side(R),
                                                FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
                                                **launch.pdl_launch(y.device))
     return y
@@ -318,7 +319,7 @@ def expand_silu_mul(hp, B, y, scale):
     I, BN = N // 2, t.lora_expand_cols
     out = torch.empty(M, I, device=y.device, dtype=y.dtype)
     _expand_silu_kernel[(triton.cdiv(I, BN),)](hp, B.contiguous(), y, out, M, I, R, y.stride(0), scale, SPLIT=split,
-                                               BM=_rows(M), BN=BN, R_PAD=max(16, triton.next_power_of_2(R)),
+                                               BM=_side(M), BN=BN, R_PAD=_side(R),
                                                FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
                                                **launch.pdl_launch(y.device))
     return out
