@@ -13,6 +13,7 @@ speedup = cuBLAS time / our time, and the route (gemm.route) of the forward and 
     python bench/kernel.py --check            # GPU correctness on the real shapes only
     python bench/kernel.py --ms 1,2,4,8,16 --fwd-only   # a subset
     python bench/kernel.py --floor            # what no kernel reading the weight can beat (see floor())
+    python bench/kernel.py --scaling --no-bench --no-check     # one row: time against bytes, cold and hot
     python bench/kernel.py --split-cost --no-bench --no-check   # M = 2..16: the fragment route's split-K sum
     python bench/kernel.py --lora-cost --no-bench --no-check --shapes "7B qkv,7B o,7B gate_up,7B down" --ms 1,8,16
     python bench/kernel.py --lora-trace --no-bench --no-check --shapes "7B qkv,7B o,7B gate_up,7B down" --ms 1,8
@@ -258,27 +259,13 @@ def floor(device, log, names):
     weight once (the decode, the x loads and the output only add to it); cuBLAS / (cuBLAS +
     dequantize) bounds the dequantize route at large M."""
     gen = torch.Generator(device=device).manual_seed(1)
-    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for name in names:
         N, K = SHAPES[name]
         nbytes = N * K * 9 // 16
         bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=device, generator=gen)
                 for _ in range(copies_for(nbytes, device))]
-        sink = torch.empty(16 * n_sm, dtype=torch.int32, device=device)
-        best = (float("inf"), None)
-        for block in STREAM_BLOCKS:
-            for waves in STREAM_WAVES:
-                chunk = triton.cdiv(triton.cdiv(nbytes // 4, waves * n_sm), block) * block
-                for warps in STREAM_WARPS:
-                    def run(src, chunk=chunk, block=block, warps=warps):
-                        _stream_kernel[(triton.cdiv(nbytes // 4, chunk),)](
-                            src, sink, nbytes // 4, chunk, BLOCK=block, num_warps=warps, **launch.pdl_launch(device))
-                    rot = Rotating(bufs)
-                    ms = bench_ms(lambda: run(rot.next()))
-                    if ms < best[0]:
-                        best = (ms, (block, waves, warps), run)
-        ms, cfg, run = best
+        ms, cfg, run = best_stream(bufs, device)
         hot = bench_ms(lambda: run(bufs[0]))
         qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(nbytes, device))])
         deq = bench_ms(lambda: gemm.dequantize_bf16(*qs.next(), il=True))
@@ -290,6 +277,74 @@ def floor(device, log, names):
         del bufs, qs
         torch.cuda.empty_cache()
     return rows
+
+
+def best_stream(bufs, device):
+    """The fastest streaming read of one of bufs (int32 copies of the same size, rotated) over
+    STREAM_BLOCKS x STREAM_WAVES x STREAM_WARPS. -> (ms, (block, waves, warps), run(src))."""
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count
+    words = bufs[0].numel()
+    sink = torch.empty(16 * n_sm, dtype=torch.int32, device=device)
+    best = (float("inf"), None, None)
+    for block in STREAM_BLOCKS:
+        for waves in STREAM_WAVES:
+            chunk = triton.cdiv(triton.cdiv(words, waves * n_sm), block) * block
+            for warps in STREAM_WARPS:
+                def run(src, chunk=chunk, block=block, warps=warps):
+                    _stream_kernel[(triton.cdiv(words, chunk),)](
+                        src, sink, words, chunk, BLOCK=block, num_warps=warps, **launch.pdl_launch(device))
+                rot = Rotating(bufs)
+                ms = bench_ms(lambda: run(rot.next()))
+                if ms < best[0]:
+                    best = (ms, (block, waves, warps), run)
+    return best
+
+
+SCALING = {"N grown, K 3584": [(n, 3584) for n in (3584, 4608, 7168, 14336, 18944, 37888, 75776)],
+           "K grown, N 3584": [(3584, k) for k in (3584, 7168, 14336, 18944, 37888)]}
+
+
+def size_scaling(device, log):
+    """The one-row GEMV against the size of its weight, beside the streaming read of the same bytes,
+    each fitted as t = c + bytes / rate: c is what a launch costs whatever its size (ramp-up, the
+    last wave, the epilogue), rate its steady pace. The GEMV is timed cold (copies rotated past the
+    L2, as the table) and, where one copy fits in half the L2, hot (one copy): if hot is no faster,
+    the pace is set inside the SMs (instructions, their dependent chains), not by HBM."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    out = {}
+    for series, cases in SCALING.items():
+        rows = []
+        for N, K in cases:
+            nbytes = N * K * 9 // 16
+            qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(nbytes, device))])
+            x = torch.randn(1, K, device=device, generator=gen).bfloat16()
+            r = dict(N=N, K=K, MB=nbytes / 1e6,
+                     gemv_us=1e3 * bench_ms(lambda: gemm.nvfp4_matmul(x, *qs.next(), interleaved=True)))
+            if nbytes <= l2 // 2:
+                w = qs.items[0]
+                r["gemv_hot_us"] = 1e3 * bench_ms(lambda: gemm.nvfp4_matmul(x, *w, interleaved=True))
+            bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=device, generator=gen)
+                    for _ in range(copies_for(nbytes, device))]
+            r["stream_us"] = 1e3 * best_stream(bufs, device)[0]
+            log(f"scaling {series}: N {N:6d} K {K:6d} {r['MB']:7.1f} MB  GEMV {r['gemv_us']:6.2f} us "
+                f"(hot {r.get('gemv_hot_us', float('nan')):6.2f})  stream {r['stream_us']:6.2f} us")
+            rows.append(r)
+        fits = {}
+        for key in ("gemv_us", "gemv_hot_us", "stream_us"):
+            pts = [(r["MB"], r[key]) for r in rows if key in r]
+            slope, c = _line(pts)
+            fits[key] = dict(fixed_us=c, TBps=1 / slope)
+            log(f"scaling {series}: {key:11s} {c:5.2f} us + bytes at {1 / slope:4.2f} TB/s")
+        out[series] = dict(rows=rows, fits=fits)
+    return out
+
+
+def _line(pts):
+    """Least-squares slope and intercept of points (x, y)."""
+    mx, my = statistics.fmean(p[0] for p in pts), statistics.fmean(p[1] for p in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return slope, my - slope * mx
 
 
 def floor_table(floors, rows, log):
@@ -520,6 +575,8 @@ def main(argv=None):
     ap.add_argument("--once", default="", help='only one call per "shape:M" case, e.g. "7B o:1,7B o:16" (for ncu)')
     ap.add_argument("--floor", action="store_true",
                     help="also time each shape's streaming-read and dequantize floors (floor())")
+    ap.add_argument("--scaling", action="store_true",
+                    help="the one-row GEMV's time against its weight's size, cold and hot (size_scaling())")
     ap.add_argument("--split-cost", action="store_true",
                     help="M = 2..16 on the fragment route: the split-K sum's cost (split_cost())")
     ap.add_argument("--lora-cost", action="store_true",
@@ -556,6 +613,8 @@ def main(argv=None):
         t1 = time.time()
         out["floor"] = floor(device, log, names)
         log(f"# floors took {time.time() - t1:.0f} s")
+    if args.scaling:
+        out["scaling"] = size_scaling(device, log)
     if args.split_cost:
         t1 = time.time()
         small = [m for m in map(int, args.ms.split(",")) if 1 < m <= 16]
