@@ -263,10 +263,7 @@ def floor(device, log, names):
     for name in names:
         N, K = SHAPES[name]
         nbytes = N * K * 9 // 16
-        bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=device, generator=gen)
-                for _ in range(copies_for(nbytes, device))]
-        ms, cfg, run = best_stream(bufs, device)
-        hot = bench_ms(lambda: run(bufs[0]))
+        ms, cfg, hot = best_stream(nbytes, device, gen)
         qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(nbytes, device))])
         deq = bench_ms(lambda: gemm.dequantize_bf16(*qs.next(), il=True))
         rows.append(dict(shape=name, N=N, K=K, bytes=nbytes, stream_ms=ms, stream_TBps=nbytes / ms / 1e9,
@@ -274,16 +271,19 @@ def floor(device, log, names):
         log(f"floor {name:>11}: {nbytes / 1e6:6.1f} MB  stream {ms * 1e3:6.1f} us ({nbytes / ms / 1e9:4.2f} TB/s; "
             f"block {cfg[0]} words, {cfg[1]} programs/SM, {cfg[2]} warps), hot in L2 {hot * 1e3:5.1f} us, "
             f"dequantize {deq * 1e3:6.1f} us")
-        del bufs, qs
+        del qs
         torch.cuda.empty_cache()
     return rows
 
 
-def best_stream(bufs, device):
-    """The fastest streaming read of one of bufs (int32 copies of the same size, rotated) over
-    STREAM_BLOCKS x STREAM_WAVES x STREAM_WARPS. -> (ms, (block, waves, warps), run(src))."""
+def best_stream(nbytes, device, gen):
+    """The fastest streaming read of nbytes (copies rotated past the L2) over STREAM_BLOCKS x
+    STREAM_WAVES x STREAM_WARPS, and the same launch on one copy, hot in the L2.
+    -> (ms, (block, waves, warps), hot ms)."""
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count
-    words = bufs[0].numel()
+    words = nbytes // 4
+    bufs = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device=device, generator=gen)
+            for _ in range(copies_for(nbytes, device))]
     sink = torch.empty(16 * n_sm, dtype=torch.int32, device=device)
     best = (float("inf"), None, None)
     for block in STREAM_BLOCKS:
@@ -297,7 +297,8 @@ def best_stream(bufs, device):
                 ms = bench_ms(lambda: run(rot.next()))
                 if ms < best[0]:
                     best = (ms, (block, waves, warps), run)
-    return best
+    ms, cfg, run = best
+    return ms, cfg, bench_ms(lambda: run(bufs[0]))
 
 
 SCALING = {"N grown, K 3584": [(n, 3584) for n in (3584, 4608, 7168, 14336, 18944, 37888, 75776)],
@@ -324,27 +325,18 @@ def size_scaling(device, log):
             if nbytes <= l2 // 2:
                 w = qs.items[0]
                 r["gemv_hot_us"] = 1e3 * bench_ms(lambda: gemm.nvfp4_matmul(x, *w, interleaved=True))
-            bufs = [torch.randint(-2**31, 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device=device, generator=gen)
-                    for _ in range(copies_for(nbytes, device))]
-            r["stream_us"] = 1e3 * best_stream(bufs, device)[0]
+            r["stream_us"] = 1e3 * best_stream(nbytes, device, gen)[0]
             log(f"scaling {series}: N {N:6d} K {K:6d} {r['MB']:7.1f} MB  GEMV {r['gemv_us']:6.2f} us "
                 f"(hot {r.get('gemv_hot_us', float('nan')):6.2f})  stream {r['stream_us']:6.2f} us")
             rows.append(r)
         fits = {}
         for key in ("gemv_us", "gemv_hot_us", "stream_us"):
             pts = [(r["MB"], r[key]) for r in rows if key in r]
-            slope, c = _line(pts)
+            slope, c = statistics.linear_regression([p[0] for p in pts], [p[1] for p in pts])
             fits[key] = dict(fixed_us=c, TBps=1 / slope)
             log(f"scaling {series}: {key:11s} {c:5.2f} us + bytes at {1 / slope:4.2f} TB/s")
         out[series] = dict(rows=rows, fits=fits)
     return out
-
-
-def _line(pts):
-    """Least-squares slope and intercept of points (x, y)."""
-    mx, my = statistics.fmean(p[0] for p in pts), statistics.fmean(p[1] for p in pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-    return slope, my - slope * mx
 
 
 def floor_table(floors, rows, log):

@@ -112,14 +112,3 @@ def test_trace_timings_measures_from_each_norms_end():
     with pytest.raises(ValueError, match="iterations"):
         bench.trace_timings(chain(1, True))
 
-
-def test_scaling_fit_is_least_squares():
-    """--scaling's t = fixed + bytes / rate: exact on a line (fixed 1.5 us, 4.5 TB/s = 1/4.5 us a MB), and
-    numpy's least-squares line on scattered points."""
-    import numpy as np
-    fit = load_bench("kernel")._line
-    slope, c = fit([(mb, 1.5 + mb / 4.5) for mb in (7.2, 9.3, 38.2, 152.8)])
-    assert c == pytest.approx(1.5) and 1 / slope == pytest.approx(4.5)
-    pts = [(7.2, 6.1), (9.3, 6.9), (14.5, 8.5), (28.9, 13.3), (76.4, 27.5)]
-    ref_slope, ref_c = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
-    assert fit(pts) == pytest.approx((ref_slope, ref_c))
