@@ -18,14 +18,15 @@ barriers every step. The next step's loads are issued before this step's sums (p
 in the last part of the loop body, where they overlap its tail); the first step's W and scales
 go out before the PDL wait, x after it.
 
-The block sum (_gemv_row has the derivation). Each 16-k block of x takes its own power of two
-2^c, so that |x·2^c| < 2^16 and every x·2^c is an exact fp16; the codes decode to fp16 values
-e2m1·2^-14 exactly; the block's 16 products are summed in two fp16 chains of 8 FMAs (no
-overflow: each chain stays below 192), and the two chains in fp32, times the block's E4M3 scale
-and 2^(7-c), into an fp32 accumulator per (row, lane) that _finish scales by 2^7/global_scale
-like the MMA kernels' sums. So the rounding inside a block is fp16's (11 bits), not fp32's: well
-inside the bf16 output's own rounding. A row with |x| >= 2^30 anywhere gives NaN; blocks whose
-largest |x| is below 2^-117 count as 0.
+The lane sum (_gemv_row has the derivation). A lane's 32 k of a step (two 16-k blocks) take one
+power of two 2^c, so that |x·2^c| < 2^16 and every x·2^c is an exact fp16; the codes decode to
+fp16 values e2m1·2^-14 exactly; each block's 16 products are summed in two fp16 chains of 8 FMAs
+(no overflow: each chain stays below 192), the chains times their block's E4M3 scale·2^-4 and the
+two blocks added in fp16 pairs, the pair's halves in fp32, times 2^(11-c), into an fp32
+accumulator per (row, lane) that _finish scales by 2^7/global_scale like the MMA kernels' sums. So
+the rounding inside a step is fp16's (11 bits), not fp32's: well inside the bf16 output's own
+rounding. A row with |x| >= 2^30 anywhere gives NaN; a lane's 32 k whose largest |x| is below
+2^-122 count as 0.
 
 Two epilogue folds save a launch each: the LoRA expand (LORA: fp4_decode._lora_update) and, for a
 stacked gate/up weight, SiLU·mul (SILU: the program takes gate rows and the same up rows and stores
@@ -67,33 +68,38 @@ _LOAD_X_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $17, 0; " + " ".join(
                            + " " + " ".join(f"@p ld.global.v4.u32 {{${4 * j}, ${4 * j + 1}, ${4 * j + 2}, ${4 * j + 3}}}, "
                                             f"[$16+{16 * j}];" for j in range(4)) + " }")
 
-# the 8 x words of a 16-k block -> its 8 fp16 pairs (x_k, x_k+4)·2^c and f = 2^(7-c) (_gemv_row).
-# E: the largest bf16 exponent field (max.u16x2 over the masked words, then of the two halves);
-# c = 142 - E, so the bf16x2 multiplier 2^(c-112) = 2^(30-E) has exponent field 157 - E in each
-# half (·0x00800080), and f = 2^(E-135) has fp32 exponent field E - 8 (0 below E = 9; NaN above
-# E = 156, where 157 - E would leave the field). Each pair: prmt, the multiply, and + mad.
-_X_F16_PTX = tl.constexpr(
-    "{ .reg .b32 a, b, t, e, mm, nz; .reg .pred big; mov.b32 nz, 0x80008000; "
-    "and.b32 a, $9, 0x7F807F80; and.b32 b, $10, 0x7F807F80; max.u16x2 a, a, b; "
-    + " ".join(f"and.b32 b, ${i}, 0x7F807F80; max.u16x2 a, a, b;" for i in range(11, 17))
-    + " shr.b32 t, a, 16; and.b32 a, a, 0xFFFF; max.u32 e, a, t; shr.b32 e, e, 7; "
-    "sub.s32 t, 157, e; max.s32 t, t, 1; mul.lo.u32 mm, t, 0x00800080; "
-    "sub.s32 t, e, 8; max.s32 t, t, 0; shl.b32 t, t, 23; setp.gt.u32 big, e, 156; selp.b32 $8, 0x7FC00000, t, big; "
-    + " ".join(f"prmt.b32 t, ${a}, ${b}, {sel}; fma.rn.bf16x2 t, t, mm, nz; and.b32 a, t, 0x7FFF7FFF; "
-               f"mad.lo.u32 ${o}, a, 7, t;"
-               for o, (a, b, sel) in enumerate([(9, 11, "0x5410"), (9, 11, "0x7632"), (10, 12, "0x5410"),
-                                                (10, 12, "0x7632"), (13, 15, "0x5410"), (13, 15, "0x7632"),
-                                                (14, 16, "0x5410"), (14, 16, "0x7632")]))
-    + " }")
+def _x_f16_ptx() -> str:
+    """Inline PTX: a lane's 16 x words of a step (two 16-k blocks) -> its 16 fp16 pairs (x_k, x_k+4)·2^c
+    and f = 2^(11-c) (_gemv_row). Operands: $0..$15 the pairs, $16 f, $17..$32 the words.
+    E: the largest bf16 exponent field (max.u16x2 over the masked words, then of the two halves);
+    c = 142 - E, so the bf16x2 multiplier 2^(c-112) = 2^(30-E) has exponent field 157 - E in each
+    half (·0x00800080), and f = 2^(E-131) has fp32 exponent field E - 4 (0 below E = 5; NaN above
+    E = 156, where 157 - E would leave the field). Each pair: prmt, the multiply, and + mad."""
+    lines = [".reg .b32 a, b, t, e, mm, nz; .reg .pred big; mov.b32 nz, 0x80008000;",
+             "and.b32 a, $17, 0x7F807F80;"]
+    lines += [f"and.b32 b, ${i}, 0x7F807F80; max.u16x2 a, a, b;" for i in range(18, 33)]
+    lines += ["shr.b32 t, a, 16; and.b32 a, a, 0xFFFF; max.u32 e, a, t; shr.b32 e, e, 7;",
+              "sub.s32 t, 157, e; max.s32 t, t, 1; mul.lo.u32 mm, t, 0x00800080;",
+              "sub.s32 t, e, 4; max.s32 t, t, 0; shl.b32 t, t, 23; setp.gt.u32 big, e, 156;",
+              "selp.b32 $16, 0x7FC00000, t, big;"]
+    words = [(0, 2), (0, 2), (1, 3), (1, 3), (4, 6), (4, 6), (5, 7), (5, 7)]
+    for o in range(16):                      # pair o: block o // 8, word pair words[o % 8], low or high halves
+        a, b = (17 + 8 * (o // 8) + w for w in words[o % 8])
+        lines += [f"prmt.b32 t, ${a}, ${b}, {'0x7632' if o % 2 else '0x5410'}; fma.rn.bf16x2 t, t, mm, nz;",
+                  f"and.b32 a, t, 0x7FFF7FFF; mad.lo.u32 ${o}, a, 7, t;"]
+    return "{ " + " ".join(lines) + " }"
+
+
+_X_F16_PTX = tl.constexpr(_x_f16_ptx())
 
 
 def _lane_sum_ptx() -> str:
     """Inline PTX for one lane and row: its 4 words of codes (two blocks) against the blocks' fp16
-    x pairs, each block in two fp16 chains of 8 FMAs, times its scale and f, summed in fp32.
-    Operands: $0 out; $1..$4 the words, $5 the two scale bytes, $6..$21 the x pairs, $22, $23 f."""
-    lines = [".reg .b32 e, o, t, u, p, acc, s2; .reg .b16 sc; .reg .f16 lo, hi;",
-             ".reg .f32 fl, fh, sa, sb, ta, tb;"]
-    for blk, out in ((0, "ta"), (1, "tb")):
+    x pairs, each block in two fp16 chains of 8 FMAs, the chains times their block's scale·2^-4 and
+    added in fp16 pairs, the two halves in fp32, times f.
+    Operands: $0 out; $1..$4 the words, $5 the two scale bytes, $6..$21 the x pairs, $22 f."""
+    lines = [".reg .b32 e, o, t, u, p, ta, tb, s2, sa, sb; .reg .b16 sc; .reg .f16 lo, hi; .reg .f32 fl, fh, r;"]
+    for blk, acc in ((0, "ta"), (1, "tb")):
         first = True
         for w in (2 * blk + 1, 2 * blk + 2):
             q = 6 + 8 * blk + 4 * (w - 2 * blk - 1)
@@ -101,18 +107,19 @@ def _lane_sum_ptx() -> str:
             for i, (a, b) in enumerate((("shl.b32 t, e, 9;", "shl.b32 u, e, 12;"), ("shl.b32 t, o, 5;", "shl.b32 u, o, 8;"),
                                         ("shl.b32 t, e, 1;", "shl.b32 u, e, 4;"), ("shr.b32 t, o, 3;", "mov.b32 u, o;"))):
                 lines += [a, b, "lop3.b32 p, t, u, 0x8E008E00, 0xA8;",
-                          f"mul.rn.f16x2 acc, p, ${q + i};" if first else f"fma.rn.f16x2 acc, p, ${q + i}, acc;"]
+                          f"mul.rn.f16x2 {acc}, p, ${q + i};" if first else f"fma.rn.f16x2 {acc}, p, ${q + i}, {acc};"]
                 first = False
-        lines += ["mov.b32 {lo, hi}, acc;", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;", f"add.f32 {out}, fl, fh;"]
-    lines += ["cvt.u16.u32 sc, $5;", "cvt.rn.f16x2.e4m3x2 s2, sc;", "mov.b32 {lo, hi}, s2;",
-              "cvt.f32.f16 sa, lo;", "cvt.f32.f16 sb, hi;", "mul.f32 sa, sa, $22;", "mul.f32 sb, sb, $23;",
-              "mul.f32 ta, ta, sa;", "fma.rn.f32 $0, tb, sb, ta;"]
+    lines += ["cvt.u16.u32 sc, $5;", "cvt.rn.f16x2.e4m3x2 s2, sc;", "mov.b32 sa, 0x2C002C00;", "mul.rn.f16x2 s2, s2, sa;",
+              "prmt.b32 sa, s2, 0, 0x1010;", "prmt.b32 sb, s2, 0, 0x3232;",
+              "mul.rn.f16x2 t, ta, sa;", "fma.rn.f16x2 t, tb, sb, t;",
+              "mov.b32 {lo, hi}, t;", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;", "add.f32 r, fl, fh;",
+              "mul.f32 $0, r, $22;"]
     return "{ " + " ".join(lines) + " }"
 
 
 _LANE_SUM_PTX = tl.constexpr(_lane_sum_ptx())
-_X_F16_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 9 + ["r"] * 8))
-_LANE_SUM_CONSTRAINTS = tl.constexpr(",".join(["=f"] + ["r"] * 21 + ["f"] * 2))
+_X_F16_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 17 + ["r"] * 16))
+_LANE_SUM_CONSTRAINTS = tl.constexpr(",".join(["=f"] + ["r"] * 21 + ["f"]))
 _LOAD_X_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["l", "r"]))
 
 
@@ -157,17 +164,25 @@ def _gemv_x(x_ptr, live, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _x_block_f16(x0, x1, x2, x3, x4, x5, x6, x7, INTERPRET: tl.constexpr):
-    """A 16-k block's x words -> its 8 fp16 pairs (x_k, x_k+4)·2^c and f = 2^(7-c) (_gemv_row)."""
+def _x_step_f16(x, INTERPRET: tl.constexpr):
+    """A lane's 16 x words of a step (a tuple) -> its 16 fp16 pairs (x_k, x_k+4)·2^c, 8 a 16-k block,
+    and f = 2^(11-c) (_gemv_row)."""
     if INTERPRET:
-        e = tl.maximum(tl.maximum(tl.maximum(_x_exp(x0), _x_exp(x1)), tl.maximum(_x_exp(x2), _x_exp(x3))),
-                       tl.maximum(tl.maximum(_x_exp(x4), _x_exp(x5)), tl.maximum(_x_exp(x6), _x_exp(x7))))
+        e = _x_exp(x[0])
+        for i in tl.static_range(1, 16):
+            e = tl.maximum(e, _x_exp(x[i]))
         m = ((269 - tl.maximum(e, 15)) << 23).to(tl.float32, bitcast=True)     # 2^(142 - e)
-        f = tl.where(e > 156, float("nan"), tl.where(e >= 9, ((e - 8) << 23).to(tl.float32, bitcast=True), 0.0))
-        return (_x_pair(x0, x2, 0, m), _x_pair(x0, x2, 1, m), _x_pair(x1, x3, 0, m), _x_pair(x1, x3, 1, m),
-                _x_pair(x4, x6, 0, m), _x_pair(x4, x6, 1, m), _x_pair(x5, x7, 0, m), _x_pair(x5, x7, 1, m), f)
-    return tl.inline_asm_elementwise(_X_F16_PTX, _X_F16_CONSTRAINTS, [x0, x1, x2, x3, x4, x5, x6, x7],
-                                     dtype=(tl.int32,) * 8 + (tl.float32,), is_pure=True, pack=1)
+        f = tl.where(e > 156, float("nan"), tl.where(e >= 5, ((e - 4) << 23).to(tl.float32, bitcast=True), 0.0))
+        return (_x_pair(x[0], x[2], 0, m), _x_pair(x[0], x[2], 1, m), _x_pair(x[1], x[3], 0, m),
+                _x_pair(x[1], x[3], 1, m), _x_pair(x[4], x[6], 0, m), _x_pair(x[4], x[6], 1, m),
+                _x_pair(x[5], x[7], 0, m), _x_pair(x[5], x[7], 1, m),
+                _x_pair(x[8], x[10], 0, m), _x_pair(x[8], x[10], 1, m), _x_pair(x[9], x[11], 0, m),
+                _x_pair(x[9], x[11], 1, m), _x_pair(x[12], x[14], 0, m), _x_pair(x[12], x[14], 1, m),
+                _x_pair(x[13], x[15], 0, m), _x_pair(x[13], x[15], 1, m), f)
+    return tl.inline_asm_elementwise(_X_F16_PTX, _X_F16_CONSTRAINTS,
+                                     [x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8], x[9], x[10], x[11],
+                                      x[12], x[13], x[14], x[15]],
+                                     dtype=(tl.int32,) * 16 + (tl.float32,), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -193,26 +208,30 @@ def _bf16_half(xw, HI: tl.constexpr):
 
 
 @triton.jit
-def _lane_sum(w0, w1, w2, w3, sc, q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, fa, fb,
+def _lane_sum(w0, w1, w2, w3, sc, q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, f,
               INTERPRET: tl.constexpr):
     """Σ over the lane's two blocks of (Σ e2m1·2^-14 · x·2^c) · scale · f, fp32 (_lane_sum_ptx)."""
     if INTERPRET:
-        ta = _block_emulated(w0, w1, q0, q1, q2, q3, q4, q5, q6, q7)
-        tb = _block_emulated(w2, w3, q8, q9, q10, q11, q12, q13, q14, q15)
-        return ta * (_e4m3_to_f32(sc & 255, 0) * fa) + tb * (_e4m3_to_f32(sc >> 8, 0) * fb)
+        sa, sb = _e4m3_to_f32(sc & 255, -4), _e4m3_to_f32(sc >> 8, -4)       # scale·2^-4, exact in fp16
+        return (_half_emulated(w0, w1, w2, w3, q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15,
+                               sa, sb, 0)
+                + _half_emulated(w0, w1, w2, w3, q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14,
+                                 q15, sa, sb, 1)) * f
     return tl.inline_asm_elementwise(
         _LANE_SUM_PTX, _LANE_SUM_CONSTRAINTS,
-        [w0, w1, w2, w3, sc, q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, fa, fb],
+        [w0, w1, w2, w3, sc, q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, f],
         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _block_emulated(wa, wb, q0, q1, q2, q3, q4, q5, q6, q7):
-    """A block's two fp16 chains, each chain's exact sum rounded to fp16 once (the GPU rounds after
-    every FMA), and their fp32 sum (the emulation)."""
-    lo = (_word_chain(wa, q0, q1, q2, q3, 0) + _word_chain(wb, q4, q5, q6, q7, 0)).to(tl.float16)
-    hi = (_word_chain(wa, q0, q1, q2, q3, 1) + _word_chain(wb, q4, q5, q6, q7, 1)).to(tl.float16)
-    return lo.to(tl.float32) + hi.to(tl.float32)
+def _half_emulated(w0, w1, w2, w3, q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15, sa, sb,
+                   HI: tl.constexpr):
+    """Half HI of a lane's two blocks before f: each block's fp16 chain (its exact sum rounded to fp16
+    once; the GPU rounds after every FMA) times its scale·2^-4, the two summed in fp16 (the emulation)."""
+    a = (_word_chain(w0, q0, q1, q2, q3, HI) + _word_chain(w1, q4, q5, q6, q7, HI)).to(tl.float16).to(tl.float32)
+    b = (_word_chain(w2, q8, q9, q10, q11, HI) + _word_chain(w3, q12, q13, q14, q15, HI)).to(tl.float16)
+    t = (a * sa).to(tl.float16).to(tl.float32)
+    return (b.to(tl.float32) * sb + t).to(tl.float16).to(tl.float32)
 
 
 @triton.jit
@@ -234,9 +253,10 @@ def _gemv_row(acc, w, sc, x, INTERPRET: tl.constexpr):
     """acc (BN, L) += each lane's Σ over its two 16-k blocks of w·x·scale·2^-7, from the step's words
     w (a tuple of 4), scale bytes sc and x words x (a tuple of 16), for one row of x.
 
-    x. Every block of 16 k takes its own power of two 2^c, c = 142 - E where E is the largest bf16
-    exponent field among its 16 x, so |x·2^c| < 2^16: each x·2^c is an exact fp16 (an fp16
-    subnormal, rounded to 2^-21, for an x more than 2^29 below the block's largest). A bf16x2
+    x. A lane's 32 k of the step (two blocks) take one power of two 2^c, c = 142 - E where E is the
+    largest bf16 exponent field among its 32 x, so |x·2^c| < 2^16: each x·2^c is an exact fp16 (an
+    fp16 subnormal, rounded to 2^-21, for an x more than 2^29 below the largest; one 2^c for both
+    blocks halves the exponent work, and a block that far below the other adds nothing to y). A bf16x2
     multiply by 2^(c-112) leaves the fp16 exponent field of x·2^c in the bf16 one (both are
     E_x + c - 112), so the fp16 pair is the bf16 pair's magnitude bits shifted up by 3 plus its sign
     bits: (t & 0x7FFF7FFF)·8 + (t & 0x80008000) = (t & 0x7FFF7FFF)·7 + t, one and and one IMAD.
@@ -247,14 +267,14 @@ def _gemv_row(acc, w, sc, x, INTERPRET: tl.constexpr):
     their signs on 15 and 31, and no other bit of the word lands on 0x8E008E00: a pair of codes costs
     two shifts and one lop3 (a | b) & c, and its two products one fp16x2 FMA.
     Sums. Each block is two chains of 8 FMAs in fp16 (|products| < 6·2^-14·2^16 = 24, chains < 192:
-    no overflow), then fp32: (lo + hi)·scale·f with f = 2^(7-c), so acc is Σ w·x·scale·2^-7, the
-    MMA kernels' operand scale that _finish undoes. A block with |x| >= 2^30 gives f = NaN (y is NaN),
-    one whose largest |x| is below 2^-118 gives f = 0."""
-    q0, q1, q2, q3, q4, q5, q6, q7, fa = _x_block_f16(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], INTERPRET)
-    q8, q9, q10, q11, q12, q13, q14, q15, fb = _x_block_f16(x[8], x[9], x[10], x[11], x[12], x[13], x[14], x[15],
-                                                            INTERPRET)
-    return acc + _lane_sum(w[0], w[1], w[2], w[3], sc, q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13,
-                           q14, q15, fa, fb, INTERPRET)
+    no overflow). Each chain times its block's scale·2^-4 (exact in fp16: E4M3's 2^-9 .. 448 become
+    2^-13 .. 28), the two blocks' added in fp16 pairs (< 2·192·28 = 10,752: no overflow), then fp32:
+    (lo + hi)·f with f = 2^(11-c), so acc is Σ w·x·scale·2^-7, the MMA kernels' operand scale that
+    _finish undoes. A step with |x| >= 2^30 gives f = NaN (y is NaN), one whose largest |x| is below
+    2^-122 gives f = 0."""
+    q = _x_step_f16(x, INTERPRET)
+    return acc + _lane_sum(w[0], w[1], w[2], w[3], sc, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9],
+                           q[10], q[11], q[12], q[13], q[14], q[15], q[16], INTERPRET)
 
 
 @triton.jit

@@ -66,10 +66,10 @@ def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
                   f"gemv M={M} N={N} K={K} {cfg}")
 
 
-def test_gemv_scales_each_block_of_x(poisoned):
-    """The GEMV sums each 16-k block in fp16 with the block's own power of two (gemv._gemv_row): x
-    at any magnitude from 2^-100 to 2^29, or spread over 2^-40 .. 2^20 block by block, matches
-    float64 as closely as x ~ 1 does; a block whose largest |x| is below 2^-118 adds exactly
+def test_gemv_scales_each_lane_step_of_x(poisoned):
+    """The GEMV sums each lane's 32 k of a step in fp16 with one power of two (gemv._gemv_row): x at
+    any magnitude from 2^-100 to 2^29, or spread over 2^-40 .. 2^20 block by block, matches float64
+    as closely as x ~ 1 does; a 16-k block 2^120 below the other block of its 32 k adds exactly
     nothing; |x| >= 2^30 anywhere makes the row NaN (fp16 would overflow), and x = 0 gives 0."""
     N, K, cfg = 48, 512, GemvConfig(bn=16, bk=256)
     gen = torch.Generator().manual_seed(7)
@@ -88,7 +88,7 @@ def test_gemv_scales_each_block_of_x(poisoned):
     y, ref = run(base * spread)
     assert assert_close(y, ref, "blocks 2^-40 .. 2^20") < 4e-3
     tiny = base.clone()
-    tiny[0, 32:48] *= 2.0 ** -120                                             # one block below 2^-118
+    tiny[0, 32:48] *= 2.0 ** -120                                             # k 48..63 sets its 2^c
     zeroed = base.clone()
     zeroed[0, 32:48] = 0
     assert torch.equal(run(tiny)[0], run(zeroed)[0])
