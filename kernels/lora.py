@@ -81,6 +81,7 @@ import triton.language as tl
 from . import gemm, launch, tuning
 from .fp4_decode import _last_split, pdl_start, silu_mul as silu_mul_math
 from .fused_ops import norm_inputs, norm_row
+
 ROW_SHRINK_MAX_C = 32768   # columns a row_shrink program holds whole (its row and a row of A, 16 warps)
 
 # ----------------------------------------------------------------------------------------------

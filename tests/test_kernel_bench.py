@@ -111,4 +111,3 @@ def test_trace_timings_measures_from_each_norms_end():
     assert bench.trace_timings(fused) == plain                                       # the norm's launch
     with pytest.raises(ValueError, match="iterations"):
         bench.trace_timings(chain(1, True))
-
