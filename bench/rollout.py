@@ -131,20 +131,31 @@ def run_hf(hf, prompts, n, new):
 def _critical_path(prof):
     """Kernels in stream order, each charged end - max(start, previous end): the charges add up to
     the GPU's busy time, and a kernel launched early by PDL (whose own duration includes its wait
-    for the previous one) costs only what it adds. -> ({name: (us, calls)}, idle us)"""
+    for the previous one) costs only what it adds. Idle time (no kernel running) is charged to the
+    pair of kernels around it, so a gap can be traced to the launch that leaves it.
+    -> ({name: (us, calls)}, {(before, after): (idle us, gaps)})"""
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace
                      if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
-    cost, idle, last_end = {}, 0.0, kernels[0][0]
+    cost, idle, last_end, last_name = {}, {}, kernels[0][0], kernels[0][2]
     for start, end, name in kernels:
-        idle += max(0.0, start - last_end)
+        if start > last_end:
+            us, gaps = idle.get((last_name, name), (0.0, 0))
+            idle[(last_name, name)] = (us + start - last_end, gaps + 1)
         us, calls = cost.get(name, (0.0, 0))
         cost[name] = (us + max(0.0, end - max(start, last_end)), calls + 1)
-        last_end = max(last_end, end)
+        if end >= last_end:
+            last_end, last_name = end, name
     return cost, idle
+
+
+def _per_step(long, short, steps):
+    """{key: (us, count)} of the long run minus the short one, per extra decode step."""
+    return {k: ((us - short.get(k, (0.0, 0))[0]) / steps, (n - short.get(k, (0.0, 0))[1]) / steps)
+            for k, (us, n) in long.items()}
 
 
 def profile(run, vocab, batch, new, path, label=""):
@@ -163,13 +174,16 @@ def profile(run, vocab, batch, new, path, label=""):
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
     (short, idle0), (long, idle1) = paths
     steps = new - 8
-    per_step = {k: ((us - short.get(k, (0.0, 0))[0]) / steps, (calls - short.get(k, (0.0, 0))[1]) / steps)
-                for k, (us, calls) in long.items()}
+    per_step = _per_step(long, short, steps)
+    gaps = _per_step(idle1, idle0, steps)
     busy = sum(us for us, _ in per_step.values())
     lines = [f"critical path per decode step ({steps} steps: {new} new tokens minus 8): "
-             f"busy {busy:.1f} us, idle {(idle1 - idle0) / steps:.1f} us"]
+             f"busy {busy:.1f} us, idle {sum(us for us, _ in gaps.values()):.1f} us"]
     for name, (us, calls) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {us:9.1f} us  {calls:6.1f} calls  {name[:90]}")
+    lines.append("idle per decode step, by the kernels before and after the gap:")
+    for (before, after), (us, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:8]:
+        lines.append(f"  {us:9.1f} us  {n:6.1f} gaps  {before[:50]} -> {after[:50]}")
     critical = "\n".join(lines)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a") as f:

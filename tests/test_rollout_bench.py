@@ -28,5 +28,13 @@ def test_critical_path_charges_what_each_kernel_adds():
     ])
     cost, idle = bench._critical_path(prof)
     assert cost == {"gemv": (15.0, 2), "norm": (3.0, 2), "Memcpy HtoD": (0.0, 1)}
-    assert idle == 4.0
-    assert sum(us for us, _ in cost.values()) + idle == 22.0       # first start to last end
+    # 12..15 after norm (it ended last, at 12) and before the second gemv; 20..21 after that gemv
+    assert idle == {("norm", "gemv"): (3.0, 1), ("gemv", "norm"): (1.0, 1)}
+    assert sum(us for us, _ in cost.values()) + sum(us for us, _ in idle.values()) == 22.0   # first start to last end
+
+
+def test_per_step_takes_the_long_run_minus_the_short_one():
+    bench = load_bench("rollout")
+    long = {"gemv": (50.0, 12), ("a", "b"): (9.0, 3)}
+    short = {"gemv": (10.0, 2)}
+    assert bench._per_step(long, short, 10) == {"gemv": (4.0, 1.0), ("a", "b"): (0.9, 0.3)}
