@@ -6,8 +6,8 @@ depend on the instructions a weight: every one of them is issue time, and the sh
 ops of the decode run on the ALU pipe at half rate. This kernel decodes a pair of E2M1 codes
 into one fp16x2 register with three integer ops and multiplies it into x with one HFMA2, about
 half the instructions of an fp32 decode and FMA per weight (kernels/README.md has the counts and
-the timings). Below that, fewer instructions stop paying: the loop waits on its loads and its fp16
-chains, not on issue (8% fewer left the kernels' times as they were, kernels/README.md).
+the timings). Cutting further stops paying: 8% fewer instructions left the kernels' times as they
+were (kernels/README.md), since the loop then waits on its loads and its fp16 chains, not on issue.
 gemm.route sends M = 1 here; gemm._gemv launches it with shapes.py's GemvConfig.
 
 Layout. A program owns BN rows of W; a loop step covers BK k (BK/2 bytes of each row), and lane l
