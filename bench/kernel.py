@@ -332,6 +332,8 @@ def size_scaling(device, log):
         fits = {}
         for key in ("gemv_us", "gemv_hot_us", "stream_us"):
             pts = [(r["MB"], r[key]) for r in rows if key in r]
+            if len(pts) < 2:                 # hot in L2: no two sizes fit half this GPU's L2
+                continue
             slope, c = statistics.linear_regression([p[0] for p in pts], [p[1] for p in pts])
             fits[key] = dict(fixed_us=c, TBps=1 / slope)
             log(f"scaling {series}: {key:11s} {c:5.2f} us + bytes at {1 / slope:4.2f} TB/s")

@@ -152,6 +152,11 @@ def _critical_path(prof):
     return cost, idle
 
 
+def _idle(gaps) -> float:
+    """All the idle us of one run, from _critical_path's gaps."""
+    return sum(us for us, _ in gaps.values())
+
+
 def _per_step(long, short, steps):
     """{key: (us, count)} of the long run minus the short one, per extra decode step."""
     return {k: ((us - short.get(k, (0.0, 0))[0]) / steps, (n - short.get(k, (0.0, 0))[1]) / steps)
@@ -178,7 +183,7 @@ def profile(run, vocab, batch, new, path, label=""):
     gaps = _per_step(idle1, idle0, steps)
     busy = sum(us for us, _ in per_step.values())
     lines = [f"critical path per decode step ({steps} steps: {new} new tokens minus 8): "
-             f"busy {busy:.1f} us, idle {sum(us for us, _ in gaps.values()):.1f} us"]
+             f"busy {busy:.1f} us, idle {(_idle(idle1) - _idle(idle0)) / steps:.1f} us"]
     for name, (us, calls) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:25]:
         lines.append(f"  {us:9.1f} us  {calls:6.1f} calls  {name[:90]}")
     lines.append("idle per decode step, by the kernels before and after the gap:")

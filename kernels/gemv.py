@@ -6,8 +6,8 @@ depend on the instructions a weight: every one of them is issue time, and the sh
 ops of the decode run on the ALU pipe at half rate. This kernel decodes a pair of E2M1 codes
 into one fp16x2 register with three integer ops and multiplies it into x with one HFMA2, about
 half the instructions of an fp32 decode and FMA per weight (kernels/README.md has the counts and
-the timings). Cutting further stops paying: 8% fewer instructions left the kernels' times as they
-were (kernels/README.md), since the loop then waits on its loads and its fp16 chains, not on issue.
+the timings). Cutting further does not pay: 8% fewer instructions leave the kernels' times as they
+are (kernels/README.md), since the loop then waits on its loads and its fp16 chains, not on issue.
 gemm.route sends M = 1 here; gemm._gemv launches it with shapes.py's GemvConfig.
 
 Layout. A program owns BN rows of W; a loop step covers BK k (BK/2 bytes of each row), and lane l
@@ -270,7 +270,7 @@ def _gemv_row(acc, w, sc, x, INTERPRET: tl.constexpr):
     two shifts and one lop3 (a | b) & c, and its two products one fp16x2 FMA.
     Sums. Each block is two chains of 8 FMAs in fp16 (|products| < 6·2^-14·2^16 = 24, chains < 192:
     no overflow). Each chain times its block's scale·2^-4 (exact in fp16: E4M3's 2^-9 .. 448 become
-    2^-13 .. 28), the two blocks' added in fp16 pairs (< 2·192·28 = 10,752: no overflow), then fp32:
+    2^-13 .. 28), the two blocks' chains added in fp16 pairs (< 2·192·28 = 10,752: no overflow), then fp32:
     (lo + hi)·f with f = 2^(11-c), so acc is Σ w·x·scale·2^-7, the MMA kernels' operand scale that
     _finish undoes. A step with |x| >= 2^30 gives f = NaN (y is NaN), one whose largest |x| is below
     2^-122 gives f = 0."""

@@ -35,8 +35,8 @@ def _inputs(M, K, R, N, dtype, device="cpu", seed=0):
 def test_lora_delta_matches_float64(M, K, R, N):
     """fp32: K not a multiple of the shrink's chunk, 1 to 36 chunks summed in the kernel, R and N not
     multiples of the tiles, rows in a 16- or a 32-row tile; y is a column slice of a wider output
-    (the stacked q/k/v case): its columns change in place, the neighbours' do not. Again: the same bits (the chunks are summed in
-    order, and the last one left the counters at zero)."""
+    (the stacked q/k/v case): its columns change in place, the neighbours' do not. Again: the same
+    bits (the chunks are summed in order, and the last one left the counters at zero)."""
     x, A, B, y = _inputs(M, K, R, N, torch.float32)
     wide = torch.randn(M, N + 7)
     wide[:, 3:3 + N] = y
