@@ -12,14 +12,17 @@ GEMM). The weight format is the standard compressed-tensors NVFP4 layout (nvfp4.
 or, with interleaved=True, nvfp4.interleave's 16 x 128 tiles of the same bytes (K a multiple of
 128; what NVFP4Linear holds on CUDA): a warp's 16-byte-per-lane load of 8 rows then reads 512
 contiguous bytes instead of 8 scattered pieces. The bits of y do not depend on the layout, except
-where the register-A kernel runs (it reads the interleaved layout only, and sums in its own order).
+where the register-A kernel or the TMA-fed GEMV runs (they read the interleaved layout only, and sum
+in their own order).
 
 This file holds the input checks, the one function that decides which kernel computes a product
 (`route`), and the wrappers that allocate and launch. At M rows of x (the thresholds are
 tuning.py's fields; the launch shapes shapes.py's):
 
     route            forward y = x·Wᵀ                                  kernel
-    "gemv"           M = 1 (batch-1 decode)                             gemv._nvfp4_gemv_kernel
+    "gemv"           M = 1 (batch-1 decode)                             gemv._nvfp4_gemv_kernel;
+                                                                        gemv_tma (sm_90, interleaved)
+                                                                        on gate_up, 32B down
     "fragment"       2 <= M <= 16, K a multiple of 128                  small_m._nvfp4_mma_kernel
     "wgmma"          16 < M <= 128 on every weight, to 512 on big ones, register_a (sm_90, triton 3.6,
                      above where its waves fill; on big weights from     interleaved weights only)
@@ -64,7 +67,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from . import launch, shapes, tuning
+from . import gemv_tma, launch, shapes, tuning
 from . import register_a as rak
 from . import register_a_dx as rad
 from .shapes import GEMV_ROWS, MIN_RED, cdiv, fragment_rows
@@ -416,6 +419,8 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
     out = torch.empty((M, N // 2 if silu_mul else N), device=x.device, dtype=torch.bfloat16)
     if M == 0:
         return out
+    if gemv_tma_takes(N, K, x.device, il):
+        return _gemv_tma(x, packed, scale, global_scale, bias, out, lora, silu_mul)
     pdl = launch.pdl_launch(x.device)
     if K % 32:                               # a weight row must be whole 16-byte loads; the pad writes
         x, packed, scale = _pad(x, 1, 32), _pad(packed, 1, 16), _pad(scale.view(torch.uint8), 1, 2)
@@ -439,6 +444,32 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         BN=cfg.bn, BK=bk, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
+
+
+def gemv_tma_takes(N: int, K: int, device, interleaved: bool) -> bool:
+    """Does the TMA-fed GEMV (gemv_tma.py) compute y at one row? On weights of more than
+    gemv_tma_weight elements (the MLP's), K a multiple of 512 and N of 32, where Gluon runs
+    (gluon_runs). The narrow weights keep gemv.py, faster there."""
+    return (N * K > tuning.current().gemv_tma_weight and K % 512 == 0 and N % 32 == 0
+            and gluon_runs(device, interleaved))
+
+
+def _gemv_tma(x, packed, scale, global_scale, bias, out, lora, silu_mul):
+    """_gemv's product on the TMA-fed GEMV: split as shapes.gemv_tma_split says (never with
+    silu_mul), the split sum and the LoRA update in-kernel."""
+    N, K = packed.shape[0], x.shape[1]
+    tiles = N // gemv_tma.BN.value
+    split, steps = (1, K // 512) if silu_mul else shapes.gemv_tma_split(tiles, K, launch.num_sms(x.device))
+    part = launch.partials(split, out)
+    counts = launch.split_counts(x.device, tiles) if split > 1 else out
+    lora_ptrs, R, lora_flags = _lora_args(lora, out, split, True)
+    gemv_tma._gemv_tma_kernel[(tiles, split)](
+        x.view(torch.int32), *rak.weight_descriptors(packed, scale, 16), global_scale,
+        bias if bias is not None else out, part, out, counts, *lora_ptrs, N, R, K // 512, steps, split, N,
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, **lora_flags, LR=max(16, triton.next_power_of_2(R)),
+        SILU=silu_mul, LATE_WAIT=_late_wait(lora), S=gemv_tma.STAGES, num_warps=4, maxnreg=gemv_tma.REGS,
+        **launch.pdl_launch(x.device))
+    return out
 
 
 def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):

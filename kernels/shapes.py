@@ -218,6 +218,16 @@ def gemv_split(cfg: GemvConfig, tiles: int, K: int, bk: int, silu_mul: bool, sms
     return split(max(n, 1), tiles, K, bk, 0)
 
 
+def gemv_tma_split(tiles: int, K: int, sms: int):
+    """(split, 512-k steps a split) of a TMA-fed GEMV launch (gemv_tma.py) of tiles programs along
+    N: each split at least gemv_tma_steps steps, and at most a wave of 8 programs an SM (the most its
+    48 registers allow) in all. 7B down (112 tiles, 37 steps) takes 4 splits of 10 steps; gate_up,
+    more than a wave of tiles, none."""
+    n = max(1, min(cdiv(K, 512) // tuning.current().gemv_tma_steps, 8 * sms // tiles))
+    n, chunk = split(n, tiles, K, 512, 0)
+    return n, chunk // 512
+
+
 def mma_tiles(N: int, cfg: MmaConfig) -> int:
     """Programs of a fragment launch along N: 16·warps·tiles weight rows each."""
     return cdiv(N, 16 * cfg.warps * cfg.tiles)

@@ -87,6 +87,9 @@ class Tuning:
                                       # dequantize + cuBLAS wins
     wgmma_fill_m: int = 512           # above this M only where its launch fills its waves ...
     wave_fill: float = 0.6            # ... to this share (a part-empty last wave costs a whole one)
+    gemv_tma_weight: int = 100_000_000  # at one row, weights with more elements (gate_up; 32B down) take the
+                                      # TMA-fed GEMV (gemv_tma.py); on smaller ones (7B / 14B down, q/k/v, o)
+                                      # gemv.py's lighter programs start sooner
     fragment_reduce_max_m: int = 4    # a split fragment launch sums its own partials to this M ...
     pair_reduce_max_m: int = 8        # ... and to this M where a step loads two windows; else the reduce kernel
 
@@ -98,6 +101,8 @@ class Tuning:
     dx_wide: int = 64_000_000         # the widest weights (gate_up, down) have more elements than this
 
     # ---- launch shapes of the GEMM kernels (shapes.py)
+    gemv_tma_steps: int = 8           # a split of the TMA-fed GEMV streams at least this many 512-k steps:
+                                      # its ring fills once a program, so short programs pay its latency often
     gemv_wave: int = 5                # programs an SM that a CUDA-core GEMV split of 1024-k steps (the 32B
                                       # weights) fills, not ~8
     pair_windows: int = 4             # fragment programs of at most this many 128-k windows (twice that at

@@ -254,8 +254,8 @@ def test_real_shapes_gpu(N, K, M, poisoned):
 def test_interleaved_weights_real_shapes_gpu(N, K, poisoned):
     """The same on the real projection shapes (the routes' launch shapes differ there: 128-row
     fragment programs for the wide weights, split-K sums in-kernel and by the reduce kernel). Where
-    the register-A wgmma kernel takes the interleaved weight (it reads no other layout; its sums run
-    in another order) the bits differ: there both are checked against float64."""
+    the register-A wgmma kernel or the TMA-fed GEMV takes the interleaved weight (they read no other
+    layout; their sums run in another order) the bits differ: there both are checked against float64."""
     import nvfp4
     gen = torch.Generator().manual_seed(N + K)
     packed, scale, gs = random_weight(N, K, gen, "cuda")
@@ -263,7 +263,7 @@ def test_interleaved_weights_real_shapes_gpu(N, K, poisoned):
     for M in (1, 2, 4, 8, 9, 16, 64, 128):
         x = torch.randn(M, K, generator=gen).bfloat16().cuda()
         y, y_plain = kernels.nvfp4_matmul(x, pi, si, gs, interleaved=True), kernels.nvfp4_matmul(x, packed, scale, gs)
-        if gemm.route(M, N, K, x.device, True) == "wgmma":
+        if gemm.route(M, N, K, x.device, True) == "wgmma" or (M == 1 and gemm.gemv_tma_takes(N, K, x.device, True)):
             ref = reference_matmul(x, packed, scale, gs)
             assert_close(y, ref, f"M={M}")
             assert_close(y_plain, ref, f"plain M={M}")
