@@ -411,7 +411,9 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
 
 def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_mul=False):
     """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s)) on CUDA cores for one row of x (K a
-    multiple of 16; padded to 32 if odd); with silu_mul, silu(y[:, :N/2])·y[:, N/2:] (see matmul)."""
+    multiple of 16; padded to 32 if odd); with silu_mul, silu(y[:, :N/2])·y[:, N/2:] (see matmul).
+    Where gemv_tma_takes the weight, the TMA-fed GEMV computes it in its own launch shape (cfg
+    unused); else gemv.py in cfg's."""
     M, K = x.shape
     N = packed.shape[0]
     if M > GEMV_ROWS:
@@ -448,8 +450,8 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
 
 def gemv_tma_takes(N: int, K: int, device, interleaved: bool) -> bool:
     """Does the TMA-fed GEMV (gemv_tma.py) compute y at one row? On weights of more than
-    gemv_tma_weight elements (the MLP's), K a multiple of 512 and N of 32, where Gluon runs
-    (gluon_runs). The narrow weights keep gemv.py, faster there."""
+    gemv_tma_weight elements (gate_up; 32B down), K a multiple of 512 and N of 32, where Gluon runs
+    (gluon_runs). The others keep gemv.py, faster there."""
     return (N * K > tuning.current().gemv_tma_weight and K % 512 == 0 and N % 32 == 0
             and gluon_runs(device, interleaved))
 
