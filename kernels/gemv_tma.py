@@ -72,13 +72,9 @@ def _grid_release():
 def _producer(w_desc, s_desc, ws, ss, ready, free, ga, gb, step_start, step_end):
     """Fill stage i % S with step i's words and scales (slot 2w + h: window w of group ga or gb)
     once the consumers have freed it."""
-    S: gl.constexpr = ws.type.shape[0]
     nbytes: gl.constexpr = 8 * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
     for step in range(step_start, step_end):
-        i = step - step_start
-        stage = i % S
-        mbarrier.wait(free.index(stage), ((i // S) & 1) ^ 1)      # a fresh barrier counts as freed
-        mbarrier.expect(ready.index(stage), nbytes)
+        stage = register_a.claim_stage(step - step_start, ready, free, nbytes)
         for w in gl.static_range(4):
             for h in gl.static_range(2):
                 g = ga + h * (gb - ga)

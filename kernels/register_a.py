@@ -327,6 +327,18 @@ def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, NW
 
 
 @gluon.jit
+def claim_stage(i, ready, empty, nbytes: gl.constexpr):
+    """A TMA producer's i-th turn at its ring (this kernel's, register_a_dx's, gemv_tma's): wait until
+    the consumers have released stage i % S (a fresh barrier counts as released), then expect nbytes
+    of copies on its ready barrier; -> the stage."""
+    S: gl.constexpr = ready.type.shape[0]
+    stage = i % S
+    mbarrier.wait(empty.index(stage), ((i // S) & 1) ^ 1)
+    mbarrier.expect(ready.index(stage), nbytes)
+    return stage
+
+
+@gluon.jit
 def _load_partition(x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, group0, w_start, w_end):
     """The producer (one warp): for each window, wait until its ring stage is free, then copy the
     xp tile and each consumer's W words and scales into it by TMA; their arrival completes the
@@ -336,10 +348,7 @@ def _load_partition(x_desc, w_desc, s_desc, xs, ws, ss, ready, empty, tok0, grou
     GC: gl.constexpr = w_desc.block_type.shape[0]       # 16-row groups a consumer's box holds
     nbytes: gl.constexpr = x_desc.block_type.nbytes + C * (w_desc.block_type.nbytes + s_desc.block_type.nbytes)
     for win in range(w_start, w_end):
-        i = win - w_start
-        stage = i % S
-        mbarrier.wait(empty.index(stage), ((i // S) & 1) ^ 1)    # a fresh barrier counts as released
-        mbarrier.expect(ready.index(stage), nbytes)
+        stage = claim_stage(win - w_start, ready, empty, nbytes)
         tma.async_copy_global_to_shared(x_desc, [tok0, win * 128], ready.index(stage), xs.index(stage))
         for c in gl.static_range(C):
             tma.async_copy_global_to_shared(w_desc, [group0 + c * GC, win * 256], ready.index(stage),

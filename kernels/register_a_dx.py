@@ -59,7 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .fp4_decode import _DECODE_REGS, _e2m1x4_to_bf16_ptx
 from .shapes import DX_BK, DX_BT
-from .register_a import (_POST, _SCALE_TO_OPERAND, _X_SMEM, CONSUMER_REGS, LOADER_REGS, _pdl_start,
+from .register_a import (_POST, _SCALE_TO_OPERAND, _X_SMEM, CONSUMER_REGS, LOADER_REGS, _pdl_start, claim_stage,
                                weight_descriptors)
 
 BT = gl.constexpr(DX_BT)  # tokens a program (128)
@@ -165,13 +165,9 @@ def _decode_operand_dx(halves, sb, DL: gl.constexpr):
 def _load_partition(y_desc, w_desc, s_desc, ys, ws, ss, ready, empty, tok0, kwin0, w_start, w_end):
     """The producer (one warp): per 128-n window, once its stage is free, by TMA: the dy tile (two
     64-column boxes) and each consumer's 128-k window of the window's words and scales."""
-    S: gl.constexpr = ready.type.shape[0]
     nbytes: gl.constexpr = 2 * (y_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes)
     for win in range(w_start, w_end):
-        i = win - w_start
-        stage = i % S
-        mbarrier.wait(empty.index(stage), ((i // S) & 1) ^ 1)    # a fresh barrier counts as released
-        mbarrier.expect(ready.index(stage), nbytes)
+        stage = claim_stage(win - w_start, ready, empty, nbytes)
         for h in gl.static_range(2):
             tma.async_copy_global_to_shared(y_desc, [tok0, win * 128 + h * 64], ready.index(stage),
                                             ys.index(stage * 2 + h))
