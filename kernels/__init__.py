@@ -64,12 +64,13 @@ def describe(device) -> tuple[str, list[str]]:
         warnings.append(f"sm_{cap[0]}{cap[1]}: no programmatic dependent launch (Hopper and later); each of a "
                         f"decode step's ~500 launches waits for the one before it")
     if gemm.gluon_runs(device, True):
-        on.append(f"the register-A wgmma kernel (sm_90, triton {triton.__version__})")
+        on.append(f"the register-A wgmma kernel and the TMA-fed GEMV (sm_90, triton {triton.__version__})")
     else:
         why = (f"triton {triton.__version__} (its Gluon is written for {gemm.GLUON_TRITON}x: pip install -c "
                f"constraints-gpu.txt)" if cap == (9, 0) else f"sm_{cap[0]}{cap[1]} (it needs sm_90)")
         warnings.append(f"register-A wgmma kernel off on {why}: NVFP4 matmuls at 2-1024 rows run on the tile "
-                        f"kernels or dequantize + cuBLAS, 1.2-2x slower there (the GRPO rollout's batch)")
+                        f"kernels or dequantize + cuBLAS, 1.2-2x slower there (the GRPO rollout's batch); at one "
+                        f"row gate/up runs on the register GEMV, 2-6% slower a batch-1 decode step")
     return f"kernels: {', '.join(on)} on {torch.cuda.get_device_name(device)}", warnings
 
 
