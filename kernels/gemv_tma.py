@@ -58,17 +58,6 @@ _POST = gl.constexpr(register_a._POST.value)
 
 
 @gluon.jit
-def _grid_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _grid_release():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
 def _producer(w_desc, s_desc, ws, ss, ready, free, ga, gb, step_start, step_end):
     """Fill stage i % S with step i's words and scales (slot 2w + h: window w of group ga or gb)
     once the consumers have freed it."""
@@ -171,21 +160,19 @@ def _consumer(ws, ss, ready, free, x2_ptr, gs_ptr, bias_ptr, part_ptr, y_ptr, co
     """The main loop, then the epilogue of a row tile (or its partial, and the sum by the last split)."""
     LS: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [4, 1, 1], [2, 1, 0])     # (window, row, lane)
     if USE_PDL and not LATE_WAIT:
-        _grid_wait()
+        register_a.grid_wait()
         if SILU:
-            _grid_release()
+            register_a.grid_release()
     acc = _main_loop(ws, ss, ready, free, x2_ptr, step_start, step_end, LS)
     if USE_PDL:
         if LATE_WAIT:
-            _grid_wait()
+            register_a.grid_wait()
         if LATE_WAIT or not SILU:
-            _grid_release()
+            register_a.grid_release()
     y = gl.convert_layout(gl.sum(gl.sum(acc, axis=2), axis=0), rows.type.layout)   # (BN,)
     if PARTIAL:
         gl.store(part_ptr + pid_k * stride_os + rows, y)
-        gl.thread_barrier()
-        if gl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
-            gl.store(count_ptr + pid_n, 0)
+        if register_a.last_split(count_ptr, pid_n, NSPLIT):
             total = gl.load(part_ptr + rows, cache_modifier=".cg")
             for sp in range(1, NSPLIT):
                 total += gl.load(part_ptr + sp * stride_os + rows, cache_modifier=".cg")

@@ -176,12 +176,37 @@ def _decode_operand(words, sc, BN: gl.constexpr, DL: gl.constexpr):
 
 
 @gluon.jit
+def grid_wait():
+    """griddepcontrol.wait: the kernel before has finished and its writes are visible (Gluon has no
+    builtin for it; launch.py has the PDL rules)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def grid_release():
+    """griddepcontrol.launch_dependents: the next kernel may be scheduled."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _pdl_start(USE_PDL: gl.constexpr):
-    """fp4_decode.pdl_start's two instructions (Gluon has no builtin for them)."""
+    """fp4_decode.pdl_start: wait, then release."""
     if USE_PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        grid_wait()
+        grid_release()
+
+
+@gluon.jit
+def last_split(count_ptr, slot, nsplit):
+    """fp4_decode._last_split in Gluon: after every thread's partial store (barrier), one
+    release-acquire count of the slot at GPU scope; True for the split that counts last, which sets
+    the count back to 0."""
+    gl.thread_barrier()
+    last = gl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu") == nsplit - 1
+    if last:
+        gl.store(count_ptr + slot, 0)
+    return last
 
 
 @gluon.jit
@@ -254,9 +279,7 @@ def _sum_split_tile(acc, buf, y_desc, gs_ptr, bias_ptr, work_ptr, count_ptr, N, 
     offs = (gl.arange(0, BN, layout=gl.SliceLayout(1, mma))[:, None] * BT
             + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))[None, :])
     gl.store(work_ptr + (pid_k * nslots + slot) * (BN * BT) + offs, acc)
-    gl.thread_barrier()
-    if gl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu") == nsplit - 1:
-        gl.store(count_ptr + slot, 0)
+    if last_split(count_ptr, slot, nsplit):
         total = gl.load(work_ptr + slot * (BN * BT) + offs, cache_modifier=".cg")
         for s in range(1, nsplit):
             total += gl.load(work_ptr + (s * nslots + slot) * (BN * BT) + offs, cache_modifier=".cg")
