@@ -16,9 +16,16 @@ the fields with their defaults; their reasons are in kernels/tuning.py.
 
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce_in_kernel=1 reduce_in_kernel=0
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants fused=1 fused=0
+    python bench/ab.py --models 7b --lora --workloads batch8 --replay 200 --variants pdl=1 pdl=0
     python bench/ab.py --models 32b --workloads batch16 --variants wgmma_small_min_m=16 wgmma_small_min_m=8 --profile 16
+Each timed run follows a warm-up run of 2 new tokens under the same variant (it compiles, warms every
+graph bucket) and a free_cache(keep_warm=True): the timed call captures its decode graph, as every
+train.py step does, but runs no eager warm-up passes, whose host time would move the result by
+several percent. --replay N also times N back-to-back replays of the run's decode graph: the
+step's GPU time alone, the sharpest view of a kernel change.
+
 Prints a line per run and writes OUT/ab.json: rows (model, rep, variant, workload, tok/s: decode
-tok/s for batchB, total tok/s for grpo); with --profile, OUT/profile.txt: per variant the kernels of
+tok/s for batchB, total tok/s for grpo; replay_ms with --replay); with --profile, OUT/profile.txt: per variant the kernels of
 one decode step on its critical path (bench/rollout.py's profile). --lora adds train.py's default
 adapters (rank 32 on all seven projections) to every variant: the rollout a GRPO step runs.
 """
@@ -36,6 +43,7 @@ sys.path.insert(0, ROOT)
 
 import torch
 
+import graphs as graphs_mod
 import lora
 import rollout
 from kernels import tuning
@@ -75,6 +83,24 @@ def tuned(variant: dict):
     return tuning.using(dataclasses.replace(tuning.current(), **variant))
 
 
+def replay_ms(engine, rows: int, n: int) -> float:
+    """GPU time of one decode step: n back-to-back replays of the decode graph the last generate()
+    call ran for `rows` sequences (its inputs as the last step left them), timed by CUDA events.
+    No host work and no capture: the kernels alone, so a kernel change shows without the few
+    percent a whole call's time moves between runs."""
+    graphs = engine.runner.graphs
+    bucket = next(b for b in graphs_mod.BUCKETS if b >= rows)
+    graph = next(g for key, (g, _) in graphs.decode_graphs.items() if key[0] == bucket)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def _bench_rollout():
     """bench/rollout.py as a module (its name clashes with the top-level rollout.py)."""
     spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(ROOT, "bench", "rollout.py"))
@@ -95,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--replay", type=int, default=0, help="also time this many back-to-back replays of each "
+                    "batchB run's decode graph: the step's GPU time (replay_ms)")
     ap.add_argument("--profile", default="", help="batch sizes (comma-separated) whose decode step is also "
                     "profiled per variant after the timed reps: OUT/profile.txt (bench/rollout.py's profile)")
     args = ap.parse_args(argv)
@@ -123,11 +151,15 @@ def main(argv=None):
                         prompts = br.random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0)
                         engine.free_cache()                          # graphs of this variant's kernels
                         br.run_ours(engine, prompts, w["n"], 2)      # warm-up (compiles)
-                        engine.free_cache()
+                        engine.free_cache(keep_warm=True)            # the timed run captures, as train.py's
                         r = br.run_ours(engine, prompts, w["n"], w["new"])
                         tok_s = r["new_tokens"] / r["total_s"] if wl == "grpo" else br.decode_tok_s(w, r)
-                        rows.append(dict(model=model_name, rep=rep, variant=name, workload=wl, tok_s=tok_s))
-                        print(f"{model_name} rep {rep} {name:24s} {wl:8s} {tok_s:9.1f} tok/s", flush=True)
+                        row = dict(model=model_name, rep=rep, variant=name, workload=wl, tok_s=tok_s)
+                        if args.replay and wl != "grpo":
+                            row["replay_ms"] = replay_ms(engine, w["prompts"], args.replay)
+                        rows.append(row)
+                        print(f"{model_name} rep {rep} {name:24s} {wl:8s} {tok_s:9.1f} tok/s"
+                              + (f"  replay {row['replay_ms']:.4f} ms" if "replay_ms" in row else ""), flush=True)
         for batch in (int(b) for b in args.profile.split(",") if b):
             for name, variant in variants.items():
                 with tuned(variant):

@@ -499,7 +499,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         M, N, K // 128, per, R,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=_late_wait(lora),
-        W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
+        W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step, AHEAD=shapes.mma_ahead(M),
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=1, **launch.pdl_launch(x.device))
     return out if finishes else _reduce(part, global_scale, bias, out, lora)
 

@@ -256,6 +256,15 @@ def mma_launch(cfg: MmaConfig, M: int, tiles: int, K: int, device):
     return cdiv(nwin, per), per, 2
 
 
+def mma_ahead(M: int) -> bool:
+    """Does a fragment program of M rows load its next step before it decodes this one (AHEAD)? From
+    tuning's ahead_min_m to ahead_max_m rows: the step in flight while a warp decodes costs registers
+    and a few instructions a step, which pays at 5..8 rows and not at 2..4 or 9..16 (bench/ab.py
+    --replay, the decode step's GPU time)."""
+    t = tuning.current()
+    return t.ahead_min_m <= M <= t.ahead_max_m
+
+
 def wgmma_wave(cfg: WgmmaConfig, device) -> int:
     """Programs of a register-A launch that fit on the SMs at once: by shared memory (the ring of x
     tiles, words and scales) and, warp-specialized, by registers (the producer's warp takes a

@@ -7,17 +7,19 @@ keeps the weights in registers from load to multiply, never through shared memor
 chooses it (one row goes to the CUDA-core GEMV, gemv.py); gemm._mma launches it with shapes.py's
 MmaConfig.
 
-The fragment kernel, _nvfp4_mma_kernel (M <= 16 and K a multiple of 128), decodes the weights
-straight into the A registers of mma.sync.m16n8k16 (the bf16 decode of fp4_decode.py) and lets each
-lane own the k of its own 16-byte loads, so no bits need to move inside a byte: about 3.5 SASS
-instructions per weight in the loop for any M <= 8. The comment above _decode_mma_ptx gives the
-register maps. A loop step loads U windows (U = 1, 2 or 4: _mma_step_weights, _mma_run) before it
-decodes any (_mma_step): short programs (a few windows, the small weights) are a chain of load
-latencies, and two windows in flight a warp shorten it. Where it finishes y (unsplit, or its last
-split summing the others) it folds the LoRA expand in too (LORA: _mma_update, the update as one
-small MMA per program in the epilogue, re-laid out to the fragments' layout); a split launch that
-leaves the sum to the reduce kernel leaves the update to it as well. It reads either layout of W
-(IL: nvfp4.interleave, where its warp loads are 512 contiguous bytes).
+The fragment kernel, _nvfp4_mma_kernel (M <= 16 and K a multiple of 128), decodes the weights straight
+into the A registers of mma.sync.m16n8k16 (the bf16 decode of fp4_decode.py) and lets each lane own the
+k of its own 16-byte loads, so no bits need to move inside a byte: about 3.5 SASS instructions per
+weight in the loop for any M <= 8. The comment above _decode_mma_ptx gives the register maps. A loop
+step loads U windows (U = 1, 2 or 4: _mma_step_weights, _mma_step_x) before it decodes any (_mma_step):
+short programs (a few windows, the small weights) are a chain of load latencies, and two windows in
+flight a warp shorten it. At 5 to 8 rows (shapes.mma_ahead) a program also loads its next step before it
+decodes this one (AHEAD), so each warp has a step in flight while it decodes one; at other row counts
+the registers and instructions that costs do not pay. Where it finishes y (unsplit, or its last split
+summing the others) it folds the LoRA expand in too (LORA: _mma_update, the update as one small MMA per
+program in the epilogue, re-laid out to the fragments' layout); a split launch that leaves the sum to
+the reduce kernel leaves the update to it as well. It reads either layout of W (IL: nvfp4.interleave,
+where its warp loads are 512 contiguous bytes).
 
     x2       int32 (M, K/2)      x viewed as bf16 pairs
     packed   uint8 (N, K/2)      read as int32 words, (N, K/8)
@@ -213,13 +215,20 @@ def _mma_xwords(x2_ptr, win, win_end, T, G, Q, WP, M, stride_x2m, NT: tl.constex
 
 
 @triton.jit
-def _mma_run(acc0, acc1, weights, x2_ptr, win, win_end, T, G, Q, WP, M, stride_x2m, NT: tl.constexpr,
-             W: tl.constexpr, R: tl.constexpr, U: tl.constexpr, INTERPRET: tl.constexpr):
-    """One loop step: the x words of its U windows loaded (their weights are loaded: weights, a
-    tuple of _mma_weights), then each window decoded and multiplied (_mma_step)."""
+def _mma_step_x(x2_ptr, win, win_end, T, G, Q, WP, M, stride_x2m, NT: tl.constexpr, U: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """_mma_xwords of the U windows from win, as a tuple."""
     xs = ()
     for u in tl.static_range(U):
         xs = xs + (_mma_xwords(x2_ptr, win + u, win_end, T, G, Q, WP, M, stride_x2m, NT, INTERPRET),)
+    return xs
+
+
+@triton.jit
+def _mma_run(acc0, acc1, weights, xs, NT: tl.constexpr, W: tl.constexpr, R: tl.constexpr, U: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """One loop step: each of its U windows (weights and xs: _mma_step_weights' and _mma_step_x's
+    tuples) decoded and multiplied (_mma_step)."""
     for u in tl.static_range(U):
         acc0, acc1 = _mma_step(acc0, acc1, weights[u] + xs[u], NT, W, R, INTERPRET)
     return acc0, acc1
@@ -282,6 +291,7 @@ def _nvfp4_mma_kernel(
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr,   # the folded LoRA expand
     LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
+    AHEAD: tl.constexpr,       # the next step's loads go out before this step's decodes
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
     registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
@@ -310,17 +320,28 @@ def _nvfp4_mma_kernel(
     acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
     # every load of a step's U windows first, then their decodes and mma.sync; the first step's
     # weights before the wait on the kernel before (they are not its output), its x after
-    first = _mma_step_weights(p4_ptr, scale_ptr, win_start, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
-                              IL, U, INTERPRET)
+    w = _mma_step_weights(p4_ptr, scale_ptr, win_start, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
+                          IL, U, INTERPRET)
     if not LATE_WAIT:
         pdl_start(USE_PDL)
-    acc0, acc1 = _mma_run(acc0, acc1, first, x2_ptr, win_start, win_end, T, G, Q, WP, M, stride_x2m, NT, W, R, U,
-                          INTERPRET)
-    for win in range(win_start + U, win_end, U):
-        step = _mma_step_weights(p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
-                                 IL, U, INTERPRET)
-        acc0, acc1 = _mma_run(acc0, acc1, step, x2_ptr, win, win_end, T, G, Q, WP, M, stride_x2m, NT, W, R, U,
-                              INTERPRET)
+    if AHEAD:
+        xs = _mma_step_x(x2_ptr, win_start, win_end, T, G, Q, WP, M, stride_x2m, NT, U, INTERPRET)
+        for win in range(win_start, win_end, U):
+            # the next step's loads go out before this step's decodes (masked past win_end)
+            w_next = _mma_step_weights(p4_ptr, scale_ptr, win + U, win_end, row0, row1, srow, T, Q, stride_p4n,
+                                       stride_sn, IL, U, INTERPRET)
+            xs_next = _mma_step_x(x2_ptr, win + U, win_end, T, G, Q, WP, M, stride_x2m, NT, U, INTERPRET)
+            acc0, acc1 = _mma_run(acc0, acc1, w, xs, NT, W, R, U, INTERPRET)
+            w = w_next
+            xs = xs_next
+    else:
+        acc0, acc1 = _mma_run(acc0, acc1, w, _mma_step_x(x2_ptr, win_start, win_end, T, G, Q, WP, M, stride_x2m, NT,
+                                                         U, INTERPRET), NT, W, R, U, INTERPRET)
+        for win in range(win_start + U, win_end, U):
+            step = _mma_step_weights(p4_ptr, scale_ptr, win, win_end, row0, row1, srow, T, Q, stride_p4n, stride_sn,
+                                     IL, U, INTERPRET)
+            acc0, acc1 = _mma_run(acc0, acc1, step, _mma_step_x(x2_ptr, win, win_end, T, G, Q, WP, M, stride_x2m, NT,
+                                                                U, INTERPRET), NT, W, R, U, INTERPRET)
 
     if LATE_WAIT:
         pdl_start(USE_PDL)                               # the shrink's partials are read from here on

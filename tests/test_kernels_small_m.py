@@ -285,6 +285,26 @@ def test_fragment_kernel_cuts_long_runs_at_one_token_tile(M, monkeypatch, poison
     assert_close(got, reference_matmul(x, packed, scale, gs, None), f"mma M={M} long run cut")
 
 
+@pytest.mark.parametrize("M", [3, 8, 12])
+def test_fragment_kernel_loads_ahead_or_not_with_the_same_result(M, monkeypatch, poisoned):
+    """The loop that loads its next step before it decodes this one (AHEAD: by default at 5..8
+    rows only) and the one that does not, each forced at one and two token tiles, against float64:
+    three windows a split at two a step, so each split's last step is part past its windows and
+    the step loaded ahead of the last one is wholly past them (masked to zero, never used)."""
+    launched = []
+    monkeypatch.setattr(gemm, "_nvfp4_mma_kernel", LaunchSpy(gemm._nvfp4_mma_kernel, launched))
+    gen = torch.Generator().manual_seed(M)
+    packed, scale, gs = random_weight(80, 640, gen)
+    x = torch.randn(M, 640, generator=gen).bfloat16().to(DEV)
+    want = reference_matmul(x, packed, scale, gs, None)
+    gemm._mma(x, packed, scale, gs, None, MmaConfig(warps=2, split=2, windows=2))
+    for ahead in (True, False):
+        with _replaced(ahead_min_m=1 if ahead else 17, ahead_max_m=16):
+            got = gemm._mma(x, packed, scale, gs, None, MmaConfig(warps=2, split=2, windows=2))
+        assert_close(got, want, f"mma M={M} ahead={ahead}")
+    assert [kw["AHEAD"] for _, kw in launched] == [4 < M <= 8, True, False]
+
+
 def test_fragment_kernel_sums_in_kernel_or_leaves_it_to_the_reduce_kernel(monkeypatch):
     """Which fragment launches sum their own partials: the one of M = 3 (split 2), not the M = 12
     one the reduce kernel follows (split 2), and the unsplit M = 12 one writes y itself; y is
