@@ -18,16 +18,17 @@ the fields with their defaults; their reasons are in kernels/tuning.py.
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants fused=1 fused=0
     python bench/ab.py --models 7b --lora --workloads batch8 --replay 200 --variants pdl=1 pdl=0
     python bench/ab.py --models 32b --workloads batch16 --variants wgmma_small_min_m=16 wgmma_small_min_m=8 --profile 16
+
 Each timed run follows a warm-up run of 2 new tokens under the same variant (it compiles, warms every
 graph bucket) and a free_cache(keep_warm=True): the timed call captures its decode graph, as every
 train.py step does, but runs no eager warm-up passes, whose host time would move the result by
 several percent. --replay N also times N back-to-back replays of the run's decode graph: the
 step's GPU time alone, the sharpest view of a kernel change.
 
-Prints a line per run and writes OUT/ab.json: rows (model, rep, variant, workload, tok/s: decode
-tok/s for batchB, total tok/s for grpo; replay_ms with --replay); with --profile, OUT/profile.txt: per variant the kernels of
-one decode step on its critical path (bench/rollout.py's profile). --lora adds train.py's default
-adapters (rank 32 on all seven projections) to every variant: the rollout a GRPO step runs.
+Prints a line per run and writes OUT/ab.json: rows (model, rep, variant, workload, tok/s: decode tok/s
+for batchB, total tok/s for grpo; replay_ms with --replay); with --profile, OUT/profile.txt: per variant
+the kernels of one decode step on its critical path (bench/rollout.py's profile). --lora adds train.py's
+default adapters (rank 32 on all seven projections) to every variant: the rollout a GRPO step runs.
 """
 import argparse
 import dataclasses

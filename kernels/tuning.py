@@ -111,7 +111,7 @@ class Tuning:
     long_run_cut: int = 8             # ... is cut into runs of this many, two windows a step
     ahead_min_m: int = 5              # from this M to ahead_max_m a fragment program loads its next step
     ahead_max_m: int = 8              # before it decodes this one (a step in flight while it decodes one):
-                                      # the 8-row decode step 1.2% shorter; at 2-4 and 9-16 rows no gain
+                                      # it pays at 8 rows, not at 2-4 or 9-16 (shapes.mma_ahead)
     wgmma_decode_wave: float = 0.75   # register-A split-K at <= 16 tokens fills this share of a wave: each
                                       # split adds fp32 partials that the reduce kernel reads back
     long_ring_windows: int = 32       # one-wave register-A programs of at least this many windows take a
