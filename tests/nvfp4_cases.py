@@ -11,6 +11,7 @@ codes (all 16 E2M1 values) and scales (E4M3 from subnormal to large).
     SMALL          (M, N, K) cases that reach every route at interpreter-sized shapes
     random_weight  (packed, scale, global_scale) of an (N, K) weight
     rel_err, assert_close, check_forward   the error measures and the float64 forward check
+    check_silu_mul a GEMV's SiLU·mul output against its plain launch and float64
     LaunchSpy      stands in for a Triton kernel and records which one a wrapper launched
 """
 import torch
@@ -56,6 +57,22 @@ def check_forward(run, M, N, K, has_bias, seed, what):
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
     e = assert_close(y, marlin_kernel.reference_matmul(x, packed, scale, gs, bias), what)
     assert e < 4e-3, f"{what}: typical error too large: {e:.2e}"
+
+
+def check_silu_mul(got, y, x, packed, scale, gs, lora, what):
+    """got: a GEMV's silu_mul output (1, I) for W stacking gate and up (N = 2I); y: the same GEMV's
+    plain output (1, N). got has the bits of fused_ops.silu_mul on y's two halves, and is within bf16
+    tolerance of float64 silu(g)·u, the LoRA update lora = (hp, B, s) added first (hp summed over its
+    splits and rounded to bf16, as the kernels fold it)."""
+    import marlin_kernel
+    from kernels import fused_ops
+    I = y.shape[1] // 2
+    assert got.shape == (1, I) and torch.equal(got, fused_ops.silu_mul(y[:, :I], y[:, I:]))
+    ref = marlin_kernel.reference_matmul(x, packed, scale, gs, None)
+    if lora is not None:
+        hp, B, s = lora
+        ref = ref + s * hp.sum(0).bfloat16().double() @ B.double().t()
+    assert_close(got, torch.nn.functional.silu(ref[:, :I]) * ref[:, I:], what)
 
 
 class LaunchSpy:

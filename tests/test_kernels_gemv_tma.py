@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import fused_ops, gemm, gemv_tma, launch, shapes, tuning
+from kernels import gemm, gemv_tma, launch, shapes, tuning
 from marlin_kernel import reference_matmul
-from nvfp4_cases import LaunchSpy, assert_close, random_weight
+from nvfp4_cases import LaunchSpy, assert_close, check_silu_mul, random_weight
 
 QWEN = {"7B qkv": (4608, 3584), "7B o": (3584, 3584), "7B gate_up": (37888, 3584), "7B down": (3584, 18944),
         "14B gate_up": (27648, 5120), "14B down": (5120, 13824),
@@ -103,12 +103,7 @@ def test_silu_mul_gpu(with_lora, monkeypatch, poisoned):
     got = gemm.matmul(x, *w, gs, interleaved=True, lora=lora, silu_mul=True)
     y = gemm.matmul(x, *w, gs, interleaved=True, lora=lora)
     assert [kw["SILU"] for _, kw in launched] == [True, False]
-    I = N // 2
-    assert got.shape == (1, I) and torch.equal(got, fused_ops.silu_mul(y[:, :I], y[:, I:]))
-    ref = reference_matmul(x, packed, scale, gs, None)
-    if with_lora:
-        ref = ref + 0.5 * (hp[0] + hp[1]).bfloat16().double() @ B.double().t()
-    assert_close(got, torch.nn.functional.silu(ref[:, :I]) * ref[:, I:], f"gemv_tma silu_mul lora={with_lora}")
+    check_silu_mul(got, y, x, packed, scale, gs, lora, f"gemv_tma silu_mul lora={with_lora}")
 
 
 @pytest.mark.gpu
