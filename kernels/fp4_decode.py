@@ -53,10 +53,9 @@ that stores a finished tile of y (the GEMV, the fragment kernel, the swapped til
 reduce) may add s · bf16(Σ_j hp[j]) · Bᵀ first, from the K-chunk partials hp of lora.lora_shrink
 that ran before it, so no expand kernel is launched (gemm.folds_lora says where). The shrink's chunk
 (_shrink_chunk) is shared by that launch and by a launch that carries the shrink in its first
-programs (_carried_shrink: the reduce and expand kernels, lora.carries): those programs release a
-flag per rank tile, and the launch's other programs acquire it before they read hp (_await_shrink,
-the same barrier-and-atomic pattern as _last_split). They cannot wait on programs that never run:
-the carried programs have the lowest ids, and the GPU starts a launch's programs in id order.
+programs (_carried_shrink: the reduce and expand kernels, lora.carries): each finished rank tile is
+counted on one ready word, which the launch's other programs acquire before they read hp
+(_await_shrink, the same barrier-and-atomic pattern as _last_split).
 
 Leaves out: FP8 or FP4 activations (this is W4A16), a re-layout of the bits inside a byte.
 Test: tests/test_kernels_fp4_decode.py: every byte value and E4M3 scales from subnormal to 448
@@ -351,19 +350,21 @@ def _shrink_chunk(x_ptr, a_ptr, part_ptr, hp_ptr, count_ptr, i, j, M, R, K, stri
 @triton.jit
 def _carried_shrink(pid, NS: tl.constexpr, x_ptr, a_ptr, part_ptr, hp_ptr, flag_ptr, M, R, K, stride_xm,
                     BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                    FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr):
-    """In a launch whose first NS programs compute the shrink its other programs fold (NS = 0: none):
-    True in those, after program pid's _shrink_chunk (rank tile pid % tiles, chunk pid // tiles,
-    lora_shrink's order; the per-tile counts at flag_ptr[0, SHRINK_READY)), where the program that
-    wrote a tile's hp releases it (barrier, one release add to flag_ptr[SHRINK_READY]: _last_split's
-    pattern). The caller returns on True and numbers its own programs from pid - NS."""
+                    FP32_DOT: tl.constexpr):
+    """In a launch after a matmul whose first NS programs compute the shrink its other programs fold
+    (NS = 0: none): True in those, after program pid's _shrink_chunk (rank tile pid % tiles, chunk
+    pid // tiles, lora_shrink's order; the per-tile counts at flag_ptr[0, SHRINK_READY)), where the
+    program that wrote a tile's hp counts it on the ready word flag_ptr[SHRINK_READY] (barrier, one
+    release add: _last_split's pattern). They do not wait on the matmul before them: x was written
+    before it, and a launch is scheduled only once the kernel two places ahead has finished
+    (pdl_start). The caller returns on True and numbers its own programs from pid - NS."""
     took = False
     if NS > 0:
         took = pid < NS
         if took:
             tiles = tl.cdiv(R, BR)
             if _shrink_chunk(x_ptr, a_ptr, part_ptr, hp_ptr, flag_ptr, pid % tiles, pid // tiles, M, R, K,
-                             stride_xm, BM, BR, BK, SPLIT, FP32_DOT, USE_PDL, WAIT):
+                             stride_xm, BM, BR, BK, SPLIT, FP32_DOT, False, False):
                 tl.debug_barrier()
                 tl.atomic_add(flag_ptr + SHRINK_READY, 1, sem="release", scope="gpu")
     return took
@@ -372,14 +373,15 @@ def _carried_shrink(pid, NS: tl.constexpr, x_ptr, a_ptr, part_ptr, hp_ptr, flag_
 @triton.jit
 def _await_shrink(flag_ptr, R, BR: tl.constexpr, readers):
     """In each of the `readers` programs of a launch that read the hp its first programs write
-    (_carried_shrink): wait until every rank tile is released (an acquire, then a barrier, so every
-    thread's loads of hp come after it), then count this reader; the last sets both counts back to 0
-    for the next launch that takes these flags. The carried programs have the lowest program ids, so
-    they are on the SMs before any reader that waits on them."""
+    (_carried_shrink): wait until the ready word counts every rank tile (one thread's acquire load,
+    then a barrier, so every thread's loads of hp come after it), then count this reader; the last
+    sets both words back to 0 for the next launch that takes these flags. The carried programs have
+    the lowest program ids, and the GPU hands out a 1-D launch's programs in id order (observed
+    hardware behaviour, not a documented guarantee), so they are on the SMs before any reader waits."""
     while tl.atomic_add(flag_ptr + SHRINK_READY, 0, sem="acquire", scope="gpu") < tl.cdiv(R, BR):
         pass
     tl.debug_barrier()
-    if tl.atomic_add(flag_ptr + SHRINK_READY + 1, 1, sem="relaxed", scope="gpu") == readers - 1:
+    if tl.atomic_add(flag_ptr + SHRINK_READY + 1, 1, sem="acq_rel", scope="gpu") == readers - 1:
         tl.store(flag_ptr + SHRINK_READY, 0)
         tl.store(flag_ptr + SHRINK_READY + 1, 0)
 

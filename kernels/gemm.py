@@ -107,18 +107,17 @@ class Fold(NamedTuple):
     shrink: Shrink = None
 
 
-def shrink_args(shrink, dummy, wait: bool):
+def shrink_args(shrink, dummy):
     """A folding kernel's carried-shrink arguments: (x, A, part, flags, K, x's row stride) and the
-    constexprs NS (its programs; 0: none), SBM, SBR, SBK, SSPLIT, SWAIT (wait before reading x: the
-    kernel just before the launch wrote it), SFP32; dummy stands in for the tensors where none."""
+    constexprs NS (its programs; 0: none), SBM, SBR, SBK, SSPLIT, SFP32 (lora.lora_shrink's launch
+    shape and dot precision); dummy stands in for the tensors where there is none."""
     if shrink is None:
-        return (dummy,) * 4 + (0, 0), dict(NS=0, SBM=16, SBR=16, SBK=16, SSPLIT=1, SWAIT=False, SFP32=False)
+        return (dummy,) * 4 + (0, 0), dict(NS=0, SBM=16, SBR=16, SBK=16, SSPLIT=1, SFP32=False)
     (M, K), R = shrink.x.shape, shrink.A.shape[0]
     split = cdiv(K, shrink.BK)
     return ((shrink.x, shrink.A, shrink.part, shrink.flags, K, shrink.x.stride(0)),
             dict(NS=cdiv(R, shrink.BR) * split, SBM=max(16, triton.next_power_of_2(M)), SBR=shrink.BR,
-                 SBK=shrink.BK, SSPLIT=split, SWAIT=wait,
-                 SFP32=launch.interpreting() or shrink.x.dtype == torch.float32))
+                 SBK=shrink.BK, SSPLIT=split, SFP32=launch.interpreting() or shrink.x.dtype == torch.float32))
 
 # ----------------------------------------------------------------------------------------------
 # input checks
@@ -398,8 +397,7 @@ def _reduce(part, global_scale, bias, out, lora=None):
         R = B.shape[1]
         # 16 x 128 tiles: as many programs as the flat reduce has blocks of 1024 at 8 rows
         (M, N), BM, BN = out.shape, 16, 128
-        # a carried shrink's x was written before the matmul: its programs need no wait
-        shrink_ptrs, shrink_meta = shrink_args(_carried(lora), out, wait=False)
+        shrink_ptrs, shrink_meta = shrink_args(_carried(lora), out)
         _splitk_reduce_lora_kernel[(shrink_meta["NS"] + cdiv(M, BM) * cdiv(N, BN),)](
             part, global_scale, bias if bias is not None else out, out, h, B, s, *shrink_ptrs, M, N, R, part.shape[0],
             HAS_BIAS=bias is not None, BM=BM, BN=BN, LSPLIT=1 if h.dim() == 2 else h.shape[0],
@@ -671,7 +669,8 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
     of lora.lora_expand_ (hp (split, M, R) fp32 from lora.lora_shrink, launched just before this call
     on this x, B (N, R) bf16): the kernel streams x and W before it waits on that launch (LATE_WAIT
     in fp4_decode.pdl_start), so nothing may write x between the two (a Fold with x_fresh: the
-    launch before wrote x and hp, lora.norm_shrink, and the kernel waits first); or lora = (h, B, s) with
+    launch before wrote x and hp, lora.norm_shrink, and the kernel waits first; a Fold with a shrink:
+    the reduce launch after a split matmul computes hp itself, carries_shrink); or lora = (h, B, s) with
     h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by the reduce
     kernel of the register-A route; elsewhere a ValueError, never a dropped update. silu_mul, where
     folds_silu(M): W stacks gate and up (N = 2I rows), and the result is silu(y[:, :I])·y[:, I:]

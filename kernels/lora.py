@@ -180,12 +180,12 @@ def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, sx_ptr, sa_ptr, spart_ptr, sflag_p
                         SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
                         FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
                         NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
-                        SSPLIT: tl.constexpr, SWAIT: tl.constexpr, SFP32: tl.constexpr):
+                        SSPLIT: tl.constexpr, SFP32: tl.constexpr):
     """y[m, n] += scale · bf16(Σ_j hp[j, m, :]) · B[n, :] for BN columns n, in place. With NS, the
     first NS programs compute hp themselves (gemm.shrink_args: the carried shrink)."""
     pid = tl.program_id(0)
     if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, hp_ptr, sflag_ptr, M, R, SK, stride_sxm,
-                       SBM, SBR, SBK, SSPLIT, SFP32, USE_PDL, SWAIT):
+                       SBM, SBR, SBK, SSPLIT, SFP32):
         return
     pid -= NS
     offs_m = tl.arange(0, BM)
@@ -229,13 +229,13 @@ def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, sx_ptr, sa_ptr, spart_ptr
                         SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
                         FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
                         NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
-                        SSPLIT: tl.constexpr, SWAIT: tl.constexpr, SFP32: tl.constexpr):
+                        SSPLIT: tl.constexpr, SFP32: tl.constexpr):
     """out[m, n] = silu(g)·u for BN columns n of I, where g and u are y's gate column n and up column
     I + n after the expand (_lora_expand_kernel's arithmetic: bf16(y + scale · bf16(Σ_j hp[j]) · B[row]));
     with NS, the carried shrink in the first NS programs, as there."""
     pid = tl.program_id(0)
     if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, hp_ptr, sflag_ptr, M, R, SK, stride_sxm,
-                       SBM, SBR, SBK, SSPLIT, SFP32, USE_PDL, SWAIT):
+                       SBM, SBR, SBK, SSPLIT, SFP32):
         return
     pid -= NS
     offs_m = tl.arange(0, BM)
@@ -291,6 +291,9 @@ def carried_shrink(x, A, B):
     t = tuning.current()
     x, A = _shrink_operands(x, A, B)
     M, K = x.shape
+    if triton.cdiv(A.shape[0], t.lora_rank_rows) > SHRINK_TILES:
+        raise ValueError(f"carried_shrink: {A.shape[0]} ranks make more than the {SHRINK_TILES} rank tiles of "
+                         f"{t.lora_rank_rows} that a launch's flags count (launch.shrink_flags)")
     hp = torch.empty(1, M, A.shape[0], device=x.device, dtype=torch.float32)
     part = launch.partials(triton.cdiv(K, t.lora_shrink_k), hp[0])
     return hp, gemm.Shrink(x, A, part, launch.shrink_flags(x.device), t.lora_rank_rows, t.lora_shrink_k)
@@ -322,7 +325,7 @@ def lora_expand_(hp, B, y, scale, shrink=None):
     if y.stride(-1) != 1:
         raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
     BN = t.lora_expand_cols
-    ptrs, meta = gemm.shrink_args(shrink, hp, wait=False)     # x was written before y's matmul
+    ptrs, meta = gemm.shrink_args(shrink, hp)
     _lora_expand_kernel[(meta["NS"] + triton.cdiv(N, BN),)](
         hp, B.contiguous(), y, *ptrs, M, N, R, y.stride(0), scale, SPLIT=split, BM=_side(M), BN=BN,
         R_PAD=_side(R), FP32_DOT=launch.interpreting() or y.dtype == torch.float32, **meta,
@@ -344,7 +347,7 @@ def expand_silu_mul(hp, B, y, scale, shrink=None):
         raise ValueError(f"expand_silu_mul needs one dtype and y's rows contiguous, got B {B.dtype}, y {y.dtype}")
     I, BN = N // 2, t.lora_expand_cols
     out = torch.empty(M, I, device=y.device, dtype=y.dtype)
-    ptrs, meta = gemm.shrink_args(shrink, hp, wait=False)
+    ptrs, meta = gemm.shrink_args(shrink, hp)
     _expand_silu_kernel[(meta["NS"] + triton.cdiv(I, BN),)](
         hp, B.contiguous(), y, out, *ptrs, M, I, R, y.stride(0), scale, SPLIT=split, BM=_side(M), BN=BN,
         R_PAD=_side(R), FP32_DOT=launch.interpreting() or y.dtype == torch.float32, **meta,

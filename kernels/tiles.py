@@ -250,7 +250,7 @@ def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr
                                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LSPLIT: tl.constexpr,
                                INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
                                NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
-                               SSPLIT: tl.constexpr, SWAIT: tl.constexpr, SFP32: tl.constexpr):
+                               SSPLIT: tl.constexpr, SFP32: tl.constexpr):
     """_splitk_reduce_kernel for a (BM, BN) tile of out (M, N), plus a LoRA update: out = bf16(y +
     s · h Bᵀ) with y the reduce's bf16 result and B (N, R) bf16, the update an fp32 MMA
     added before the one rounding (the in-place addmm it replaces rounds the sum less exactly: by
@@ -261,7 +261,7 @@ def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr
     x was written before the matmul, so they start without waiting on it) and the others wait for it."""
     pid = tl.program_id(0)
     if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, h_ptr, sflag_ptr, M, R, SK, stride_sxm,
-                       SBM, SBR, SBK, SSPLIT, SFP32, USE_PDL, SWAIT):
+                       SBM, SBR, SBK, SSPLIT, SFP32):
         return
     pid -= NS
     pdl_start(USE_PDL)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import fused_ops, gemm, tuning
+from kernels import fused_ops, gemm, launch, tuning
 from kernels import lora as kl
 from kernels.lora import lora_delta_
 
@@ -57,7 +57,8 @@ def test_lora_delta_matches_float64(M, K, R, N):
 def test_expand_launch_carries_the_shrink(M, K, R, N, silu):
     """carried_shrink + the expand kernel (lora_expand_, expand_silu_mul) with the shrink in its first
     programs: against float64 (fp32), and bit for bit the shrink launch then the expand launch (the
-    same chunks summed in the same order), twice over (the flags are left zero for the next launch)."""
+    same chunks summed in the same order), again on every flag slot and on the first one a second time
+    (each launch leaves its flags zero for the next)."""
     x, A, B, y = _inputs(M, K, R, 2 * N if silu else N, torch.float32, seed=M + K)
     expand = kl.expand_silu_mul if silu else kl.lora_expand_
     hp, carry = kl.carried_shrink(x, A, B)
@@ -67,9 +68,14 @@ def test_expand_launch_carries_the_shrink(M, K, R, N, silu):
         want = want[:, :N] * torch.sigmoid(want[:, :N]) * want[:, N:]
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got, expand(kl.lora_shrink(x, A, B), B, y.clone(), 0.5))
-    hp2, carry2 = kl.carried_shrink(x, A, B)
-    assert torch.equal(expand(hp2, B, y.clone(), 0.5, carry2), got) and torch.equal(hp2, hp)
-    assert not carry.flags.any() and not carry2.flags.any()
+    assert not carry.flags.any()
+    for _ in range(launch.SHRINK_SLOTS):
+        hp2, carry2 = kl.carried_shrink(x, A, B)
+        assert torch.equal(expand(hp2, B, y.clone(), 0.5, carry2), got) and torch.equal(hp2, hp)
+        assert not carry2.flags.any()
+    assert launch.SHRINK_FLAGS >= kl.SHRINK_TILES + 2          # the rank tiles' counts, ready, readers
+    with pytest.raises(ValueError, match="rank tiles"):
+        kl.carried_shrink(x, torch.zeros(16 * kl.SHRINK_TILES + 1, K), torch.zeros(N, 16 * kl.SHRINK_TILES + 1))
 
 
 @pytest.mark.interpreter
