@@ -311,4 +311,6 @@ def test_a_spent_step_budget_shortens_each_call():
     rw.reward(Example("q", "2", "math"), r"\boxed{2}")
     t0 = time.monotonic()   # passes the limits, and math-verify takes seconds on it
     assert reward(Example("q", "3", "math"), r"\boxed{\binom{1000000}{500000}}", stats) == 0.0
-    assert stats.timeouts == 1 and time.monotonic() - t0 < rw.MIN_TIMEOUT_S + 1.0
+    # ended before the default limit could have: the shortened one stopped it (plus the worker's kill
+    # and restart, which a loaded CI machine can stretch past a second)
+    assert stats.timeouts == 1 and time.monotonic() - t0 < rw.DEFAULT_TIMEOUT_S
