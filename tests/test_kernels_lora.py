@@ -428,6 +428,56 @@ def test_gpu_7b_gate_up_expand_runs_silu_mul_in_its_launch(rows, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 32])
+def test_gpu_carried_shrinks_replay_in_a_cuda_graph(rows, monkeypatch):
+    """Qwen2.5-7B's MLP at decode with train.py's rank-32 adapters, as a decode graph runs it: gate/up
+    (the register-A matmul, then the expand launch with SiLU·mul carrying the group's shrink) and down
+    (a split launch whose reduce carries its shrink), captured in one CUDA graph and replayed on fresh
+    rows of x, each set twice: every replay has the bits of the eager call on the same rows (each launch
+    leaves its flags zero for the next, and the graph's launches take the flag slots in turn)."""
+    import nvfp4
+    from model import Stack
+    torch.manual_seed(rows)
+    g = torch.tensor([448.0 * 6 / 0.1], device="cuda")
+
+    def base(n, k):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        return nvfp4.NVFP4Linear.from_weight(w, global_scale=g).interleave_()
+
+    gate_up, down = [base(18944, 3584) for _ in range(2)], base(3584, 18944)
+    mods, (down_mod,) = _adapters(gate_up, r=32, alpha=64), _adapters([down], r=32, alpha=64)
+    stack = Stack(gate_up)
+    A, B = (t.detach().to(torch.bfloat16) for t in (down_mod.lora_A, down_mod.lora_B))
+    carried, real = [], kl.carried_shrink
+    monkeypatch.setattr(kl, "carried_shrink", lambda *a: carried.append(1) or real(*a))
+
+    def mlp(x):
+        h = kernels.project(stack, mods, x, True, False)                     # silu(gate)·up (rows, 18944)
+        return kernels.lora_linear(h, down, A, B, down_mod.scaling)           # (rows, 3584)
+
+    xs = [torch.randn(rows, 3584, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    with torch.no_grad():
+        kernels.project(stack, mods, xs[0], True, True)                     # the group's casts, once
+        carried.clear()
+        want = [mlp(x) for x in xs]
+        assert len(carried) == 2 * len(xs)                                  # gate/up's and down's shrinks
+        x_in = xs[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            mlp(x_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = mlp(x_in)
+        for x, w in zip(xs + xs, want + want):
+            x_in.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, w)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 8, 16])
 @pytest.mark.parametrize("name", ["qkv", "gate_up"])
 def test_gpu_norm_shrink_feeds_the_groups_fold(name, rows, monkeypatch):
