@@ -85,13 +85,16 @@ class Shrink(NamedTuple):
     """The LoRA shrink h = x Aᵀ that the launch folding its update computes in its first programs
     (fp4_decode._carried_shrink; lora.py says where), instead of a launch of its own before the
     matmul: fp32 K-chunk partials `part` (split, M, R), summed by each rank tile's last chunk into
-    the Fold's h (1, M, R) (part is h itself where one chunk spans K); flags: launch.shrink_flags."""
+    the Fold's h (1, M, R) (part is h itself where one chunk spans K); flags: launch.shrink_flags;
+    BM, BR, BK, fp32: lora.lora_shrink's launch shape and dot precision for these operands."""
     x: torch.Tensor
     A: torch.Tensor
     part: torch.Tensor
     flags: torch.Tensor
+    BM: int
     BR: int
     BK: int
+    fp32: bool
 
 
 class Fold(NamedTuple):
@@ -109,15 +112,15 @@ class Fold(NamedTuple):
 
 def shrink_args(shrink, dummy):
     """A folding kernel's carried-shrink arguments: (x, A, part, flags, K, x's row stride) and the
-    constexprs NS (its programs; 0: none), SBM, SBR, SBK, SSPLIT, SFP32 (lora.lora_shrink's launch
-    shape and dot precision); dummy stands in for the tensors where there is none."""
+    constexprs NS (its programs; 0: none), SBM, SBR, SBK, SSPLIT, SFP32 (the Shrink's launch shape
+    and dot precision); dummy stands in for the tensors where there is none."""
     if shrink is None:
         return (dummy,) * 4 + (0, 0), dict(NS=0, SBM=16, SBR=16, SBK=16, SSPLIT=1, SFP32=False)
-    (M, K), R = shrink.x.shape, shrink.A.shape[0]
+    K, R = shrink.x.shape[1], shrink.A.shape[0]
     split = cdiv(K, shrink.BK)
     return ((shrink.x, shrink.A, shrink.part, shrink.flags, K, shrink.x.stride(0)),
-            dict(NS=cdiv(R, shrink.BR) * split, SBM=max(16, triton.next_power_of_2(M)), SBR=shrink.BR,
-                 SBK=shrink.BK, SSPLIT=split, SFP32=launch.interpreting() or shrink.x.dtype == torch.float32))
+            dict(NS=cdiv(R, shrink.BR) * split, SBM=shrink.BM, SBR=shrink.BR, SBK=shrink.BK, SSPLIT=split,
+                 SFP32=shrink.fp32))
 
 # ----------------------------------------------------------------------------------------------
 # input checks
@@ -329,14 +332,16 @@ def carries_shrink(M: int, N: int, K: int, device, interleaved: bool) -> bool:
         return False
     kernel = route(M, N, K, device, interleaved)
     if kernel == "fragment":
-        return not fragment_finishes(M, N, K, shapes.fwd_config(M, N, K), device)
+        cfg = shapes.fwd_config(M, N, K)
+        split, _, step = shapes.mma_launch(cfg, M, shapes.mma_tiles(N, cfg), K, device)
+        return not fragment_finishes(M, split, step)
     return kernel == "wgmma"
 
 
-def fragment_finishes(M: int, N: int, K: int, cfg, device) -> bool:
-    """Does a fragment launch in shape cfg store y itself (unsplit, or its last split summing the
-    others: fragment_sums_in_kernel), rather than leave the sum to the reduce kernel?"""
-    split, _, step = shapes.mma_launch(cfg, M, shapes.mma_tiles(N, cfg), K, device)
+def fragment_finishes(M: int, split: int, step: int) -> bool:
+    """Does a fragment launch of M rows, `split` splits and `step` windows a loop step store y itself
+    (unsplit, or its last split summing the others: tuning's reduce_in_kernel and
+    fragment_sums_in_kernel), rather than leave the sum to the reduce kernel?"""
     return split == 1 or (tuning.current().reduce_in_kernel and fragment_sums_in_kernel(M, step))
 
 
@@ -549,9 +554,9 @@ def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     tiles = shapes.mma_tiles(N, cfg)
     split, per, step = shapes.mma_launch(cfg, M, tiles, K, x.device)
     part = launch.partials(split, out)
-    reduce = split > 1 and tuning.current().reduce_in_kernel and fragment_sums_in_kernel(M, step)
+    finishes = fragment_finishes(M, split, step)       # the kernel stores y: it adds the update
+    reduce = split > 1 and finishes
     targets, flags = _split_targets(out, tiles, split, reduce)
-    finishes = split == 1 or reduce                    # the kernel stores y: it adds the update
     if finishes and _carried(lora) is not None:
         raise ValueError("a fragment launch that stores y itself takes no carried shrink (carries_shrink)")
     lora_ptrs, R, lora_flags = _lora_args(lora if finishes else None, out, split, reduce)

@@ -296,7 +296,8 @@ def carried_shrink(x, A, B):
                          f"{t.lora_rank_rows} that a launch's flags count (launch.shrink_flags)")
     hp = torch.empty(1, M, A.shape[0], device=x.device, dtype=torch.float32)
     part = launch.partials(triton.cdiv(K, t.lora_shrink_k), hp[0])
-    return hp, gemm.Shrink(x, A, part, launch.shrink_flags(x.device), t.lora_rank_rows, t.lora_shrink_k)
+    return hp, gemm.Shrink(x, A, part, launch.shrink_flags(x.device), _side(M), t.lora_rank_rows, t.lora_shrink_k,
+                           launch.interpreting() or x.dtype == torch.float32)
 
 
 def _shrink_operands(x, A, B):
