@@ -326,8 +326,8 @@ def carries_shrink(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     its first programs too (Fold.shrink)? Where that launch is the reduce kernel after the matmul: a
     split fragment launch that leaves its sum to it, or a split register-A launch. Not where the
     matmul folds the update itself (the GEMV, the swapped tiles, a fragment launch that finishes y):
-    there the carried programs would take the matmul's own slots in its one wave (the fragment
-    kernel carrying them was slower at 2 and 8 rows than the shrink launch before it)."""
+    there the carried programs take the matmul's own slots in its one wave (a fragment kernel
+    carrying them makes the step slower at 2 and 8 rows than a shrink launch before it does)."""
     if not folds_lora(M, N, K, device, interleaved):
         return False
     kernel = route(M, N, K, device, interleaved)

@@ -483,8 +483,8 @@ def carries(base, x2, B, folds: bool) -> bool:
     producer and the matmul keeps the matmul off the SMs until the producer is done; carried, the
     shrink runs beside the matmul and the matmul is resident and streaming during the producer. A
     matmul that folds the update itself carries none (gemm.carries_shrink says why), nor does a
-    bf16 base: cuBLAS releases nothing early, so the carried programs would start after it, and the
-    expand launch that waits for them was slower than the two launches (ab_lora_7b_h200.json)."""
+    bf16 base: cuBLAS releases nothing early, so the carried programs start after it, and the expand
+    launch that waits for them is slower than the two launches (ab_lora_7b_h200.json)."""
     t = tuning.current()
     M = x2.shape[0]
     if not (t.carry_shrink and early_shrink(base) and t.row_shrink_max_m < M <= t.lora_max_m
