@@ -299,10 +299,9 @@ def _lora_h(hp_ptr, m1, r1, M, R, LSPLIT: tl.constexpr, INTERPRET: tl.constexpr)
     and r past R: 0. hp may also be a bf16 h (M, R) with LSPLIT = 1 (matmul's h form): its values come
     back unchanged, since rounding a bf16 value to bf16 is exact."""
     h_mask = (m1 < M) & (r1 < R)
-    # through L2 (.cg): a carried shrink (below) writes hp from other SMs during this very launch
-    h = tl.load(hp_ptr + m1 * R + r1, mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    h = tl.load(hp_ptr + m1 * R + r1, mask=h_mask, other=0.0).to(tl.float32)
     for j in tl.static_range(1, LSPLIT):
-        h += tl.load(hp_ptr + (j * M + m1) * R + r1, mask=h_mask, other=0.0, cache_modifier=".cg")
+        h += tl.load(hp_ptr + (j * M + m1) * R + r1, mask=h_mask, other=0.0)
     return _to_bf16(h, INTERPRET).to(tl.float32)
 
 
@@ -375,9 +374,13 @@ def _await_shrink(flag_ptr, R, BR: tl.constexpr, readers):
     """In each of the `readers` programs of a launch that read the hp its first programs write
     (_carried_shrink): wait until the ready word counts every rank tile (one thread's acquire load,
     then a barrier, so every thread's loads of hp come after it), then count this reader; the last
-    sets both words back to 0 for the next launch that takes these flags. The carried programs have
-    the lowest program ids, and the GPU hands out a 1-D launch's programs in id order (observed
-    hardware behaviour, not a documented guarantee), so they are on the SMs before any reader waits."""
+    sets both words back to 0 for the next launch that takes these flags. The reads of hp that follow
+    are plain loads, as after a grid-wide barrier: the acquire at GPU scope orders them after every
+    tile's release (the PTX memory model), and on sm_90 it invalidates the SM's L1 (CCTL.IVALL after
+    the acquiring load in the SASS), so no line of hp cached before it is read, whether a load goes
+    through L1 or Triton pipelines it into a cp.async. The carried programs have the lowest program
+    ids, and the GPU hands out a 1-D launch's programs in id order (observed hardware behaviour, not
+    a documented guarantee), so they are on the SMs before any reader waits."""
     while tl.atomic_add(flag_ptr + SHRINK_READY, 0, sem="acquire", scope="gpu") < tl.cdiv(R, BR):
         pass
     tl.debug_barrier()

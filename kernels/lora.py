@@ -208,8 +208,7 @@ def _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT: tl.constexpr, dtype: tl.const
     h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
     h = tl.zeros((offs_m.shape[0], offs_r.shape[0]), tl.float32)
     for j in tl.static_range(SPLIT):                  # unrolled: the loads go out together
-        h += tl.load(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], mask=h_mask, other=0.0,
-                     cache_modifier=".cg")    # through L2: a carried shrink writes hp during the launch
+        h += tl.load(hp_ptr + (j * M + offs_m[:, None]) * R + offs_r[None, :], mask=h_mask, other=0.0)
     return h.to(dtype)
 
 
