@@ -17,6 +17,7 @@ the fields with their defaults; their reasons are in kernels/tuning.py.
     python bench/ab.py --models 7b --workloads batch1,batch16 --variants reduce_in_kernel=1 reduce_in_kernel=0
     python bench/ab.py --models 7b --lora --workloads batch1,batch16 --variants fused=1 fused=0
     python bench/ab.py --models 7b --lora --workloads batch8 --replay 200 --variants pdl=1 pdl=0
+    python bench/ab.py --models 7b --lora --workloads batch8:2048 --max-model-len 2304 --replay 200 --variants pdl=1 pdl=0
     python bench/ab.py --models 32b --workloads batch16 --variants wgmma_small_min_m=16 wgmma_small_min_m=8 --profile 16
 
 Each timed run follows a warm-up run of 2 new tokens under the same variant (it compiles, warms every
@@ -115,7 +116,8 @@ def main(argv=None):
     ap.add_argument("--models", default="7b", help="comma-separated: 7b, 14b, 32b, tiny")
     ap.add_argument("--quant", default="nvfp4", choices=("nvfp4", "bf16"))
     ap.add_argument("--lora", action="store_true", help="add train.py's default LoRA adapters")
-    ap.add_argument("--workloads", default="batch1,batch16", help="bench/rollout.py workloads")
+    ap.add_argument("--workloads", default="batch1,batch16", help="bench/rollout.py workloads (batch8:2048: 2048 "
+                    "new tokens; --replay then times the step at that context)")
     ap.add_argument("--variants", nargs="+",
                     help='e.g. reduce_in_kernel=1 reduce_in_kernel=0 "pdl=0,merge_max_parts=0"')
     ap.add_argument("--fields", action="store_true", help="list the Tuning fields and their defaults, then exit")
@@ -134,9 +136,13 @@ def main(argv=None):
     if not args.variants:
         ap.error("--variants is required (or --fields)")
     variants = {v: parse_variant(v) for v in args.variants}
+    br = _bench_rollout()
+    try:
+        wls = br.workloads(args.workloads, args.max_model_len)
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         sys.exit("bench/ab.py needs a CUDA GPU")
-    br = _bench_rollout()
     rows = []
     for model_name in args.models.split(","):
         cfg = br.CONFIGS[model_name]
@@ -147,8 +153,7 @@ def main(argv=None):
         for rep in range(args.reps):
             for name, variant in variants.items():
                 with tuned(variant):
-                    for wl in args.workloads.split(","):
-                        w = br.WORKLOADS[wl]
+                    for wl, w in wls.items():
                         prompts = br.random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0)
                         engine.free_cache()                          # graphs of this variant's kernels
                         br.run_ours(engine, prompts, w["n"], 2)      # warm-up (compiles)

@@ -12,8 +12,10 @@ Engines, on the same random weights (checkpoint.build_model, real Qwen2.5 config
                  norms, RoPE and SiLU·mul as plain torch ops, q/k/v and gate/up one linear at a time,
                  LoRA updates as torch GEMMs: what the fast path of the seam buys
 Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
-    batchB   B = 1, 2, 4, 8, 16 prompts of 256 random tokens, 512 new each:
+    batchB   B = 1, 2, 4, ..., 64 prompts of 256 random tokens, 512 new each:
              decode tok/s = B·(new - 1) / (total - TTFT), the first decode graph's capture included
+    batchB:N the same with N new tokens each: batch8:2048 is the QeRL paper's operating point
+             (--max-model-len must hold 256 + N; an error says so before any model is built)
     grpo     16 prompts x 8 samples, prompt 256, 1024 new: total tok/s = new tokens / wall time,
              time to first token (all prompts prefilled and first tokens sampled), peak memory
 Each workload is timed after a warm-up on the same prompts with 2 new tokens (Triton compiles its
@@ -59,6 +61,26 @@ CONFIGS = {"7b": SHAPES["qwen2.5-7b"], "14b": SHAPES["qwen2.5-14b"], "32b": SHAP
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2)}
 WORKLOADS = {f"batch{b}": dict(prompts=b, n=1, prompt_len=256, new=512) for b in (1, 2, 4, 8, 16, 32, 64)}
 WORKLOADS["grpo"] = dict(prompts=16, n=8, prompt_len=256, new=1024)
+
+
+def workload(name: str) -> dict:
+    """The workload called name: one of WORKLOADS, or batchB:N, batchB with N new tokens a sequence."""
+    base, sep, new = name.partition(":")
+    if base in WORKLOADS and (not sep or (base.startswith("batch") and new.isdigit() and int(new) >= 2)):
+        return dict(WORKLOADS[base], **({"new": int(new)} if sep else {}))
+    raise ValueError(f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)}, or batchB:N for N >= 2 "
+                     f"new tokens (batch8:2048)")
+
+
+def workloads(names: str, max_model_len: int) -> dict:
+    """{name: workload} for comma-separated names, each checked to fit max_model_len (prompt + new
+    tokens), so that a bad name or a too-short --max-model-len stops the run before a model is built."""
+    out = {name: workload(name) for name in names.split(",")}
+    for name, w in out.items():
+        if w["prompt_len"] + w["new"] > max_model_len:
+            raise ValueError(f"workload {name} needs {w['prompt_len'] + w['new']} positions a sequence: "
+                             f"pass --max-model-len {w['prompt_len'] + w['new']} or more (got {max_model_len})")
+    return out
 
 
 def random_prompts(count, length, vocab, seed):
@@ -221,8 +243,7 @@ def _measure(model_name, engine_name, cfg, quant, workloads, max_model_len, prof
     else:
         engine = rollout.LLMEngine(model, max_model_len=max_model_len, max_num_seqs=256)
         run = functools.partial(run_ours, engine)
-    for wl in workloads:
-        w = WORKLOADS[wl]
+    for wl, w in workloads.items():
         prompts = random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0)
         run(prompts, w["n"], 2)            # warm-up: Triton compiles for these shapes, once per process
         if engine_name != "hf-bf16":
@@ -249,11 +270,11 @@ def _measure(model_name, engine_name, cfg, quant, workloads, max_model_len, prof
 
 
 def print_table(rows):
-    head = f"{'model':5} {'engine':11} {'workload':8} {'tok/s':>9} {'decode tok/s':>12} {'TTFT ms':>8} {'peak GiB':>8}"
+    head = f"{'model':5} {'engine':15} {'workload':11} {'tok/s':>9} {'decode tok/s':>12} {'TTFT ms':>8} {'peak GiB':>8}"
     print(head + "\n" + "-" * len(head))
-    for r in sorted(rows, key=lambda r: (r["model"], list(WORKLOADS).index(r["workload"]), r["engine"])):
+    for r in sorted(rows, key=lambda r: (r["model"], r["prompts"] * r["n"], r["new"], r["engine"])):
         dec = f"{r['decode_tok_s']:.1f}" if "decode_tok_s" in r else "-"
-        print(f"{r['model']:5} {r['engine']:11} {r['workload']:8} {r['tok_s']:9.1f} {dec:>12} "
+        print(f"{r['model']:5} {r['engine']:15} {r['workload']:11} {r['tok_s']:9.1f} {dec:>12} "
               f"{r['ttft_s'] * 1e3:8.0f} {r['peak_mem_gib']:8.1f}")
 
 
@@ -265,13 +286,18 @@ def main():
                          "an -unfused suffix (ours-nvfp4-unfused) runs norms/RoPE/SiLU as plain torch ops, "
                          "a -nopdl suffix launches every Triton kernel without programmatic dependent launch, "
                          "a -lora suffix adds train.py's default LoRA adapters")
-    ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, batch2, ..., batch64 (powers of two), grpo")
+    ap.add_argument("--workloads", default="batch1,grpo", help="comma-separated: batch1, batch2, ..., batch64 (powers "
+                    "of two), grpo; batchB:N for N new tokens (batch8:2048)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--profile", action="store_true", help="also write per-kernel GPU time to OUT/profile.txt")
     ap.add_argument("--profile-batches", default="1,16,128", help="batch sizes --profile runs")
     args = ap.parse_args()
     print(vars(args))
+    try:
+        wls = workloads(args.workloads, args.max_model_len)
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         sys.exit("bench/rollout.py needs a CUDA GPU")
     path = os.path.join(args.out, "rollout.json")
@@ -281,7 +307,7 @@ def main():
         for e in args.engines.split(","):
             if e == "hf-bf16" and m == "32b":
                 continue
-            rows += measure(m, e, args.workloads.split(","), args.max_model_len,
+            rows += measure(m, e, wls, args.max_model_len,
                             os.path.join(args.out, "profile.txt") if args.profile else None,
                             tuple(int(b) for b in args.profile_batches.split(",")))
     keys = {(r["model"], r["engine"], r["workload"]) for r in rows}

@@ -1,5 +1,7 @@
-"""bench/rollout.py on CPU: the critical-path attribution of its --profile, on a hand-made trace."""
+"""bench/rollout.py on CPU: the critical-path attribution of its --profile, on a hand-made trace; its workloads."""
 import json
+
+import pytest
 
 from test_step_bench import load_bench
 
@@ -38,3 +40,16 @@ def test_per_step_takes_the_long_run_minus_the_short_one():
     long = {"gemv": (50.0, 12), ("a", "b"): (9.0, 3)}
     short = {"gemv": (10.0, 2)}
     assert bench._per_step(long, short, 10) == {"gemv": (4.0, 1.0), ("a", "b"): (0.9, 0.3)}
+
+
+def test_workloads_take_a_count_of_new_tokens_and_must_fit_the_model_length():
+    bench = load_bench("rollout")
+    assert bench.workload("batch8") == dict(prompts=8, n=1, prompt_len=256, new=512)
+    assert bench.workload("batch8:2048") == dict(prompts=8, n=1, prompt_len=256, new=2048)
+    assert bench.WORKLOADS["batch8"]["new"] == 512                     # the table is not modified
+    for bad in ("batch3", "batch8:", "batch8:1", "batch8:x", "grpo:2048", "decode"):
+        with pytest.raises(ValueError, match="unknown workload"):
+            bench.workload(bad)
+    assert list(bench.workloads("batch1,batch8:2048", 2304)) == ["batch1", "batch8:2048"]
+    with pytest.raises(ValueError, match="needs 2304 positions.*--max-model-len 2304"):
+        bench.workloads("batch1,batch8:2048", 2048)
