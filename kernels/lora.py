@@ -271,15 +271,11 @@ def lora_delta_(x, A, B, y, scale):
 def lora_shrink(x, A, B):
     """The first half of lora_delta_: -> hp (1, M, R) fp32, x Aᵀ summed over K. It reads x only, so it
     may run before the base matmul that y comes from (early_shrink)."""
-    t = tuning.current()
-    x, A = _shrink_operands(x, A, B)
-    (M, K), R = x.shape, A.shape[0]
-    split, tiles = triton.cdiv(K, t.lora_shrink_k), triton.cdiv(R, t.lora_rank_rows)
-    hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
-    part = launch.partials(split, hp[0])                                       # (split, M, R), or hp itself
-    _lora_shrink_kernel[(tiles, split)](x, A, part, hp, launch.split_counts(x.device, tiles), M, R, K, x.stride(0),
-                                        BM=_side(M), BR=t.lora_rank_rows, BK=t.lora_shrink_k, SPLIT=split,
-                                        FP32_DOT=launch.interpreting() or x.dtype == torch.float32,
+    hp, s = _shrink_plan(x, A, B)
+    (M, K), R = s.x.shape, s.A.shape[0]
+    split, tiles = triton.cdiv(K, s.BK), triton.cdiv(R, s.BR)
+    _lora_shrink_kernel[(tiles, split)](s.x, s.A, s.part, hp, launch.split_counts(x.device, tiles), M, R, K,
+                                        s.x.stride(0), BM=s.BM, BR=s.BR, BK=s.BK, SPLIT=split, FP32_DOT=s.fp32,
                                         **launch.pdl_launch(x.device))
     return hp
 
@@ -288,14 +284,24 @@ def carried_shrink(x, A, B):
     """lora_shrink's work for the launch that folds the update to carry in its first programs:
     -> (hp (1, M, R) fp32, still unwritten, gemm.Shrink), the same chunks and sums (fp4_decode._shrink_chunk)."""
     t = tuning.current()
-    x, A = _shrink_operands(x, A, B)
-    M, K = x.shape
     if triton.cdiv(A.shape[0], t.lora_rank_rows) > SHRINK_TILES:
         raise ValueError(f"carried_shrink: {A.shape[0]} ranks make more than the {SHRINK_TILES} rank tiles of "
                          f"{t.lora_rank_rows} that a launch's flags count (launch.shrink_flags)")
-    hp = torch.empty(1, M, A.shape[0], device=x.device, dtype=torch.float32)
-    part = launch.partials(triton.cdiv(K, t.lora_shrink_k), hp[0])
-    return hp, gemm.Shrink(x, A, part, launch.shrink_flags(x.device), _side(M), t.lora_rank_rows, t.lora_shrink_k,
+    hp, s = _shrink_plan(x, A, B)
+    return hp, s._replace(flags=launch.shrink_flags(x.device))
+
+
+def _shrink_plan(x, A, B):
+    """The shrink of x (M, K) by A (R, K), launched alone or carried: -> (hp (1, M, R) fp32, unwritten,
+    gemm.Shrink without flags): its operands, the fp32 K-chunk partials (hp itself where one chunk
+    spans K), and its launch shape and dot precision (all M rows in one tile, lora_rank_rows ranks
+    and lora_shrink_k k a program; fp32 products under the interpreter and on fp32 activations)."""
+    t = tuning.current()
+    x, A = _shrink_operands(x, A, B)
+    (M, K), R = x.shape, A.shape[0]
+    hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
+    part = launch.partials(triton.cdiv(K, t.lora_shrink_k), hp[0])             # (split, M, R), or hp itself
+    return hp, gemm.Shrink(x, A, part, None, _side(M), t.lora_rank_rows, t.lora_shrink_k,
                            launch.interpreting() or x.dtype == torch.float32)
 
 
