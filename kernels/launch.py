@@ -10,7 +10,6 @@ before it launches, so they live apart from any one kernel family:
     num_sms(device)       streaming multiprocessors (4 on the CPU, so small tests still split)
     pdl_launch(device)    the launch keywords of programmatic dependent launch
     split_counts(...)     zeroed int32 counters for split-K sums done inside a launch
-    shrink_flags(device)  zeroed int32 counters of a launch that carries a LoRA shrink (lora.py)
     partials(split, out)  where a split launch writes its fp32 partial sums
 
 Programmatic dependent launch (Hopper and later). A kernel launched with launch_pdl=True may be
@@ -52,8 +51,6 @@ from . import tuning
 
 SPLIT_COUNTS = 1 << 16    # tiles one split launch may have (GEMV: N <= 2^20 rows; fragment: 2^22)
 _SPLIT_COUNTS = {}        # (device, stream) -> int32 zeros, see split_counts
-SHRINK_SLOTS, SHRINK_FLAGS = 4, 128   # a carried shrink's counters: slots taken in turn, ints a slot
-_SHRINK_FLAGS = {}        # (device, stream) -> [int32 zeros (SHRINK_SLOTS, SHRINK_FLAGS), the next slot]
 
 
 def interpreting() -> bool:
@@ -99,20 +96,6 @@ def split_counts(device, tiles):
     if key not in _SPLIT_COUNTS:
         _SPLIT_COUNTS[key] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
     return _SPLIT_COUNTS[key]
-
-
-def shrink_flags(device):
-    """The int32 counters of one launch that carries a LoRA shrink (fp4_decode._carried_shrink: its
-    rank tiles' chunk counts, then ready and readers; each launch leaves them zero): the next of
-    SHRINK_SLOTS slots of a buffer per CUDA stream, in turn, since under PDL a launch's programs may
-    still be on the SMs while the next launch's begin (never more than two launches: a launch is
-    scheduled only once the kernel two places ahead has finished). Kept like split_counts."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    if key not in _SHRINK_FLAGS:
-        _SHRINK_FLAGS[key] = [torch.zeros(SHRINK_SLOTS, SHRINK_FLAGS, dtype=torch.int32, device=device), 0]
-    flags, turn = _SHRINK_FLAGS[key]
-    _SHRINK_FLAGS[key][1] = (turn + 1) % SHRINK_SLOTS
-    return flags[turn]
 
 
 def partials(split: int, out):
