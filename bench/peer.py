@@ -62,15 +62,19 @@ def quant_of(flags: list[str]) -> str:
     return next((flags[i + 1] for i in range(len(flags) - 2, -1, -1) if flags[i] == "--quant"), "nvfp4")
 
 
+def ours_command(model: str, steps: int, out: str, extra: list[str]) -> list[str]:
+    """A qerl arm's command line: train.py as a user types it, plus extra flags."""
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--dataset", "addition",
+            "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--max-new-tokens", str(NEW),
+            "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", str(LR), "--loss-type", "dapo",
+            "--max-steps", str(steps), "--save-every", str(steps), "--eval-limit", "0", "--output-dir", out, *extra]
+
+
 def run_ours(model: str, steps: int, out: str, extra: list[str]) -> dict:
-    """train.py as a user types it (plus extra flags); its metrics.jsonl gives the step times, split into
-    rollout and training (time/rollout, time/train), so that a slow step says which half it was."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--dataset", "addition",
-           "--prompts-per-step", str(PROMPTS), "--group-size", str(GROUP), "--max-new-tokens", str(NEW),
-           "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA), "--lr", str(LR), "--loss-type", "dapo",
-           "--max-steps", str(steps), "--save-every", str(steps), "--eval-limit", "0", "--output-dir", out, *extra]
+    """A qerl arm (ours_command); its metrics.jsonl gives the step times, split into rollout and
+    training (time/rollout, time/train), so that a slow step says which half it was."""
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True)
+    subprocess.run(ours_command(model, steps, out, extra), check=True)
     wall = time.perf_counter() - t0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(ln) for ln in f if ln.strip()]
