@@ -2,12 +2,11 @@
 the base it trains on, TRL's best arm is one micro-batch of the whole batch without recomputation, and
 the summary's ratios are against TRL's best arm, with its defaults beside. On a GPU with the real
 SmolLM2, the qerl arm runs its 50 steps to the end."""
-import json
-import os
 import subprocess
 
 import pytest
 from test_step_bench import load_bench
+from test_train import read_metrics
 
 
 def test_each_arm_trains_and_is_evaluated_on_its_own_base():
@@ -55,8 +54,7 @@ def test_gpu_the_qerl_arm_runs_its_50_steps_on_smollm2(smollm2_path, tmp_path):
     res = subprocess.run(peer.ours_command(smollm2_path, 50, out, ["--quantizer", "rtn"]),
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 51))
     first, last = (sum(r["reward"] for r in rows[i:i + 10]) / 10 for i in (0, 40))
     assert last > first + 0.2, (first, last)
