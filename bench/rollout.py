@@ -77,9 +77,10 @@ def workloads(names: str, max_model_len: int) -> dict:
     tokens), so that a bad name or a too-short --max-model-len stops the run before a model is built."""
     out = {name: workload(name) for name in names.split(",")}
     for name, w in out.items():
-        if w["prompt_len"] + w["new"] > max_model_len:
-            raise ValueError(f"workload {name} needs {w['prompt_len'] + w['new']} positions a sequence: "
-                             f"pass --max-model-len {w['prompt_len'] + w['new']} or more (got {max_model_len})")
+        need = w["prompt_len"] + w["new"]
+        if need > max_model_len:
+            raise ValueError(f"workload {name} needs {need} positions a sequence: "
+                             f"pass --max-model-len {need} or more (got {max_model_len})")
     return out
 
 
