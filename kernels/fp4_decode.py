@@ -43,7 +43,7 @@ launch; the host side (tuning's pdl switch, pdl_launch) is in launch.py, which s
 Split-K in one launch (_last_split, _sum_splits; the CUDA-core kernel, the fragment kernel at
 small M and the swapped tiles; paged_decode.py counts its partitions with _last_split too): every
 split stores its fp32 partial tile, then counts itself in an int32 per output tile
-(launch.split_counts: zeros, one buffer per CUDA stream). The contract: barrier, then one
+(launch.split_counts: zeros, a row per CUDA stream). The contract: barrier, then one
 release-acquire atomic add at GPU scope, so the split that counts last sees every partial; it reads
 them through L2 (.cg), sums them in split order (the bits of _splitk_reduce_kernel), finishes the
 tile, and sets its count back to 0 for the next launch on that stream.
@@ -51,7 +51,11 @@ tile, and sets its count back to 0 for the next launch on that stream.
 The LoRA update in the epilogue (_lora_update, _lora_update_tile, _add_update): at decode a kernel
 that stores a finished tile of y (the GEMV, the fragment kernel, the swapped tiles, the split-K
 reduce) may add s · bf16(Σ_j hp[j]) · Bᵀ first, from the K-chunk partials hp of lora.lora_shrink
-that ran before it, so no expand kernel is launched (gemm.folds_lora says where).
+that ran before it, so no expand kernel is launched (gemm.folds_lora says where). The shrink's chunk
+(_shrink_chunk) is shared by that launch and by a launch that carries the shrink in its first
+programs (_carried_shrink: the reduce and expand kernels, lora.carries): each finished rank tile is
+counted on one ready word, which the launch's other programs acquire before they read hp
+(_await_shrink, the same barrier-and-atomic pattern as _last_split).
 
 Leaves out: FP8 or FP4 activations (this is W4A16), a re-layout of the bits inside a byte.
 Test: tests/test_kernels_fp4_decode.py: every byte value and E4M3 scales from subnormal to 448
@@ -70,6 +74,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all normal bf16 numbers) ...
 OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
 LORA_CHUNK = tl.constexpr(32)        # LoRA ranks a folded update's MMA takes a step (_lora_update_tile)
+SHRINK_READY = tl.constexpr(64)      # a carried shrink's flags: rank-tile counts below, then ready, readers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,6 +303,90 @@ def _lora_h(hp_ptr, m1, r1, M, R, LSPLIT: tl.constexpr, INTERPRET: tl.constexpr)
     for j in tl.static_range(1, LSPLIT):
         h += tl.load(hp_ptr + (j * M + m1) * R + r1, mask=h_mask, other=0.0)
     return _to_bf16(h, INTERPRET).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The shrink, alone (lora.lora_shrink) or carried by the launch that folds its update
+
+@triton.jit
+def _shrink_chunk(x_ptr, a_ptr, part_ptr, hp_ptr, count_ptr, i, j, M, R, K, stride_xm,
+                  BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                  FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr):
+    """K-chunk j (BK wide, one load) of rank tile i (BR rows of A) of h = x Aᵀ for every row of x:
+    part[j, m, r] = x[m, K_j] · A[r, K_j] in fp32. The chunk that counts last for tile i sums the
+    tile's partials in chunk order into hp (1, M, R) (_last_split: deterministic) and returns True,
+    as does every program when SPLIT is 1 (it writes hp itself). A, a weight, is loaded before the
+    PDL wait (pdl_start's rule); WAIT: the kernel just before wrote x, so wait before reading it."""
+    offs_m = tl.arange(0, BM)
+    offs_r = i * BR + tl.arange(0, BR)
+    k = j * BK + tl.arange(0, BK)
+    a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :],
+                mask=(offs_r[:, None] < R) & (k[None, :] < K), other=0.0)           # (BR, BK)
+    if WAIT:
+        pdl_start(USE_PDL)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)          # (BM, BK)
+    if FP32_DOT:
+        acc = tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(a))                                                # (BM, BR) fp32
+    offs = offs_m[:, None] * R + offs_r[None, :]
+    mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
+    if SPLIT == 1:
+        tl.store(hp_ptr + offs, acc, mask=mask)
+        return True
+    else:
+        tl.store(part_ptr + j * M * R + offs, acc, mask=mask)
+        last = _last_split(count_ptr, i, SPLIT)
+        if last:
+            h = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                h += tl.load(part_ptr + s * M * R + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(hp_ptr + offs, h, mask=mask)
+        return last
+
+
+@triton.jit
+def _carried_shrink(pid, NS: tl.constexpr, x_ptr, a_ptr, part_ptr, hp_ptr, flag_ptr, M, R, K, stride_xm,
+                    BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                    FP32_DOT: tl.constexpr):
+    """In a launch after a matmul whose first NS programs compute the shrink its other programs fold
+    (NS = 0: none): True in those, after program pid's _shrink_chunk (rank tile pid % tiles, chunk
+    pid // tiles, lora_shrink's order; the per-tile counts at flag_ptr[0, SHRINK_READY)), where the
+    program that wrote a tile's hp counts it on the ready word flag_ptr[SHRINK_READY] (barrier, one
+    release add: _last_split's pattern). They do not wait on the matmul before them: x was written
+    before it, and a launch is scheduled only once the kernel two places ahead has finished
+    (pdl_start). The caller returns on True and numbers its own programs from pid - NS."""
+    took = False
+    if NS > 0:
+        took = pid < NS
+        if took:
+            tiles = tl.cdiv(R, BR)
+            if _shrink_chunk(x_ptr, a_ptr, part_ptr, hp_ptr, flag_ptr, pid % tiles, pid // tiles, M, R, K,
+                             stride_xm, BM, BR, BK, SPLIT, FP32_DOT, False, False):
+                tl.debug_barrier()
+                tl.atomic_add(flag_ptr + SHRINK_READY, 1, sem="release", scope="gpu")
+    return took
+
+
+@triton.jit
+def _await_shrink(flag_ptr, R, BR: tl.constexpr, readers):
+    """In each of the `readers` programs of a launch that read the hp its first programs write
+    (_carried_shrink): wait until the ready word counts every rank tile (one thread's acquire load,
+    then a barrier, so every thread's loads of hp come after it), then count this reader; the last
+    sets both words back to 0 for the next launch that takes these flags. The reads of hp that follow
+    are plain loads, as after a grid-wide barrier: the acquire at GPU scope orders them after every
+    tile's release (the PTX memory model), and on sm_90 it invalidates the SM's L1 (CCTL.IVALL after
+    the acquiring load in the SASS), so no line of hp cached before it is read, whether a load goes
+    through L1 or Triton pipelines it into a cp.async. The carried programs have the lowest program
+    ids, and the GPU hands out a 1-D launch's programs in id order (observed hardware behaviour, not
+    a documented guarantee), so they are on the SMs before any reader waits."""
+    while tl.atomic_add(flag_ptr + SHRINK_READY, 0, sem="acquire", scope="gpu") < tl.cdiv(R, BR):
+        pass
+    tl.debug_barrier()
+    if tl.atomic_add(flag_ptr + SHRINK_READY + 1, 1, sem="acq_rel", scope="gpu") == readers - 1:
+        tl.store(flag_ptr + SHRINK_READY, 0)
+        tl.store(flag_ptr + SHRINK_READY + 1, 0)
 
 
 @triton.jit

@@ -50,7 +50,8 @@ wing's lora.py and stacked.py ask for them through `matmul`'s lora= and silu_mul
     partials, added by whatever finishes y (folds_lora): the GEMV, the fragment kernel or the
     swapped tiles as they store it, else the reduce kernel after a split fragment or register-A
     launch (not where the register-A launch is unsplit: 7B gate_up); beyond, from h = x Aᵀ, where
-    the register-A kernel splits K (reduce_folds_lora), by its reduce kernel.
+    the register-A kernel splits K (reduce_folds_lora), by its reduce kernel. Where the reduce kernel
+    adds it, it may compute the shrink as well (Fold.shrink, carries_shrink).
   * SiLU·mul of a stacked gate/up weight at one row (folds_silu): the GEMV stores silu(gate)·up.
 
 Leaves out: activation quantization (this is W4A16), a re-layout of the bits inside a byte (the
@@ -80,15 +81,46 @@ BLOCK = 16               # NVFP4 scale block along K
 GLUON_TRITON = "3.6."    # the Triton release register_a*.py's Gluon is written for
 
 
+class Shrink(NamedTuple):
+    """The LoRA shrink h = x Aᵀ that the launch folding its update computes in its first programs
+    (fp4_decode._carried_shrink; lora.py says where), instead of a launch of its own before the
+    matmul: fp32 K-chunk partials `part` (split, M, R), summed by each rank tile's last chunk into
+    the Fold's h (1, M, R) (part is h itself where one chunk spans K); flags: launch.shrink_flags;
+    BM, BR, BK, fp32: lora.lora_shrink's launch shape and dot precision for these operands."""
+    x: torch.Tensor
+    A: torch.Tensor
+    part: torch.Tensor
+    flags: torch.Tensor
+    BM: int
+    BR: int
+    BK: int
+    fp32: bool
+
+
 class Fold(NamedTuple):
     """A LoRA update for matmul's lora= (a plain (h, B, scale) tuple reads as one with x_fresh False).
-    x_fresh: the launch just before the matmul wrote x as well as h (lora.norm_shrink), so the
-    kernel must wait on it before it reads x; else the launch before is lora.lora_shrink, which only
-    read x, and the kernel streams x and W before its wait (LATE_WAIT)."""
+    x_fresh: the launch just before the matmul wrote x as well as h (lora.norm_shrink), or wrote x
+    and the launch computes h itself (shrink), so the kernel must wait on it before it reads x; else
+    the launch before is lora.lora_shrink, which only read x, and the kernel streams x and W before
+    its wait (LATE_WAIT). shrink: h's shrink, carried by whichever launch folds the update."""
     h: torch.Tensor
     B: torch.Tensor
     scale: float
     x_fresh: bool = False
+    shrink: Shrink = None
+
+
+def shrink_args(shrink, dummy):
+    """A folding kernel's carried-shrink arguments: (x, A, part, flags, K, x's row stride) and the
+    constexprs NS (its programs; 0: none), SBM, SBR, SBK, SSPLIT, SFP32 (the Shrink's launch shape
+    and dot precision); dummy stands in for the tensors where there is none."""
+    if shrink is None:
+        return (dummy,) * 4 + (0, 0), dict(NS=0, SBM=16, SBR=16, SBK=16, SSPLIT=1, SFP32=False)
+    K, R = shrink.x.shape[1], shrink.A.shape[0]
+    split = cdiv(K, shrink.BK)
+    return ((shrink.x, shrink.A, shrink.part, shrink.flags, K, shrink.x.stride(0)),
+            dict(NS=cdiv(R, shrink.BR) * split, SBM=shrink.BM, SBR=shrink.BR, SBK=shrink.BK, SSPLIT=split,
+                 SFP32=shrink.fp32))
 
 # ----------------------------------------------------------------------------------------------
 # input checks
@@ -152,6 +184,10 @@ def _check_lora(lora, M, N, K, device, interleaved):
     if not h_form and not folds_lora(M, N, K, device, interleaved):
         raise ValueError(f"lora: the update folds into the matmul only where folds_lora holds, not at M={M}, "
                          f"N={N}, K={K} (route {route(M, N, K, device, interleaved)!r})")
+    if _carried(lora) is not None and not carries_shrink(M, N, K, device, interleaved):
+        raise ValueError(f"lora: a carried shrink rides only in the reduce launch after a split matmul "
+                         f"(carries_shrink), not at M={M}, N={N}, K={K} "
+                         f"(route {route(M, N, K, device, interleaved)!r})")
     return h_form
 
 
@@ -285,6 +321,30 @@ def folds_lora(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     return kernel == "fragment" or wgmma_reduces(M, N, K, device)
 
 
+def carries_shrink(M: int, N: int, K: int, device, interleaved: bool) -> bool:
+    """Can the launch that folds a LoRA update at M rows (folds_lora) compute the update's shrink in
+    its first programs too (Fold.shrink)? Where that launch is the reduce kernel after the matmul: a
+    split fragment launch that leaves its sum to it, or a split register-A launch. Not where the
+    matmul folds the update itself (the GEMV, the swapped tiles, a fragment launch that finishes y):
+    there the carried programs take the matmul's own slots in its one wave (a fragment kernel
+    carrying them makes the step slower at 2 and 8 rows than a shrink launch before it does)."""
+    if not folds_lora(M, N, K, device, interleaved):
+        return False
+    kernel = route(M, N, K, device, interleaved)
+    if kernel == "fragment":
+        cfg = shapes.fwd_config(M, N, K)
+        split, _, step = shapes.mma_launch(cfg, M, shapes.mma_tiles(N, cfg), K, device)
+        return not fragment_finishes(M, split, step)
+    return kernel == "wgmma"
+
+
+def fragment_finishes(M: int, split: int, step: int) -> bool:
+    """Does a fragment launch of M rows, `split` splits and `step` windows a loop step store y itself
+    (unsplit, or its last split summing the others: tuning's reduce_in_kernel and
+    fragment_sums_in_kernel), rather than leave the sum to the reduce kernel?"""
+    return split == 1 or (tuning.current().reduce_in_kernel and fragment_sums_in_kernel(M, step))
+
+
 def reduce_folds_lora(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     """Can matmul take a LoRA update in the h form (h = x Aᵀ bf16 (M, R)) at M rows? Where the
     register-A kernel runs with split-K: the reduce kernel that sums its partials adds s·h·Bᵀ too,
@@ -342,10 +402,11 @@ def _reduce(part, global_scale, bias, out, lora=None):
         R = B.shape[1]
         # 16 x 128 tiles: as many programs as the flat reduce has blocks of 1024 at 8 rows
         (M, N), BM, BN = out.shape, 16, 128
-        _splitk_reduce_lora_kernel[(cdiv(M, BM), cdiv(N, BN))](
-            part, global_scale, bias if bias is not None else out, out, h, B, s, M, N, R, part.shape[0],
+        shrink_ptrs, shrink_meta = shrink_args(_carried(lora), out)
+        _splitk_reduce_lora_kernel[(shrink_meta["NS"] + cdiv(M, BM) * cdiv(N, BN),)](
+            part, global_scale, bias if bias is not None else out, out, h, B, s, *shrink_ptrs, M, N, R, part.shape[0],
             HAS_BIAS=bias is not None, BM=BM, BN=BN, LSPLIT=1 if h.dim() == 2 else h.shape[0],
-            INTERPRET=launch.interpreting(), **launch.pdl_launch(out.device))
+            INTERPRET=launch.interpreting(), **shrink_meta, **launch.pdl_launch(out.device))
         return out
     numel = out.numel()
     BLOCK = 1024
@@ -354,6 +415,11 @@ def _reduce(part, global_scale, bias, out, lora=None):
         part.shape[0], HAS_BIAS=bias is not None, BLOCK=BLOCK, INTERPRET=launch.interpreting(),
         **launch.pdl_launch(out.device))
     return out
+
+
+def _carried(lora):
+    """The shrink a Fold carries (its h computed by the launch that folds it), or None."""
+    return getattr(lora, "shrink", None)
 
 
 def _late_wait(lora) -> bool:
@@ -488,9 +554,11 @@ def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     tiles = shapes.mma_tiles(N, cfg)
     split, per, step = shapes.mma_launch(cfg, M, tiles, K, x.device)
     part = launch.partials(split, out)
-    reduce = split > 1 and tuning.current().reduce_in_kernel and fragment_sums_in_kernel(M, step)
+    finishes = fragment_finishes(M, split, step)       # the kernel stores y: it adds the update
+    reduce = split > 1 and finishes
     targets, flags = _split_targets(out, tiles, split, reduce)
-    finishes = split == 1 or reduce                    # the kernel stores y: it adds the update
+    if finishes and _carried(lora) is not None:
+        raise ValueError("a fragment launch that stores y itself takes no carried shrink (carries_shrink)")
     lora_ptrs, R, lora_flags = _lora_args(lora if finishes else None, out, split, reduce)
     x2, p4, sb = x.view(torch.int32), packed.view(torch.int32), scale.view(torch.uint8)
     _nvfp4_mma_kernel[(tiles, split)](
@@ -606,7 +674,8 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
     of lora.lora_expand_ (hp (split, M, R) fp32 from lora.lora_shrink, launched just before this call
     on this x, B (N, R) bf16): the kernel streams x and W before it waits on that launch (LATE_WAIT
     in fp4_decode.pdl_start), so nothing may write x between the two (a Fold with x_fresh: the
-    launch before wrote x and hp, lora.norm_shrink, and the kernel waits first); or lora = (h, B, s) with
+    launch before wrote x and hp, lora.norm_shrink, and the kernel waits first; a Fold with a shrink:
+    the reduce launch after a split matmul computes hp itself, carries_shrink); or lora = (h, B, s) with
     h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by the reduce
     kernel of the register-A route; elsewhere a ValueError, never a dropped update. silu_mul, where
     folds_silu(M): W stacks gate and up (N = 2I rows), and the result is silu(y[:, :I])·y[:, I:]

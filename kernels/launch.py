@@ -9,7 +9,9 @@ before it launches, so they live apart from any one kernel family:
     capability(index)     the CUDA device's compute capability, cached
     num_sms(device)       streaming multiprocessors (4 on the CPU, so small tests still split)
     pdl_launch(device)    the launch keywords of programmatic dependent launch
+    counters(device)      the current stream's int32 counters, allocated once per device
     split_counts(...)     zeroed int32 counters for split-K sums done inside a launch
+    shrink_flags(device)  zeroed int32 counters of a launch that carries a LoRA shrink (lora.py)
     partials(split, out)  where a split launch writes its fp32 partial sums
 
 Programmatic dependent launch (Hopper and later). A kernel launched with launch_pdl=True may be
@@ -34,14 +36,20 @@ latency then passes under the previous kernel's tail.
 
 Split-K summed in the launch: every split stores its fp32 partial tile and counts itself in an
 int32 per output tile (fp4_decode._last_split); the split that counts last sums the partials in
-order and sets the count back to zero. The counters are one buffer per CUDA stream, as torch keeps
-cuBLAS workspaces: the launches of one stream run one after another, and two streams never share
-counts.
+order and sets the count back to zero. The counters (these and a carried shrink's flags) are one row
+per CUDA stream, as torch keeps cuBLAS workspaces: the launches of one stream run one after another,
+and two streams never share counts. The rows are one buffer per device, allocated by the first
+launch that counts, which runs eagerly (Triton cannot load a kernel's binary while a stream
+captures), and never inside a CUDA-graph capture: a tensor allocated there lives in the graph's
+memory pool, whose memory torch gives to other tensors (allocated so, the counters of a training
+run's later steps held another tensor's fp32 values, and a carried shrink's readers waited on them
+forever). A stream first seen inside a capture takes the next row, already zero.
 
 Leaves out: autotuning (launch shapes are chosen in shapes.py from tuning.py's fields).
 Test: through every kernel test (tests/test_kernels_*.py); the counters' contract in
 test_kernels_small_m.py (test_in_kernel_split_reduce_equals_the_reduce_kernel).
 """
+import dataclasses
 import functools
 import os
 
@@ -50,7 +58,9 @@ import torch
 from . import tuning
 
 SPLIT_COUNTS = 1 << 16    # tiles one split launch may have (GEMV: N <= 2^20 rows; fragment: 2^22)
-_SPLIT_COUNTS = {}        # (device, stream) -> int32 zeros, see split_counts
+SHRINK_SLOTS, SHRINK_FLAGS = 4, 128   # a carried shrink's counters: slots taken in turn, ints a slot
+STREAMS = 64              # CUDA streams of one device that may count (a row each: 264 KiB)
+_COUNTERS = {}            # device -> Counters, see counters
 
 
 def interpreting() -> bool:
@@ -85,17 +95,53 @@ def _pdl_keywords(device, pdl: bool, interp: bool) -> dict:
 NO_PDL = dict(USE_PDL=False, launch_pdl=False)
 
 
+@dataclasses.dataclass
+class Counters:
+    """A device's int32 counters: a row of SPLIT_COUNTS split counts and SHRINK_SLOTS x SHRINK_FLAGS
+    shrink flags for each CUDA stream that counts (rows[stream]), and the next shrink slot of each."""
+    buffer: torch.Tensor                                   # (STREAMS, SPLIT_COUNTS + SHRINK_SLOTS * SHRINK_FLAGS)
+    rows: dict = dataclasses.field(default_factory=dict)   # stream -> row
+    turns: dict = dataclasses.field(default_factory=dict)  # stream -> next shrink slot
+
+
+def counters(device):
+    """The current stream's row of its device's Counters (zeros where no launch is in flight), and
+    that stream. The first call on a device allocates them; under a CUDA-graph capture that is an
+    error, not an allocation in the graph's pool (the module docstring says why)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kernels: the first launch that counts on {device} is inside a CUDA-graph capture; "
+                               f"run the step once eagerly first (its counters must not live in the graph's pool)")
+        _COUNTERS[device] = Counters(torch.zeros(STREAMS, SPLIT_COUNTS + SHRINK_SLOTS * SHRINK_FLAGS,
+                                                 dtype=torch.int32, device=device))
+    c = _COUNTERS[device]
+    if stream not in c.rows:
+        if len(c.rows) == STREAMS:
+            raise RuntimeError(f"kernels: more than {STREAMS} CUDA streams launch counting kernels on {device}")
+        c.rows[stream] = len(c.rows)
+    return c, stream
+
+
 def split_counts(device, tiles):
     """SPLIT_COUNTS int32 zeros for a kernel's in-kernel split-K reduce (each launch leaves them
-    zero). One buffer per CUDA stream; never replaced or freed, since captured CUDA graphs hold its
-    address (the first use on a capture stream allocates it inside the capture: a memset node of
-    that graph)."""
+    zero): the current stream's (counters)."""
     if tiles > SPLIT_COUNTS:
         raise ValueError(f"a split launch of {tiles} tiles; the in-kernel reduce counts {SPLIT_COUNTS}")
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    if key not in _SPLIT_COUNTS:
-        _SPLIT_COUNTS[key] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
-    return _SPLIT_COUNTS[key]
+    c, stream = counters(device)
+    return c.buffer[c.rows[stream], :SPLIT_COUNTS]
+
+
+def shrink_flags(device):
+    """The int32 counters of one launch that carries a LoRA shrink (fp4_decode._carried_shrink: its
+    rank tiles' chunk counts, then ready and readers; each launch leaves them zero): the next of the
+    current stream's SHRINK_SLOTS slots, in turn, since under PDL a launch's programs may still be on
+    the SMs while the next launch's begin (never more than two launches: a launch is scheduled only
+    once the kernel two places ahead has finished)."""
+    c, stream = counters(device)
+    turn = c.turns.get(stream, 0)
+    c.turns[stream] = (turn + 1) % SHRINK_SLOTS
+    return c.buffer[c.rows[stream], SPLIT_COUNTS:].view(SHRINK_SLOTS, SHRINK_FLAGS)[turn]
 
 
 def partials(split: int, out):

@@ -33,6 +33,12 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
     too). (Measured on an H200, 7B, train.py's adapters: the shrink first beside the fragment
     kernel too, and PDL after it, decode 8 and 16 sequences 8-9% faster than both kernels after it
     without PDL; bench/ab.py.)
+  * where a launch after the NVFP4 matmul adds the update (the reduce kernel after a split launch,
+    the expand kernel after gate/up's), that launch computes the shrink as well, from 2 rows
+    (carries, carried_shrink): its first programs run lora_shrink's chunks and sums (x was written
+    before the matmul, so they need not wait for it) while the matmul streams, and its other programs
+    wait for their flag (fp4_decode._carried_shrink / _await_shrink) before they add the update.
+    No shrink launch then stands between x's producer and the matmul.
   * where the group's input comes from an RMSNorm (q/k/v, gate/up) at up to tuning's
     norm_shrink_max_m rows, the shrink runs inside the norm's launch instead (norm_shrink): under
     PDL a launch is scheduled only once the kernel two places ahead has finished, so a shrink
@@ -64,7 +70,8 @@ batch bucket, rather than one each for M = 1, M a multiple of 16 and the rest, c
 run first reaches such a bucket. Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's
 bf16 tl.dot is wrong), as in the other kernels.
 Tests: tests/test_kernels_lora.py (interpreter: the kernels against float64 with odd sizes, K-splits
-and row-strided x and y, bf16 rounding of h, bad input, the in-place addmm, where the expand folds;
+and row-strided x and y, the expand launches carrying the shrink, bf16 rounding of h, bad input, the
+in-place addmm, where the expand folds;
 GPU: one adapter and a q/k/v group's block-diagonal B against the torch path, folded into the NVFP4
 GEMV, the fragment kernel and the reduce kernel or not; 7B's q/k/v, gate/up and down at decode, folded
 against the expand kernel); the folded update itself: tests/test_kernels_small_m.py, the reduce
@@ -79,10 +86,12 @@ import triton
 import triton.language as tl
 
 from . import gemm, launch, tuning
-from .fp4_decode import _last_split, pdl_start, silu_mul as silu_mul_math
+from .fp4_decode import (SHRINK_READY, _await_shrink, _carried_shrink, _shrink_chunk, pdl_start,
+                         silu_mul as silu_mul_math)
 from .fused_ops import norm_inputs, norm_row
 
 ROW_SHRINK_MAX_C = 32768   # columns a row_shrink program holds whole (its row and a row of A, 16 warps)
+SHRINK_TILES = SHRINK_READY.value   # rank tiles a carried shrink counts (its flags: launch.shrink_flags)
 
 # ----------------------------------------------------------------------------------------------
 # where each piece runs
@@ -129,32 +138,9 @@ def _lora_shrink_kernel(x_ptr, a_ptr, part_ptr, h_ptr, count_ptr, M, R, K, strid
                         FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """h[0, m, r] = sum over k of x[m, k] · A[r, k] for BR rows r; program (i, j) takes the k-chunk j
     (BK wide, one load). Each split stores its partial, and the one that counts last sums them in
-    split order (fp4_decode._last_split): deterministic, one launch."""
-    i, j = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BM)
-    offs_r = i * BR + tl.arange(0, BR)
-    k = j * BK + tl.arange(0, BK)
-    # A is a weight, written long before the kernel this one waits for: load it first (pdl_start's rule)
-    a = tl.load(a_ptr + offs_r[:, None] * K + k[None, :],
-                mask=(offs_r[:, None] < R) & (k[None, :] < K), other=0.0)           # (BR, BK)
-    pdl_start(USE_PDL)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)          # (BM, BK)
-    if FP32_DOT:
-        acc = tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-    else:
-        acc = tl.dot(x, tl.trans(a))                                                # (BM, BR) fp32
-    offs = offs_m[:, None] * R + offs_r[None, :]
-    mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
-    if SPLIT == 1:
-        tl.store(h_ptr + offs, acc, mask=mask)
-    else:
-        tl.store(part_ptr + j * M * R + offs, acc, mask=mask)
-        if _last_split(count_ptr, i, SPLIT):
-            h = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                h += tl.load(part_ptr + s * M * R + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(h_ptr + offs, h, mask=mask)
+    split order (fp4_decode._shrink_chunk): deterministic, one launch."""
+    _shrink_chunk(x_ptr, a_ptr, part_ptr, h_ptr, count_ptr, tl.program_id(0), tl.program_id(1), M, R, K, stride_xm,
+                  BM, BR, BK, SPLIT, FP32_DOT, USE_PDL, True)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -189,16 +175,27 @@ def _norm_shrink_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, h_ptr, M
 
 
 @triton.jit(do_not_specialize=["M"])
-def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, M, N, R, stride_ym, scale,
+def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, sx_ptr, sa_ptr, spart_ptr, sflag_ptr, SK, stride_sxm,
+                        M, N, R, stride_ym, scale,
                         SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
-                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
-    """y[m, n] += scale · bf16(Σ_j hp[j, m, :]) · B[n, :] for BN columns n, in place."""
+                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+                        NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
+                        SSPLIT: tl.constexpr, SFP32: tl.constexpr):
+    """y[m, n] += scale · bf16(Σ_j hp[j, m, :]) · B[n, :] for BN columns n, in place. With NS, the
+    first NS programs compute hp themselves (gemm.shrink_args: the carried shrink)."""
+    pid = tl.program_id(0)
+    if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, hp_ptr, sflag_ptr, M, R, SK, stride_sxm,
+                       SBM, SBR, SBK, SSPLIT, SFP32):
+        return
+    pid -= NS
     offs_m = tl.arange(0, BM)
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_n = pid * BN + tl.arange(0, BN)
     offs_r = tl.arange(0, R_PAD)
     b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :],
                 mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0.0)    # (BN, R_PAD)
     pdl_start(USE_PDL)                               # B is a weight: loaded before the wait, hp and y after it
+    if NS > 0:
+        _await_shrink(sflag_ptr, R, SBR, tl.num_programs(0) - NS)
     h = _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT, y_ptr.dtype.element_ty)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -226,18 +223,29 @@ def _plus_update(y, h, b, scale, FP32_DOT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, M, I, R, stride_ym, scale,
+def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, sx_ptr, sa_ptr, spart_ptr, sflag_ptr, SK, stride_sxm,
+                        M, I, R, stride_ym, scale,
                         SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
-                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+                        NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
+                        SSPLIT: tl.constexpr, SFP32: tl.constexpr):
     """out[m, n] = silu(g)·u for BN columns n of I, where g and u are y's gate column n and up column
-    I + n after the expand (_lora_expand_kernel's arithmetic: bf16(y + scale · bf16(Σ_j hp[j]) · B[row]))."""
+    I + n after the expand (_lora_expand_kernel's arithmetic: bf16(y + scale · bf16(Σ_j hp[j]) · B[row]));
+    with NS, the carried shrink in the first NS programs, as there."""
+    pid = tl.program_id(0)
+    if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, hp_ptr, sflag_ptr, M, R, SK, stride_sxm,
+                       SBM, SBR, SBK, SSPLIT, SFP32):
+        return
+    pid -= NS
     offs_m = tl.arange(0, BM)
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)                           # (BN,) columns of I
+    offs_n = pid * BN + tl.arange(0, BN)                                        # (BN,) columns of I
     offs_r = tl.arange(0, R_PAD)
     b_mask = (offs_n[:, None] < I) & (offs_r[None, :] < R)
     b_g = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=b_mask, other=0.0)        # (BN, R_PAD)
     b_u = tl.load(b_ptr + (I + offs_n[:, None]) * R + offs_r[None, :], mask=b_mask, other=0.0)
     pdl_start(USE_PDL)                               # B is a weight: loaded before the wait, hp and y after it
+    if NS > 0:
+        _await_shrink(sflag_ptr, R, SBR, tl.num_programs(0) - NS)
     h = _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT, y_ptr.dtype.element_ty)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
     ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -263,30 +271,55 @@ def lora_delta_(x, A, B, y, scale):
 def lora_shrink(x, A, B):
     """The first half of lora_delta_: -> hp (1, M, R) fp32, x Aᵀ summed over K. It reads x only, so it
     may run before the base matmul that y comes from (early_shrink)."""
-    t = tuning.current()
-    BR, BK = t.lora_rank_rows, t.lora_shrink_k
-    M, K = x.shape
-    R = A.shape[0]
-    if not (M <= t.lora_max_m and A.shape[1] == K and B.shape[1] == R):
-        raise ValueError(f"lora_delta_: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)} do not "
-                         f"fit y (M, N) += (x Aᵀ) Bᵀ with M <= {t.lora_max_m}")
-    if not x.dtype == A.dtype == B.dtype:
-        raise ValueError(f"lora_delta_ needs one dtype, got x {x.dtype}, A {A.dtype}, B {B.dtype}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    A = A.contiguous()
-    split, tiles = triton.cdiv(K, BK), triton.cdiv(R, BR)
-    hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
-    part = launch.partials(split, hp[0])                                       # (split, M, R), or hp itself
-    _lora_shrink_kernel[(tiles, split)](x, A, part, hp, launch.split_counts(x.device, tiles), M, R, K, x.stride(0),
-                                        BM=_side(M), BR=BR, BK=BK, SPLIT=split,
-                                        FP32_DOT=launch.interpreting() or x.dtype == torch.float32,
+    hp, s = _shrink_plan(x, A, B)
+    (M, K), R = s.x.shape, s.A.shape[0]
+    split, tiles = triton.cdiv(K, s.BK), triton.cdiv(R, s.BR)
+    _lora_shrink_kernel[(tiles, split)](s.x, s.A, s.part, hp, launch.split_counts(x.device, tiles), M, R, K,
+                                        s.x.stride(0), BM=s.BM, BR=s.BR, BK=s.BK, SPLIT=split, FP32_DOT=s.fp32,
                                         **launch.pdl_launch(x.device))
     return hp
 
 
-def lora_expand_(hp, B, y, scale):
-    """The second half: y += scale · bf16(Σ hp) Bᵀ in place, y (M, N) with contiguous rows."""
+def carried_shrink(x, A, B):
+    """lora_shrink's work for the launch that folds the update to carry in its first programs:
+    -> (hp (1, M, R) fp32, still unwritten, gemm.Shrink), the same chunks and sums (fp4_decode._shrink_chunk)."""
+    t = tuning.current()
+    if triton.cdiv(A.shape[0], t.lora_rank_rows) > SHRINK_TILES:
+        raise ValueError(f"carried_shrink: {A.shape[0]} ranks make more than the {SHRINK_TILES} rank tiles of "
+                         f"{t.lora_rank_rows} that a launch's flags count (launch.shrink_flags)")
+    hp, s = _shrink_plan(x, A, B)
+    return hp, s._replace(flags=launch.shrink_flags(x.device))
+
+
+def _shrink_plan(x, A, B):
+    """The shrink of x (M, K) by A (R, K), launched alone or carried: -> (hp (1, M, R) fp32, unwritten,
+    gemm.Shrink without flags): its operands, the fp32 K-chunk partials (hp itself where one chunk
+    spans K), and its launch shape and dot precision (all M rows in one tile, lora_rank_rows ranks
+    and lora_shrink_k k a program; fp32 products under the interpreter and on fp32 activations)."""
+    t = tuning.current()
+    x, A = _shrink_operands(x, A, B)
+    (M, K), R = x.shape, A.shape[0]
+    hp = torch.empty(1, M, R, device=x.device, dtype=torch.float32)
+    part = launch.partials(triton.cdiv(K, t.lora_shrink_k), hp[0])             # (split, M, R), or hp itself
+    return hp, gemm.Shrink(x, A, part, None, _side(M), t.lora_rank_rows, t.lora_shrink_k,
+                           launch.interpreting() or x.dtype == torch.float32)
+
+
+def _shrink_operands(x, A, B):
+    """x (M, K) with unit inner stride and A (R, K) contiguous for h = x Aᵀ, after the checks."""
+    t = tuning.current()
+    M, K = x.shape
+    if not (M <= t.lora_max_m and A.shape[1] == K and B.shape[1] == A.shape[0]):
+        raise ValueError(f"lora_delta_: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)} do not "
+                         f"fit y (M, N) += (x Aᵀ) Bᵀ with M <= {t.lora_max_m}")
+    if not x.dtype == A.dtype == B.dtype:
+        raise ValueError(f"lora_delta_ needs one dtype, got x {x.dtype}, A {A.dtype}, B {B.dtype}")
+    return (x if x.stride(-1) == 1 else x.contiguous()), A.contiguous()
+
+
+def lora_expand_(hp, B, y, scale, shrink=None):
+    """The second half: y += scale · bf16(Σ hp) Bᵀ in place, y (M, N) with contiguous rows. shrink
+    (carried_shrink): the launch computes hp itself first."""
     t = tuning.current()
     split, M, R = hp.shape
     N = B.shape[0]
@@ -298,17 +331,18 @@ def lora_expand_(hp, B, y, scale):
     if y.stride(-1) != 1:
         raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
     BN = t.lora_expand_cols
-    _lora_expand_kernel[(triton.cdiv(N, BN),)](hp, B.contiguous(), y, M, N, R, y.stride(0), scale, SPLIT=split,
-                                               BM=_side(M), BN=BN, R_PAD=_side(R),
-                                               FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
-                                               **launch.pdl_launch(y.device))
+    ptrs, meta = gemm.shrink_args(shrink, hp)
+    _lora_expand_kernel[(meta["NS"] + triton.cdiv(N, BN),)](
+        hp, B.contiguous(), y, *ptrs, M, N, R, y.stride(0), scale, SPLIT=split, BM=_side(M), BN=BN,
+        R_PAD=_side(R), FP32_DOT=launch.interpreting() or y.dtype == torch.float32, **meta,
+        **launch.pdl_launch(y.device))
     return y
 
 
-def expand_silu_mul(hp, B, y, scale):
-    """silu(g)·u (M, N/2) of y (M, N) = [g, u] after lora_expand_(hp, B, y, scale), in one launch that
-    writes neither g nor u back: the gate/up group's update where its matmul stores y itself
-    (register-A from 2 rows), with the SiLU·mul kernel's work, the same bits as the two launches."""
+def expand_silu_mul(hp, B, y, scale, shrink=None):
+    """silu(g)·u (M, N/2) of y (M, N) = [g, u] after lora_expand_(hp, B, y, scale, shrink), in one
+    launch that writes neither g nor u back: the gate/up group's update where its matmul stores y
+    itself (register-A from 2 rows), with the SiLU·mul kernel's work, the same bits as the two launches."""
     t = tuning.current()
     split, M, R = hp.shape
     N = B.shape[0]
@@ -319,10 +353,11 @@ def expand_silu_mul(hp, B, y, scale):
         raise ValueError(f"expand_silu_mul needs one dtype and y's rows contiguous, got B {B.dtype}, y {y.dtype}")
     I, BN = N // 2, t.lora_expand_cols
     out = torch.empty(M, I, device=y.device, dtype=y.dtype)
-    _expand_silu_kernel[(triton.cdiv(I, BN),)](hp, B.contiguous(), y, out, M, I, R, y.stride(0), scale, SPLIT=split,
-                                               BM=_side(M), BN=BN, R_PAD=_side(R),
-                                               FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
-                                               **launch.pdl_launch(y.device))
+    ptrs, meta = gemm.shrink_args(shrink, hp)
+    _expand_silu_kernel[(meta["NS"] + triton.cdiv(I, BN),)](
+        hp, B.contiguous(), y, out, *ptrs, M, I, R, y.stride(0), scale, SPLIT=split, BM=_side(M), BN=BN,
+        R_PAD=_side(R), FP32_DOT=launch.interpreting() or y.dtype == torch.float32, **meta,
+        **launch.pdl_launch(y.device))
     return out
 
 
@@ -420,18 +455,47 @@ def _delta_kernels(x2, A, B, y, scale, base, hp=None, expand=None):
     """y + scale · (x Aᵀ) Bᵀ by the kernels, y a function computing the base output (given lora=,
     the update to fold in): where early_shrink says so, x Aᵀ runs before it (or ran in the norm's
     launch: hp given), and where fold_expand says so the base matmul adds the update itself (no
-    expand kernel); otherwise both run after it. expand(hp, B, y2, scale) -> (rows, n): the expand
-    launch (lora_expand_ if None; expand_silu_mul where the caller wants SiLU·mul of the result)."""
-    if early_shrink(base):
+    expand kernel); otherwise both run after it. Where `carries` says so, no shrink launch runs:
+    the launch that adds the update computes x Aᵀ in its first programs. expand(hp, B, y2, scale,
+    shrink) -> (rows, n): the expand launch (lora_expand_ if None; expand_silu_mul where the caller
+    wants SiLU·mul of the result)."""
+    folds = early_shrink(base) and fold_expand(base, x2, B)
+    carry = None
+    if hp is None and carries(base, x2, B, folds):
+        hp, carry = carried_shrink(x2, A, B)
+        if folds:
+            return y(lora=gemm.Fold(hp, B.contiguous(), float(scale), x_fresh=True, shrink=carry))
+        y = y()
+    elif early_shrink(base):
         fresh = hp is not None                # the launch just before wrote x too: the matmul waits first
         hp = hp if fresh else shrink(x2, A, B)
-        if fold_expand(base, x2, B):
+        if folds:
             return y(lora=gemm.Fold(hp, B.contiguous(), float(scale), x_fresh=fresh))
         y = y()
     else:
         y = y()
         hp = shrink(x2, A, B)
-    return (expand or lora_expand_)(hp, B, y.reshape(-1, y.shape[-1]), scale).view(*y.shape[:-1], -1)
+    return (expand or lora_expand_)(hp, B, y.reshape(-1, y.shape[-1]), scale, carry).view(*y.shape[:-1], -1)
+
+
+def carries(base, x2, B, folds: bool) -> bool:
+    """Does the launch after an NVFP4 base's matmul that adds the update (the reduce kernel where the
+    matmul leaves its split-K sum to it: gemm.carries_shrink; the expand kernel where the matmul
+    stores y itself, 7B gate/up) compute the shrink in its first programs (carried_shrink), instead
+    of a shrink launch before the matmul? From tuning's row_shrink_max_m rows (one row has the
+    whole-row shrinks) to lora_max_m, where tuning's carry_shrink holds. Why: under PDL a launch is
+    scheduled only once the kernel two places ahead has finished, so a shrink launch between x's
+    producer and the matmul keeps the matmul off the SMs until the producer is done; carried, the
+    shrink runs beside the matmul and the matmul is resident and streaming during the producer. A
+    matmul that folds the update itself carries none (gemm.carries_shrink says why), nor does a
+    bf16 base: cuBLAS releases nothing early, so the carried programs start after it, and the expand
+    launch that waits for them is slower than the two launches (ab_lora_7b_h200.json)."""
+    t = tuning.current()
+    M = x2.shape[0]
+    if not (t.carry_shrink and early_shrink(base) and t.row_shrink_max_m < M <= t.lora_max_m
+            and triton.cdiv(B.shape[1], t.lora_rank_rows) <= SHRINK_TILES):
+        return False
+    return not folds or gemm.carries_shrink(M, B.shape[0], x2.shape[1], x2.device, base.interleaved)
 
 
 def shrink(x2, A, B):

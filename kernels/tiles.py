@@ -54,8 +54,9 @@ tests/test_kernels_small_m.py (test_kernels_fold_the_lora_update).
 import triton
 import triton.language as tl
 
-from .fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _add_update, _e2m1x2_to_f32, _e4m3_to_f32,
-                        _finish, _last_split, _lora_update_tile, _sum_splits, _tiled_offsets, _to_bf16, pdl_start)
+from .fp4_decode import (OPERAND_POST, OPERAND_SHIFT, _E2M1X4_TO_BF16_PTX, _add_update, _await_shrink,
+                         _carried_shrink, _e2m1x2_to_f32, _e4m3_to_f32, _finish, _last_split, _lora_update_tile,
+                         _sum_splits, _tiled_offsets, _to_bf16, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
 # the weight tile
@@ -244,23 +245,36 @@ def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
 
 
 @triton.jit
-def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr, lora_scale, M, N, R, SPLIT,
+def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr, lora_scale,
+                               sx_ptr, sa_ptr, spart_ptr, sflag_ptr, SK, stride_sxm, M, N, R, SPLIT,
                                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LSPLIT: tl.constexpr,
-                               INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                               INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
+                               NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
+                               SSPLIT: tl.constexpr, SFP32: tl.constexpr):
     """_splitk_reduce_kernel for a (BM, BN) tile of out (M, N), plus a LoRA update: out = bf16(y +
     s · h Bᵀ) with y the reduce's bf16 result and B (N, R) bf16, the update an fp32 MMA
     added before the one rounding (the in-place addmm it replaces rounds the sum less exactly: by
     more than a bf16 step on some outputs). h comes in either of matmul's forms, read by one load
     (fp4_decode._lora_h): a bf16 h (M, R) from F.linear (LSPLIT = 1; the GRPO batch), or the
-    shrink's fp32 K-chunk partials (LSPLIT, M, R), summed and rounded to bf16 here (decode)."""
+    shrink's fp32 K-chunk partials (LSPLIT, M, R), summed and rounded to bf16 here (decode). One row
+    of programs, tiles along N fastest; with NS the first NS compute h (fp4_decode._carried_shrink:
+    x was written before the matmul, so they start without waiting on it) and the others wait for it."""
+    pid = tl.program_id(0)
+    if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, h_ptr, sflag_ptr, M, R, SK, stride_sxm,
+                       SBM, SBR, SBK, SSPLIT, SFP32):
+        return
+    pid -= NS
     pdl_start(USE_PDL)
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nt = tl.cdiv(N, BN)
+    offs_m = (pid // nt) * BM + tl.arange(0, BM)
+    offs_n = (pid % nt) * BN + tl.arange(0, BN)
     offs = offs_m[:, None] * N + offs_n[None, :]                                   # (BM, BN)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for s in range(SPLIT):
         acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if NS > 0:
+        _await_shrink(sflag_ptr, R, SBR, tl.num_programs(0) - NS)
     update = _lora_update_tile(h_ptr, b_ptr, lora_scale, offs_m, offs_n, M, N, R, LSPLIT, INTERPRET)  # (BM, BN)
     y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
     tl.store(out_ptr + offs, _add_update(y, update, INTERPRET), mask=mask)

@@ -136,6 +136,10 @@ class Tuning:
     norm_shrink_ranks: int = 1        # ... each program taking one whole row and this many rank rows
     row_shrink_max_m: int = 1         # to this many rows the other shrinks (o, down) take whole rows too
                                       # (lora.row_shrink): no partials for a last program to sum
+    carry_shrink: bool = True         # from there to lora_max_m rows, where a launch after the matmul adds
+                                      # the update (the reduce or expand kernel), it computes the shrink in
+                                      # its first programs: a launch between x's producer and the matmul
+                                      # keeps the matmul off the SMs until the producer is done (lora.py)
 
     # ---- the decoder's small ops (fused_ops.py)
     lm_head_max_rows: int = 2         # the lm_head GEMV to this many rows (at 3-4 the per-row accumulators

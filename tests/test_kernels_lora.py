@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import fused_ops, gemm, tuning
+from kernels import fused_ops, gemm, launch, tuning
 from kernels import lora as kl
 from kernels.lora import lora_delta_
 
@@ -49,6 +49,33 @@ def test_lora_delta_matches_float64(M, K, R, N):
     again = before.clone()
     lora_delta_(x, A, B, again[:, 3:3 + N], 0.5)
     assert torch.equal(again, wide)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("M, K, R, N", [(2, 200, 8, 70), (5, 3000, 40, 129), (16, 1024, 96, 64), (32, 300, 16, 33)])
+@pytest.mark.parametrize("silu", [False, True])
+def test_expand_launch_carries_the_shrink(M, K, R, N, silu):
+    """carried_shrink + the expand kernel (lora_expand_, expand_silu_mul) with the shrink in its first
+    programs: against float64 (fp32), and bit for bit the shrink launch then the expand launch (the
+    same chunks summed in the same order), again on every flag slot and on the first one a second time
+    (each launch leaves its flags zero for the next)."""
+    x, A, B, y = _inputs(M, K, R, 2 * N if silu else N, torch.float32, seed=M + K)
+    expand = kl.expand_silu_mul if silu else kl.lora_expand_
+    hp, carry = kl.carried_shrink(x, A, B)
+    got = expand(hp, B, y.clone(), 0.5, carry)
+    want = y.double() + 0.5 * (x.double() @ A.double().t()) @ B.double().t()
+    if silu:
+        want = want[:, :N] * torch.sigmoid(want[:, :N]) * want[:, N:]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, expand(kl.lora_shrink(x, A, B), B, y.clone(), 0.5))
+    assert not carry.flags.any()
+    for _ in range(launch.SHRINK_SLOTS):
+        hp2, carry2 = kl.carried_shrink(x, A, B)
+        assert torch.equal(expand(hp2, B, y.clone(), 0.5, carry2), got) and torch.equal(hp2, hp)
+        assert not carry2.flags.any()
+    assert launch.SHRINK_FLAGS >= kl.SHRINK_TILES + 2          # the rank tiles' counts, ready, readers
+    with pytest.raises(ValueError, match="rank tiles"):
+        kl.carried_shrink(x, torch.zeros(16 * kl.SHRINK_TILES + 1, K), torch.zeros(N, 16 * kl.SHRINK_TILES + 1))
 
 
 @pytest.mark.interpreter
@@ -183,9 +210,10 @@ def test_norm_shrink_rows_is_the_norm_and_its_shrink(M, C, R, residual, dtype):
 def test_decode_norms_run_their_groups_shrink(tiny_hf_dir, monkeypatch):
     """A decode forward of an NVFP4 model with adapters (the kernels' rows, on the CPU): the norm
     before q/k/v and the one before gate/up run their group's shrink (norm_shrink_rows), so the shrink
-    kernel runs for o and down alone (tuning's norm_shrink_max_m raised to the two rows); the logits
-    equal the training forward's and those with the shrink in its own launch (the default at two
-    rows)."""
+    runs for o and down alone (tuning's norm_shrink_max_m raised to the two rows), carried by the
+    launch that adds the update (carried_shrink: here the expand kernel, as the activations are fp32);
+    at tuning's defaults every shrink at two rows is carried, and with carry_shrink off each is a
+    launch of its own. The logits of all three equal the training forward's."""
     from checkpoint import load_model
     from conftest import rel_err
     from lora import LoRAConfig, apply_lora, lora_modules
@@ -196,8 +224,8 @@ def test_decode_norms_run_their_groups_shrink(tiny_hf_dir, monkeypatch):
             m.lora_B.normal_(0, 0.1)
     monkeypatch.setattr(kernels, "runs", lambda x: not torch.is_grad_enabled())
     monkeypatch.setattr(kl, "_decode_kernels", lambda x2: not torch.is_grad_enabled() and x2.shape[0] <= 16)
-    launched = {"norm": 0, "shrink": 0}
-    for name, key in (("norm_shrink_rows", "norm"), ("lora_shrink", "shrink")):
+    launched = {"norm": 0, "shrink": 0, "carried": 0}
+    for name, key in (("norm_shrink_rows", "norm"), ("lora_shrink", "shrink"), ("carried_shrink", "carried")):
         real = getattr(kl, name)
         monkeypatch.setattr(kl, name, lambda *a, _real=real, _key=key: launched.__setitem__(
             _key, launched[_key] + 1) or _real(*a))
@@ -206,12 +234,15 @@ def test_decode_norms_run_their_groups_shrink(tiny_hf_dir, monkeypatch):
     with torch.no_grad():
         with tuning.using(dataclasses.replace(tuning.current(), norm_shrink_max_m=2)):
             fused = model(ids, pos)
-        assert launched == {"norm": 2 * layers, "shrink": 2 * layers}
-        apart = model(ids, pos)                         # tuning's default: the norm's shrink at one row only
-        assert launched == {"norm": 2 * layers, "shrink": 6 * layers}
+        assert launched == {"norm": 2 * layers, "shrink": 0, "carried": 2 * layers}
+        carried = model(ids, pos)                       # tuning's default: the norm's shrink at one row only
+        assert launched == {"norm": 2 * layers, "shrink": 0, "carried": 6 * layers}
+        with tuning.using(dataclasses.replace(tuning.current(), carry_shrink=False)):
+            apart = model(ids, pos)
+        assert launched == {"norm": 2 * layers, "shrink": 4 * layers, "carried": 6 * layers}
     with torch.enable_grad():
         trained = model(ids, pos)
-    assert rel_err(fused, trained) < 1e-5 and rel_err(fused, apart) < 1e-5
+    assert all(rel_err(out, trained) < 1e-5 for out in (fused, carried, apart))
     assert all(getattr(p, "stacked").lora_h is None for layer in model.model.layers
                for p in (layer.self_attn, layer.mlp))                         # every pending h was taken
 
@@ -397,6 +428,56 @@ def test_gpu_7b_gate_up_expand_runs_silu_mul_in_its_launch(rows, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 32])
+def test_gpu_carried_shrinks_replay_in_a_cuda_graph(rows, monkeypatch):
+    """Qwen2.5-7B's MLP at decode with train.py's rank-32 adapters, as a decode graph runs it: gate/up
+    (the register-A matmul, then the expand launch with SiLU·mul carrying the group's shrink) and down
+    (a split launch whose reduce carries its shrink), captured in one CUDA graph and replayed on fresh
+    rows of x, each set twice: every replay has the bits of the eager call on the same rows (each launch
+    leaves its flags zero for the next, and the graph's launches take the flag slots in turn)."""
+    import nvfp4
+    from model import Stack
+    torch.manual_seed(rows)
+    g = torch.tensor([448.0 * 6 / 0.1], device="cuda")
+
+    def base(n, k):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        return nvfp4.NVFP4Linear.from_weight(w, global_scale=g).interleave_()
+
+    gate_up, down = [base(18944, 3584) for _ in range(2)], base(3584, 18944)
+    mods, (down_mod,) = _adapters(gate_up, r=32, alpha=64), _adapters([down], r=32, alpha=64)
+    stack = Stack(gate_up)
+    A, B = (t.detach().to(torch.bfloat16) for t in (down_mod.lora_A, down_mod.lora_B))
+    carried, real = [], kl.carried_shrink
+    monkeypatch.setattr(kl, "carried_shrink", lambda *a: carried.append(1) or real(*a))
+
+    def mlp(x):
+        h = kernels.project(stack, mods, x, True, False)                     # silu(gate)·up (rows, 18944)
+        return kernels.lora_linear(h, down, A, B, down_mod.scaling)           # (rows, 3584)
+
+    xs = [torch.randn(rows, 3584, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    with torch.no_grad():
+        kernels.project(stack, mods, xs[0], True, True)                     # the group's casts, once
+        carried.clear()
+        want = [mlp(x) for x in xs]
+        assert len(carried) == 2 * len(xs)                                  # gate/up's and down's shrinks
+        x_in = xs[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            mlp(x_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = mlp(x_in)
+        for x, w in zip(xs + xs, want + want):
+            x_in.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, w)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 8, 16])
 @pytest.mark.parametrize("name", ["qkv", "gate_up"])
 def test_gpu_norm_shrink_feeds_the_groups_fold(name, rows, monkeypatch):
@@ -404,7 +485,8 @@ def test_gpu_norm_shrink_feeds_the_groups_fold(name, rows, monkeypatch):
     adapters: the norm's launch runs the group's shrink (kernels.rms_norm given the group; rows beyond
     tuning's default norm_shrink_max_m too, the kernel being the same), the
     matmul after it folds those partials, waiting before it reads x (gemm.Fold's x_fresh), and no
-    shrink kernel runs. Against the norm kernel, then the group with its own shrink: the sum and y
+    shrink runs elsewhere. Against the norm kernel, then the group with its own shrink (a launch, or
+    carried by the launch that folds: kernels.lora.carries): the sum and y
     have the same bits (the same sum of squares), and the group's output is within two bf16 steps of
     the larger (the update's partials are summed in another order)."""
     import nvfp4
@@ -419,8 +501,9 @@ def test_gpu_norm_shrink_feeds_the_groups_fold(name, rows, monkeypatch):
     x, r = (torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w = 1 + 0.1 * torch.randn(K, device="cuda")
     silu = name == "gate_up"
-    shrinks, real = [], kl.shrink
-    monkeypatch.setattr(kl, "shrink", lambda *a: shrinks.append(1) or real(*a))
+    shrinks = []
+    for fn in ("shrink", "carried_shrink"):      # a shrink launch, or a shrink in the launch that folds
+        monkeypatch.setattr(kl, fn, lambda *a, _real=getattr(kl, fn): shrinks.append(1) or _real(*a))
     with torch.no_grad(), tuning.using(dataclasses.replace(tuning.current(), norm_shrink_max_m=16)):
         y, total = kernels.rms_norm(x, w, 1e-6, r, group=(stack, mods, True))
         got = kernels.project(stack, mods, y, silu, True)

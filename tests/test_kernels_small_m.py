@@ -44,17 +44,47 @@ def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, mon
     name = {"gemv": "_nvfp4_gemv_kernel", "fragment": "_nvfp4_mma_kernel", "tile": "_nvfp4_mm_kernel"}[path]
     launched = []
     monkeypatch.setattr(gemm, name, LaunchSpy(getattr(gemm, name), launched))
-    monkeypatch.setattr(launch, "_SPLIT_COUNTS", {})
+    monkeypatch.setattr(launch, "_COUNTERS", {})
     gen = torch.Generator().manual_seed(M + N + K)
     packed, scale, gs = random_weight(N, K, gen)
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
     bias = torch.randn(N, generator=gen).bfloat16().to(DEV)
     got = run(x, packed, scale, gs, bias, cfg)
     assert [(kw["REDUCE"], kw["NSPLIT"] > 1) for _, kw in launched] == [(True, True)]
-    assert len(launch._SPLIT_COUNTS) == 1 and not next(iter(launch._SPLIT_COUNTS.values())).any()
+    assert len(launch._COUNTERS) == 1 and not next(iter(launch._COUNTERS.values())).buffer.any()
     with _replaced(reduce_in_kernel=False):
         assert torch.equal(got, run(x, packed, scale, gs, bias, cfg))
     assert_close(got, reference_matmul(x, packed, scale, gs, bias), f"in-kernel reduce {path} M={M} {cfg}")
+
+
+@pytest.mark.gpu
+def test_gpu_counters_live_outside_every_graph_pool(monkeypatch):
+    """The counters of in-launch sums are allocated by an eager launch, never by a CUDA-graph capture
+    (allocated in a capture's pool, a training run's counters held another tensor's fp32 values a few
+    steps later, and a carried shrink's readers waited on them forever): a device's first counting
+    launch under capture is an error; after an eager one, a stream first seen inside a capture takes
+    a row of the buffer allocated before it. Each stream's split counts and shrink slots are its own,
+    zero, and the slots come in turn."""
+    monkeypatch.setattr(launch, "_COUNTERS", {})
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+            launch.split_counts(dev, 1)
+    assert not launch._COUNTERS
+    eager = launch.split_counts(dev, 1)
+    buffer = launch._COUNTERS[dev].buffer
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        counts = launch.split_counts(dev, 1)
+        slots = [launch.shrink_flags(dev).data_ptr() for _ in range(launch.SHRINK_SLOTS + 1)]
+        counts.add_(0)                                       # a kernel, so that the graph is not empty
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * 4
+    assert launch._COUNTERS[dev].buffer is buffer and start <= counts.data_ptr() < end
+    assert counts.data_ptr() - eager.data_ptr() == buffer.stride(0) * 4             # the next row
+    assert len(set(slots)) == launch.SHRINK_SLOTS and slots[-1] == slots[0]
+    assert counts.data_ptr() + launch.SPLIT_COUNTS * 4 <= min(slots) and max(slots) < end
+    assert not buffer.any()
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 16, 16), (1, 16, 32), (1, 48, 80), (1, 32, 272), (1, 64, 1056)])
@@ -148,6 +178,41 @@ def test_kernels_fold_the_lora_update(M, N, K, R, cfg, il, tune, where, has_bias
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
 
 
+@pytest.mark.parametrize("M,N,K,R,cfg,il", [
+    (8, 64, 384, 40, MmaConfig(warps=2, split=3), True),
+    (16, 48, 384, 96, MmaConfig(warps=1, tiles=2, split=3), False),
+    (3, 32, 1024, 8, MmaConfig(warps=1, split=4), False)])
+def test_reduce_launch_carries_the_shrink(M, N, K, R, cfg, il, monkeypatch, poisoned):
+    """matmul's lora = Fold(hp, B, s, shrink=lora.carried_shrink(x, A, B)) on a split fragment launch
+    that leaves its sum to the reduce kernel: the reduce launch computes h = x Aᵀ in its first programs
+    (NS of them) and its other programs wait for it before they add the update. Against float64 (the
+    base plus the update, h rounded to bf16), and bit for bit the same product with h from the shrink
+    launch (the same chunk sums); the flags are left zero. A fragment launch that stores y itself
+    refuses a carried shrink (it has no programs for it)."""
+    import nvfp4
+    from kernels import lora as kl
+    launched = []
+    monkeypatch.setattr(gemm, "_splitk_reduce_lora_kernel", LaunchSpy(gemm._splitk_reduce_lora_kernel, launched))
+    gen = torch.Generator().manual_seed(M + N + K + R)
+    packed, scale, gs = random_weight(N, K, gen)
+    x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
+    A = (torch.randn(R, K, generator=gen) / K ** 0.5).bfloat16().to(DEV)
+    B = (torch.randn(N, R, generator=gen) * 0.2).bfloat16().to(DEV)
+    w = nvfp4.interleave(packed, scale) if il else (packed, scale)
+    with _replaced(fragment_reduce_max_m=1, pair_reduce_max_m=1):       # the split sum to the reduce kernel
+        hp, carry = kl.carried_shrink(x, A, B)
+        got = gemm._mma(x, *w, gs, None, cfg, gemm.Fold(hp, B, 0.75, True, carry), il)
+        assert len(launched) == 1 and launched[0][1]["NS"] == -(-R // 16) * -(-K // 256)
+        apart = gemm._mma(x, *w, gs, None, cfg, gemm.Fold(kl.lora_shrink(x, A, B), B, 0.75), il)
+    h = (x.double() @ A.double().t()).bfloat16().double()
+    want = reference_matmul(x, packed, scale, gs, None) + 0.75 * h @ B.double().t()
+    assert_close(got, want, f"carried shrink M={M} N={N} K={K} R={R} {cfg}")
+    assert torch.equal(got, apart) and not carry.flags.any()
+    hp, carry = kl.carried_shrink(x, A, B)
+    with pytest.raises(ValueError, match="carried shrink"):
+        gemm._mma(x, *w, gs, None, MmaConfig(warps=1, split=1), gemm.Fold(hp, B, 0.75, True, carry), il)
+
+
 def test_lora_update_only_where_it_folds():
     """matmul takes a LoRA update in the partials form only where folds_lora holds, and only
     well-formed: a clear error otherwise, never a silent unfolded result. On this device's routes
@@ -183,7 +248,8 @@ def test_lora_folds_at_decode_on_the_7b_shapes(monkeypatch):
     Qwen2.5-7B's interleaved projections at decode: everywhere but gate_up at 2..16 rows, whose
     register-A launch does not split K (its 592 row tiles take the decode share of a wave alone:
     wgmma_reduces), so its kernel stores y and the expand kernel stays; down at 16 rows folds into
-    the register-A route's reduce kernel. matmul refuses gate_up's update there rather than drop it."""
+    the register-A route's reduce kernel, which at 8 rows (down), 16 and 32 computes the shrink too
+    (carries_shrink). matmul refuses gate_up's update there rather than drop it."""
     monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(gemm, "gluon_runs", lambda device, interleaved: interleaved)
     cpu, rows = torch.device("cpu"), (1, 2, 4, 8, 16)
@@ -192,6 +258,11 @@ def test_lora_folds_at_decode_on_the_7b_shapes(monkeypatch):
     assert table == {"qkv": [True] * 5, "o": [True] * 5, "gate_up": [True] + [False] * 4, "down": [True] * 5}
     assert [gemm.route(M, *qwen7b["down"], cpu, True) for M in rows] == ["gemv"] + ["fragment"] * 3 + ["wgmma"]
     assert [gemm.route(M, *qwen7b["gate_up"], cpu, True) for M in rows] == ["gemv"] + ["wgmma"] * 4
+    # the reduce kernel carries the shrink where it adds the update: after down's split fragment launch
+    # at 8 rows (its one-window steps leave the sum to it), after every split launch at 16 and 32
+    carried = {name: [gemm.carries_shrink(M, N, K, cpu, True) for M in rows + (32,)] for name, (N, K) in qwen7b.items()}
+    assert carried == {"qkv": [False] * 4 + [True] * 2, "o": [False] * 4 + [True] * 2,
+                       "gate_up": [False] * 6, "down": [False] * 3 + [True] * 3}
     N, K = qwen7b["gate_up"]
     w = torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn), torch.ones(1)
     with pytest.raises(ValueError, match="folds_lora"):
