@@ -47,7 +47,8 @@ forever). A stream first seen inside a capture takes the next row, already zero.
 
 Leaves out: autotuning (launch shapes are chosen in shapes.py from tuning.py's fields).
 Test: through every kernel test (tests/test_kernels_*.py); the counters' contract in
-test_kernels_small_m.py (test_in_kernel_split_reduce_equals_the_reduce_kernel).
+test_kernels_small_m.py (test_in_kernel_split_reduce_equals_the_reduce_kernel, and on a GPU
+test_gpu_counters_live_outside_every_graph_pool).
 """
 import dataclasses
 import functools
@@ -59,7 +60,7 @@ from . import tuning
 
 SPLIT_COUNTS = 1 << 16    # tiles one split launch may have (GEMV: N <= 2^20 rows; fragment: 2^22)
 SHRINK_SLOTS, SHRINK_FLAGS = 4, 128   # a carried shrink's counters: slots taken in turn, ints a slot
-STREAMS = 64              # CUDA streams of one device that may count (a row each: 264 KiB)
+STREAMS = 64              # CUDA streams of one device that may count (a row each: 258 KiB)
 _COUNTERS = {}            # device -> Counters, see counters
 
 
