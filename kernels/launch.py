@@ -9,7 +9,7 @@ before it launches, so they live apart from any one kernel family:
     capability(index)     the CUDA device's compute capability, cached
     num_sms(device)       streaming multiprocessors (4 on the CPU, so small tests still split)
     pdl_launch(device)    the launch keywords of programmatic dependent launch
-    counters(device)      the current stream's int32 counters, allocated once per device
+    counters(device)      the current stream's int32 counters (a Row), allocated once per device
     split_counts(...)     zeroed int32 counters for split-K sums done inside a launch
     shrink_flags(device)  zeroed int32 counters of a launch that carries a LoRA shrink (lora.py)
     partials(split, out)  where a split launch writes its fp32 partial sums
@@ -97,18 +97,25 @@ NO_PDL = dict(USE_PDL=False, launch_pdl=False)
 
 
 @dataclasses.dataclass
+class Row:
+    """One CUDA stream's counters, views of its row of the device's buffer: the split counts, the
+    shrink flags' slots, and the slot the next carried shrink takes."""
+    split: torch.Tensor                                    # (SPLIT_COUNTS,)
+    slots: torch.Tensor                                    # (SHRINK_SLOTS, SHRINK_FLAGS)
+    turn: int = 0
+
+
+@dataclasses.dataclass
 class Counters:
-    """A device's int32 counters: a row of SPLIT_COUNTS split counts and SHRINK_SLOTS x SHRINK_FLAGS
-    shrink flags for each CUDA stream that counts (rows[stream]), and the next shrink slot of each."""
+    """A device's int32 counters: one buffer, a Row of it for each CUDA stream that counts."""
     buffer: torch.Tensor                                   # (STREAMS, SPLIT_COUNTS + SHRINK_SLOTS * SHRINK_FLAGS)
-    rows: dict = dataclasses.field(default_factory=dict)   # stream -> row
-    turns: dict = dataclasses.field(default_factory=dict)  # stream -> next shrink slot
+    rows: dict = dataclasses.field(default_factory=dict)   # stream -> Row
 
 
-def counters(device):
-    """The current stream's row of its device's Counters (zeros where no launch is in flight), and
-    that stream. The first call on a device allocates them; under a CUDA-graph capture that is an
-    error, not an allocation in the graph's pool (the module docstring says why)."""
+def counters(device) -> Row:
+    """The current stream's Row of its device's Counters (zeros where no launch is in flight). The
+    first call on a device allocates them; under a CUDA-graph capture that is an error, not an
+    allocation in the graph's pool (the module docstring says why)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     if device not in _COUNTERS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -120,8 +127,9 @@ def counters(device):
     if stream not in c.rows:
         if len(c.rows) == STREAMS:
             raise RuntimeError(f"kernels: more than {STREAMS} CUDA streams launch counting kernels on {device}")
-        c.rows[stream] = len(c.rows)
-    return c, stream
+        row = c.buffer[len(c.rows)]
+        c.rows[stream] = Row(row[:SPLIT_COUNTS], row[SPLIT_COUNTS:].view(SHRINK_SLOTS, SHRINK_FLAGS))
+    return c.rows[stream]
 
 
 def split_counts(device, tiles):
@@ -129,8 +137,7 @@ def split_counts(device, tiles):
     zero): the current stream's (counters)."""
     if tiles > SPLIT_COUNTS:
         raise ValueError(f"a split launch of {tiles} tiles; the in-kernel reduce counts {SPLIT_COUNTS}")
-    c, stream = counters(device)
-    return c.buffer[c.rows[stream], :SPLIT_COUNTS]
+    return counters(device).split
 
 
 def shrink_flags(device):
@@ -139,10 +146,9 @@ def shrink_flags(device):
     current stream's SHRINK_SLOTS slots, in turn, since under PDL a launch's programs may still be on
     the SMs while the next launch's begin (never more than two launches: a launch is scheduled only
     once the kernel two places ahead has finished)."""
-    c, stream = counters(device)
-    turn = c.turns.get(stream, 0)
-    c.turns[stream] = (turn + 1) % SHRINK_SLOTS
-    return c.buffer[c.rows[stream], SPLIT_COUNTS:].view(SHRINK_SLOTS, SHRINK_FLAGS)[turn]
+    row = counters(device)
+    turn, row.turn = row.turn, (row.turn + 1) % SHRINK_SLOTS
+    return row.slots[turn]
 
 
 def partials(split: int, out):
