@@ -41,9 +41,9 @@ per CUDA stream, as torch keeps cuBLAS workspaces: the launches of one stream ru
 and two streams never share counts. The rows are one buffer per device, allocated by the first
 launch that counts, which runs eagerly (Triton cannot load a kernel's binary while a stream
 captures), and never inside a CUDA-graph capture: a tensor allocated there lives in the graph's
-memory pool, whose memory torch gives to other tensors (allocated so, the counters of a training
-run's later steps held another tensor's fp32 values, and a carried shrink's readers waited on them
-forever). A stream first seen inside a capture takes the next row, already zero.
+memory pool, whose memory torch gives to other tensors, so counters kept there fill with other
+tensors' values, a split's sum goes missing and a carried shrink's readers wait forever. A stream
+first seen inside a capture takes the next row, already zero.
 
 Leaves out: autotuning (launch shapes are chosen in shapes.py from tuning.py's fields).
 Test: through every kernel test (tests/test_kernels_*.py); the counters' contract in

@@ -60,11 +60,10 @@ def test_in_kernel_split_reduce_equals_the_reduce_kernel(path, M, N, K, cfg, mon
 @pytest.mark.gpu
 def test_gpu_counters_live_outside_every_graph_pool(monkeypatch):
     """The counters of in-launch sums are allocated by an eager launch, never by a CUDA-graph capture
-    (allocated in a capture's pool, a training run's counters held another tensor's fp32 values a few
-    steps later, and a carried shrink's readers waited on them forever): a device's first counting
-    launch under capture is an error; after an eager one, a stream first seen inside a capture takes
-    a row of the buffer allocated before it. Each stream's split counts and shrink slots are its own,
-    zero, and the slots come in turn."""
+    (in a capture's pool they fill with other tensors' values, and a carried shrink's readers wait on
+    them forever): a device's first counting launch under capture is an error; after an eager one, a
+    stream first seen inside a capture takes a row of the buffer allocated before it. Each stream's
+    split counts and shrink slots are its own, zero, and the slots come in turn."""
     monkeypatch.setattr(launch, "_COUNTERS", {})
     dev = torch.device("cuda", torch.cuda.current_device())
     with monkeypatch.context() as m:

@@ -45,11 +45,11 @@ def test_an_unknown_arm_is_refused_before_any_run(tmp_path, capsys):
 def test_gpu_the_qerl_arm_runs_its_50_steps_on_smollm2(smollm2_path, tmp_path):
     """bench/peer.py's qerl arm (train.py's defaults, the round-to-nearest quantizer) on the real
     SmolLM2 runs to its end: with dynamic sampling its decode batches shrink through the CUDA-graph
-    buckets from 64 rows down in every step, captured and replayed step after step: the path where the
-    carried shrink's readers, which wait on other programs of their launch, hung a run while every
-    kernel test passed (its counters had been allocated inside a capture: kernels/README.md). A hang
-    fails at the time limit rather than stall the suite; and the mean reward of the last ten steps is
-    above the first ten's by more than 0.2."""
+    buckets from 64 rows down in every step, captured and replayed step after step: a path where the
+    carried shrink's readers, which wait on other programs of their launch, hang a run while every
+    kernel test passes if their counters live in a graph's pool (kernels/README.md). A hang fails at
+    the time limit rather than stall the suite; and the mean reward of the last ten steps is above the
+    first ten's by more than 0.2."""
     peer = load_bench("peer")
     out = str(tmp_path / "qerl")
     res = subprocess.run(peer.ours_command(smollm2_path, 50, out, ["--quantizer", "rtn"]),
