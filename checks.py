@@ -26,7 +26,7 @@ FLAG_RANGES = {
                      "keep_checkpoints", "logprob_chunk", "save_every", "eval_max_new_tokens", "stop_at",
                      "max_sampling_rounds", "updates_per_rollout", "aqn_steps"), (">= 1", lambda v: v >= 1)),
     **dict.fromkeys(("eval_limit", "eval_every", "warmup_steps", "overlong_cache", "weight_decay", "beta",
-                     "log_every", "log_completions", "format_weight"), (">= 0", lambda v: v >= 0)),
+                     "log_every", "log_completions", "format_weight", "stall_timeout"), (">= 0", lambda v: v >= 0)),
     **dict.fromkeys(("lr", "lora_alpha", "epsilon_high", "importance_sampling_max", "importance_sampling_min",
                      "reward_timeout"), ("> 0", lambda v: v > 0)),
     **dict.fromkeys(("sigma_start", "sigma_end"), ("> 0 (the AQN schedule is geometric)", lambda v: v > 0)),

@@ -55,7 +55,7 @@ from run_dir import RUN_CONFIG, config_problem
 # evaluates, and what it reports. Every other flag must equal the run's recorded value.
 RESUMABLE = {"resume", "config", "output_dir", "device", "stop_at", "max_steps", "save_every", "keep_checkpoints",
              "eval_every", "micro_batch", "grad_checkpointing", "gpu_memory_utilization", "logprob_chunk", "log_every",
-             "log_completions", "report_to", "reward_timeout"}
+             "log_completions", "report_to", "reward_timeout", "stall_timeout"}
 
 # Flags of one invocation only: a resumed run does not take them from the run's record.
 PER_INVOCATION = {"resume", "config", "stop_at"}
@@ -153,6 +153,10 @@ class TrainConfig:
     deterministic: bool = field(default=False, metadata={"help": (
         "bit-reproducible from --seed on one GPU: PyTorch's deterministic algorithms (attention's backward "
         "without atomics, cuBLAS with a fixed workspace); slower (docs/usage.md says how much)")})
+    stall_timeout: float = field(default=600.0, metadata={"help": (
+        "seconds without progress (a sampler step, a micro-batch, an update; rewards, callbacks and trackers "
+        "not counted) after which the run prints every thread's stack and exits with status 75, to be "
+        "resumed (watchdog.py); 0: never, as under a debugger")})
     # ---- model
     model: str | None = field(default=None, metadata={
         "help": "Hugging Face hub id or local checkpoint directory (required)"})
@@ -245,7 +249,7 @@ CONFIGS = (TrainConfig, lora.LoRAConfig, aqn.AQNConfig, grpo.GRPOConfig)
 
 # --help's sections and the place of each flag in them (each flag's default, type and help: its field).
 SECTIONS = {
-    "run": ("config", "resume", "output_dir", "seed", "deterministic"),
+    "run": ("config", "resume", "output_dir", "seed", "deterministic", "stall_timeout"),
     "model": ("model", "random_init", "tokenizer", "quant", "quantizer", "dtype", "device"),
     "data": ("dataset", "dataset_config", "dataset_split", "eval_dataset", "eval_dataset_config", "eval_split",
              "prompt_column", "answer_column", "eval_limit", "max_prompt_len", "system_prompt", "chat_template_kwargs"),
@@ -518,8 +522,9 @@ def resume_conflicts(chosen: dict, recorded: dict) -> list[str]:
 
 # Flags added after runs were recorded without them, with the value those runs used: a resumed run
 # computes what it computed before, not what a new default would. aqn_steps None: the run's --max-steps.
+# A flag of RESUMABLE, which changes nothing a step computes, takes its default (stall_timeout).
 RECORDED_BEFORE = {"dynamic_sampling_threshold": 0.0, "aqn_steps": None, "lora_target_modules": lora.DEFAULT_TARGETS,
-                   "quantizer": "rtn", "deterministic": False}
+                   "quantizer": "rtn", "deterministic": False, "stall_timeout": TrainConfig.stall_timeout}
 
 
 # ----------------------------------------------------------------------------------------------

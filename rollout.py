@@ -78,6 +78,7 @@ import torch
 import graphs
 import ops
 import plan
+import watchdog
 from attention import packed_causal_attention, paged_attention_ref, store_kv_ref, varlen_runs
 from graphs import new_record, split_record
 from scheduler import BlockManager, Scheduler, Sequence
@@ -520,6 +521,7 @@ class LLMEngine:
         def take(step):                    # its tokens into the sequences (waits for the GPU)
             nonlocal first_read
             self._apply(step, sched, stop, done)
+            watchdog.beat("a sampler step")
             first_read = first_read if first_read is not None else time.perf_counter() - t0
 
         try:

@@ -87,6 +87,7 @@ import reward_worker
 import rewards
 import rollout
 import tasks
+import watchdog
 from checkpoint import build_model, load_model, random_init_config, save_pretrained
 from report import Callback, notify  # noqa: F401 (Callback: train.Callback, the API's)
 from run_data import PromptStream, load_prompts, step_seed
@@ -250,9 +251,10 @@ def rollout_step(step: int, policy: Policy, stream: PromptStream, noise: dict, t
         flat = [c for cs in comps for c in cs]                                    # prompt-major, G per prompt
         texts = tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
         examples = [stream.examples[i] for i, cs in zip(idx, comps) for _ in cs]
-        totals, terms = reward_funcs.score(stream.funcs, examples, texts, stats,
-                                           completion_ids=[c.token_ids for c in flat],
-                                           timeout_s=args.reward_timeout, format_weight=args.format_weight)
+        with watchdog.paused("the rewards"):   # each call bounded by --reward-timeout instead
+            totals, terms = reward_funcs.score(stream.funcs, examples, texts, stats,
+                                               completion_ids=[c.token_ids for c in flat],
+                                               timeout_s=args.reward_timeout, format_weight=args.format_weight)
         rs = torch.tensor(totals, dtype=torch.float32)                            # (len(idx)·G,)
         shaped = rs
         if gcfg.overlong_cache_len:  # DAPO overlong shaping: part of the reward, not of the filter
@@ -375,6 +377,7 @@ def train_step(policy: Policy, groups: list[Group], noise: dict, pad_id: int, ar
                 met = {METRIC_NAMES.get(k, k): v for k, v in met.items() if k != "num_tokens"}
                 for k, v in {"loss": loss.detach() * w, **met}.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * (1.0 if k == "loss" else rows / B)
+                watchdog.beat("a training micro-batch")   # float(v) waited for its backward
             t2 = clock(device)
             times["time/forward_backward"] += t2 - t1
             all_reduce_grads(lora.lora_parameters(model))  # then every rank holds the same gradient
@@ -385,6 +388,7 @@ def train_step(policy: Policy, groups: list[Group], noise: dict, pad_id: int, ar
                 skipped += 1
             policy.scheduler.step()
             count += 1
+            watchdog.beat("an optimizer update")
             t1 = clock(device)
             times["time/optimizer"] += t1 - t2
     model.eval()
@@ -465,7 +469,8 @@ def train_loop(args, policy: Policy, stream: PromptStream, tokenizer, eval_set: 
         initial = {"eval/accuracy_initial": evaluate_policy(policy, tokenizer, eval_set, args)["eval/accuracy"]}
         log(f"eval accuracy before training: {initial['eval/accuracy_initial']:.4f} ({len(eval_set)} questions)")
         if rank == 0:
-            notify(state.callbacks, "on_evaluate", 0, {"eval/accuracy": initial["eval/accuracy_initial"]})
+            with watchdog.paused("the first evaluation's callbacks"):
+                notify(state.callbacks, "on_evaluate", 0, {"eval/accuracy": initial["eval/accuracy_initial"]})
     bar = tqdm(total=args.max_steps, initial=state.step, desc="train", disable=rank > 0)
     try:
         for step in range(state.step, args.max_steps):
@@ -506,10 +511,11 @@ def end_step(args, policy: Policy, stream: PromptStream, state: RunState, m: dic
     elif not m.get("skipped"):
         state.idle = 0
     if rank == 0:
-        report.record(args, m, ro.samples, state.tracker, stop)
-        notify(state.callbacks, "on_step_end", step, m)
-        if "eval/accuracy" in m:
-            notify(state.callbacks, "on_evaluate", step, {k: v for k, v in m.items() if k.startswith("eval/")})
+        with watchdog.paused(f"step {step}'s records"):   # trackers and callbacks: not the run's own code
+            report.record(args, m, ro.samples, state.tracker, stop)
+            notify(state.callbacks, "on_step_end", step, m)
+            if "eval/accuracy" in m:
+                notify(state.callbacks, "on_evaluate", step, {k: v for k, v in m.items() if k.startswith("eval/")})
     if state.idle >= MAX_IDLE_STEPS:
         raise SystemExit(f"error: steps {step - MAX_IDLE_STEPS + 1}-{step} skipped every update, their gradients "
                          f"not finite (NaN or Inf), so the run stops; {last_checkpoint(args.output_dir)}. Lower "
@@ -517,7 +523,8 @@ def end_step(args, policy: Policy, stream: PromptStream, state: RunState, m: dic
     if (step % args.save_every == 0 or stop) and rank == 0:  # the replicas are identical
         path = save_checkpoint(args.output_dir, step, policy.model, policy.optimizer, policy.scheduler,
                                stream.position, args.model, args.keep_checkpoints, stream.keep_rate)
-        notify(state.callbacks, "on_save", step, path)
+        with watchdog.paused(f"step {step}'s checkpoint"):
+            notify(state.callbacks, "on_save", step, path)
     barrier()  # rank 0 has finished the checkpoint before any rank goes on
     return stop
 
@@ -599,7 +606,8 @@ def train(args, callbacks=()) -> dict:
         tracker = report.Tracker(args.report_to if rank == 0 else "none", args.output_dir, flags.record(args))
         state = RunState(start, applied_updates(policy.optimizer), list(callbacks), tracker, reward_funcs.RewardWatch())
         try:
-            train_loop(args, policy, stream, tokenizer, eval_set, state)
+            with watchdog.watching(args.stall_timeout, lambda: how_to_continue(args.output_dir)):
+                train_loop(args, policy, stream, tokenizer, eval_set, state)
         finally:
             tracker.close()
         if rank == 0:
@@ -607,13 +615,17 @@ def train(args, callbacks=()) -> dict:
     except KeyboardInterrupt:
         if rank == 0:
             at = f"during step {state.step + 1}" if state else "before training began"
-            print(f"interrupted {at}: {last_checkpoint(args.output_dir)}; continue with: python train.py --resume "
-                  f"{args.output_dir}", file=sys.stderr)
+            print(f"interrupted {at}: {how_to_continue(args.output_dir)}", file=sys.stderr)
         raise
     finally:
         if rank == 0:
             unlock_run_dir(args.output_dir)  # the OS would at exit; a second run in this process may follow
     return finish(args, state, eval_set)
+
+
+def how_to_continue(out: str) -> str:
+    """The last checkpoint of the run in `out`, and the command that resumes from it."""
+    return f"{last_checkpoint(out)}; continue with: python train.py --resume {out}"
 
 
 def finish(args, state: RunState, eval_set: list) -> dict:
