@@ -24,7 +24,9 @@ What is checked before the model loads: --adapter by its manifest, as --resume c
 has none, and the loader's checks alone apply to it), --model's config.json and tokenizer
 (tasks.model_problem, tasks.tokenizer_problem), the chat template on the first question, the data, and
 --output. An unreadable run_config.json beside the adapter is refused unless --system-prompt is given:
-the prompt the adapter was trained on would be unknown. Each refusal is one line.
+the prompt the adapter was trained on would be unknown. Each refusal is one line. The evaluation runs
+under train.py's stall watchdog (watchdog.py): no sampler step for --stall-timeout seconds (scoring not
+counted) ends it with every thread's stack and exit status 75, before anything is written.
 """
 import argparse
 import json
@@ -38,6 +40,7 @@ import lora
 import rewards
 import rollout
 import tasks
+import watchdog
 from checkpoint import load_model, load_tokenizer
 from data import one_line
 from flags import HelpFormatter, add_column_flags, add_flags
@@ -58,7 +61,8 @@ def evaluate(engine, tokenizer, examples, params, batch_size: int = 256, system_
         ids = [tasks.encode_prompt(tokenizer, e.prompt, system_prompt, chat_template_kwargs) for e in chunk]
         for e, comps in zip(chunk, engine.generate(ids, params)):
             texts = tokenizer.batch_decode([c.token_ids for c in comps], skip_special_tokens=True)
-            scores = [rewards.reward(e, t, stats) for t in texts]
+            with watchdog.paused("scoring"):   # each check bounded by rewards' own timeouts
+                scores = [rewards.reward(e, t, stats) for t in texts]
             correct += scores
             if "####" in e.solution:   # a GSM8K-style gold: lm-eval's matchers mean something here
                 strict += [rewards.gsm8k_strict_match(t, e.answer) for t in texts]
@@ -109,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=1024, help="completion length limit")
     g.add_argument("--max-model-len", type=int, default=4096, help="prompt + completion tokens the KV cache holds")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (and the arithmetic tasks' split)")
+    g.add_argument("--stall-timeout", type=float, default=600.0,
+                   help="seconds without a sampler step after which eval.py prints every thread's stack and exits "
+                        "with status 75 (watchdog.py); 0: never")
     g = p.add_argument_group("output")
     g.add_argument("--output", default=None, help="write one JSON line per question to this file (default: none)")
     return p
@@ -142,6 +149,8 @@ def main(argv=None):
         p.error(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.stall_timeout < float("inf"):
+        p.error(f"--stall-timeout must be >= 0 (0 = never), got {args.stall_timeout}")
     if not 0 <= args.seed < 2 ** 63:
         p.error(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.samples > 1 and args.temperature == 0:
@@ -193,8 +202,9 @@ def main(argv=None):
     params = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, n=args.samples,
                                     max_tokens=args.max_new_tokens, seed=args.seed)
     try:
-        metrics, records = evaluate(engine, tokenizer, examples, params, system_prompt=args.system_prompt,
-                                    chat_template_kwargs=args.chat_template_kwargs, progress=True)
+        with watchdog.watching(args.stall_timeout, lambda: "Nothing was written; run the command again."):
+            metrics, records = evaluate(engine, tokenizer, examples, params, system_prompt=args.system_prompt,
+                                        chat_template_kwargs=args.chat_template_kwargs, progress=True)
     except tasks.PromptError as e:  # a template that fails on a later prompt than the first
         raise SystemExit(f"error: --model: {e}") from None
     if args.output:

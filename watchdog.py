@@ -4,9 +4,9 @@ waiting forever.
 A GPU kernel that never finishes (a program spinning on a flag that no program will set, a collective
 that one rank never joins) leaves the host blocked in its next synchronisation: the process lives, uses
 no CPU and prints nothing, so neither its user nor a job scheduler learns that it has stopped. train.py
-therefore trains under a watchdog (`watching`). The work that must advance says so with `beat(what)`:
-each decode step whose tokens the sampler reads back (rollout.py), each micro-batch of the training
-pass and each optimizer update (train.py). A thread looks every tenth of the limit; once `limit`
+therefore trains, and eval.py evaluates, under a watchdog (`watching`). The work that must advance
+says so with `beat(what)`: each decode step whose tokens the sampler reads back (rollout.py), each
+micro-batch of the training pass and each optimizer update (train.py). A thread looks every tenth of the limit; once `limit`
 seconds pass without a beat it prints which beat came last, every thread's stack (faulthandler), and
 ends the process with EXIT_STALLED, 75 (EX_TEMPFAIL in BSD's sysexits.h: a temporary failure, worth
 retrying). Checkpoints are written under a temporary name and renamed, so the last one is whole
@@ -18,15 +18,17 @@ Two cases that thread alone would miss:
     its own deadline; if the Python thread never looks again, that one prints the stacks and ends the
     process with status 1 (faulthandler's header: "Timeout (h:mm:ss)!").
   - code that may rightly take long and is not the run's own: the reward functions (--reward-timeout
-    bounds each call, in their own worker process), callbacks and experiment trackers. `paused(what)`
-    stops the clock around them.
+    bounds each call, in their own worker process), the answer checks of an evaluation (bounded by
+    rewards.py's own timeouts), callbacks and experiment trackers. `paused(what)` stops the clock
+    around them.
 
 A beat stores an int and a string: well under a microsecond, beside decode steps of milliseconds. One
-watchdog runs at a time in a process. train.py's --stall-timeout sets the limit (0: none, for a run
-under a debugger, whose breakpoints stop every beat).
+watchdog runs at a time in a process. train.py's and eval.py's --stall-timeout set the limit (0: none,
+for a run under a debugger, whose breakpoints stop every beat).
 
 Test: tests/test_watchdog.py (a stall in Python, a stall holding the GIL, a run that beats, a pause;
-train.py stalled in its training pass exits 75 naming the step and how to resume).
+train.py stalled in its training pass exits 75 naming the last checkpoint and how to resume; eval.py
+stalled exits 75 having written nothing).
 """
 import contextlib
 import faulthandler

@@ -237,6 +237,7 @@ def test_kill_9_at_random_instants_many_times(smollm2_tokenizer, tiny_model, tmp
     (["--logprob-chunk", "0"], "--logprob-chunk must be >= 1"),
     (["--eval-every", "-1"], "--eval-every must be >= 0"),
     (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    (["--stall-timeout", "-1"], "--stall-timeout must be >= 0"),
     (["--updates-per-rollout", "0"], "--updates-per-rollout must be >= 1"),
     (["--seed", "-1"], "--seed must be in [0, 2**63)"),
     (["--overlong-cache", "1024"], "--overlong-cache must be < --max-new-tokens (1024)"),

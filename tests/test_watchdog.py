@@ -121,3 +121,26 @@ def test_train_stalled_in_its_training_pass_exits_75_and_resumes(smollm2_tokeniz
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "at step 1" in res.stdout
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_eval_stalled_in_its_sampling_exits_75_and_writes_nothing(smollm2_tokenizer, tmp_path):
+    """A prompt's encoding never returns (inside the watched evaluation): eval.py ends with EXIT_STALLED
+    and leaves no --output behind; a negative limit is refused before the model loads."""
+    model = make_tiny_model(smollm2_tokenizer, str(tmp_path / "model"))
+    output = tmp_path / "eval.jsonl"
+    argv = ["--model", model, "--dataset", "addition", "--limit", "2", "--max-new-tokens", "4", "--dtype", "float32",
+            "--output", str(output), "--stall-timeout", "2"]
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import time, eval, tasks
+        def encode_prompt(*a, **k):
+            time.sleep(600)
+        tasks.encode_prompt = encode_prompt
+        eval.main({argv!r})
+    """)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == watchdog.EXIT_STALLED, res.stderr[-3000:]
+    assert re.search(r"no progress for 2\.\d s \(the last: the start of the watch\)", res.stderr), res.stderr[-3000:]
+    assert "Nothing was written; run the command again." in res.stderr and "in encode_prompt" in res.stderr
+    assert not output.exists()
+    res = subprocess.run([sys.executable, "eval.py", *argv[:-1], "-1"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2 and "--stall-timeout must be >= 0 (0 = never), got -1.0" in res.stderr, res.stderr
+
