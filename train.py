@@ -38,8 +38,9 @@ Python (flags.config: the settings as keywords, rows in memory, reward functions
 What a run says rather than do silently: RewardWatch's warning when the rewards carry no signal for
 steps on end; a step whose every update was skipped (a gradient not finite), and a stop after
 MAX_IDLE_STEPS of them in a row, the last checkpoint intact; the updates applied beside the steps in
-its last line; on Ctrl-C, where it stopped and how to continue; a finished run resumed, that it has
-nothing to do (a larger --max-steps extends it, its AQN schedule kept: --aqn-steps).
+its last line; on Ctrl-C, where it stopped and how to continue; a run without progress for
+--stall-timeout seconds (a GPU kernel or a collective that never returns), the last checkpoint, every
+thread's stack and exit status 75 (watchdog.py); a finished run resumed, that it has nothing to do (a larger --max-steps extends it, its AQN schedule kept: --aqn-steps).
 
 Around the loop: flags.py (the flags, --config, --resume, config()), checks.py (what each setting must
 be), run_data.py (the checked datasets, prompts and reward functions), report.py (the progress line,
