@@ -11,7 +11,9 @@ configuration, run in its own process: train.py's step (build_policy's defaults:
 linear, AdamW, DAPO, AQN on at its first noisy stage, the memory plan), every completion forced to
 2048 tokens, after a warm-up step of the same shape (bench/step.py's default: a shorter one left the
 first compile of the training pass inside the timed step of these one-prompt rows). The ratio is bf16's step (or rollout) time over NVFP4's,
-both measured by this run on this GPU.
+both measured by this run on this GPU. bf16 runs twice: as train.py runs it (the sampler computes the
+adapters' update, as the trainer does) and as TRL runs bf16 LoRA with vLLM (bench/step.py's Merged:
+the adapters merged into the weights for each rollout), the faster peer, which NVFP4 cannot be.
 
     python bench/paper.py --out DIR                    # every row, each step run twice
     python bench/paper.py --models 7b --batches 2,8    # a part of it; rows merge into DIR/paper.json
@@ -44,37 +46,44 @@ def load_step():
 
 
 def configurations(models, batches) -> list:
-    """(model, quant, batch) of every row: both formats for 7B and 14B, NVFP4 alone for 32B (its bf16
-    weights alone are 62 GiB) and at batch 8 only, where the paper has a figure."""
+    """(model, quant, batch) of every row: NVFP4 and both bf16 arms for 7B and 14B, NVFP4 alone for 32B
+    (its bf16 weights alone are 62 GiB) and at batch 8 only, where the paper has a figure."""
     out = []
     for m in models:
         for b in batches:
             if m == "32b" and b != 8:
                 continue
-            out += [(m, q, b) for q in (("nvfp4",) if m == "32b" else ("nvfp4", "bf16"))]
+            out += [(m, q, b) for q in (("nvfp4",) if m == "32b" else ("nvfp4", "bf16", "bf16-merged"))]
     return out
 
 
 def table(rows: list) -> str:
-    """Markdown: per (model, batch) our step and rollout figures for both formats, the ratios, the paper's."""
+    """Markdown: per (model, batch) our step and rollout figures for NVFP4 and both bf16 arms, the
+    ratios (bf16 / merged bf16 over NVFP4), the paper's."""
     by = {(r["model"], r["quant"], r["batch"]): r for r in rows if r.get("status") == "ok"}
-    lines = ["| model | batch | NVFP4 step s | bf16 step s | step ratio (paper) | NVFP4 rollout tok/s | "
-             "bf16 rollout tok/s | rollout ratio | paper rollout tok/s (bf16 → QeRL) | NVFP4 peak GiB | bf16 peak GiB |",
+    lines = ["| model | batch | NVFP4 step s | bf16 step s (merged) | step ratio (merged; paper) | NVFP4 rollout tok/s | "
+             "bf16 rollout tok/s (merged) | rollout ratio (merged) | paper rollout tok/s (bf16 → QeRL) | "
+             "NVFP4 peak GiB | bf16 peak GiB (merged) |",
              "|" + "---|" * 11]
-    for model, batch in sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (k[0], k[1])):
-        q, b = by.get((model, "nvfp4", batch)), by.get((model, "bf16", batch))
 
-        def cell(r, key, fmt):
-            return format(r[key], fmt) if r and r.get(key) is not None else "–"
-        step = f"{b['step_s'] / q['step_s']:.2f}×" if q and b else "–"
-        roll = f"{q['rollout_tok_s'] / b['rollout_tok_s']:.2f}×" if q and b else "–"
+    def cell(r, key, fmt):
+        return format(r[key], fmt) if r and r.get(key) is not None else "–"
+
+    def ratio(num, den, key):
+        return f"{num[key] / den[key]:.2f}×" if num and den else "–"
+
+    for model, batch in sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (k[0], k[1])):
+        q, b, m = (by.get((model, quant, batch)) for quant in ("nvfp4", "bf16", "bf16-merged"))
         paper = PAPER_SPEEDUP.get((model, batch))
         paper_roll = PAPER_ROLLOUT.get(model) if batch == 8 else None
-        lines.append(f"| {model} | {batch} | {cell(q, 'step_s', '.2f')} | {cell(b, 'step_s', '.2f')} | {step}"
-                     f"{f' ({paper}×)' if paper else ''} | {cell(q, 'rollout_tok_s', '.0f')} | "
-                     f"{cell(b, 'rollout_tok_s', '.0f')} | {roll} | "
+        lines.append(f"| {model} | {batch} | {cell(q, 'step_s', '.2f')} | {cell(b, 'step_s', '.2f')} "
+                     f"({cell(m, 'step_s', '.2f')}) | {ratio(b, q, 'step_s')} ({ratio(m, q, 'step_s')}"
+                     f"{f'; {paper}×' if paper else ''}) | {cell(q, 'rollout_tok_s', '.0f')} | "
+                     f"{cell(b, 'rollout_tok_s', '.0f')} ({cell(m, 'rollout_tok_s', '.0f')}) | "
+                     f"{ratio(q, b, 'rollout_tok_s')} ({ratio(q, m, 'rollout_tok_s')}) | "
                      f"{f'{paper_roll[0]:,} → {paper_roll[1]:,}' if paper_roll else '–'} | "
-                     f"{cell(q, 'peak_reserved_gib', '.1f')} | {cell(b, 'peak_reserved_gib', '.1f')} |")
+                     f"{cell(q, 'peak_reserved_gib', '.1f')} | {cell(b, 'peak_reserved_gib', '.1f')} "
+                     f"({cell(m, 'peak_reserved_gib', '.1f')}) |")
     failed = [r for r in rows if r.get("status") != "ok"]
     return "\n".join(lines + [f"{r['model']} {r['quant']} batch {r['batch']}: {r['status']}" for r in failed])
 
