@@ -39,6 +39,7 @@ check and checkpoint.check_fits itself, to watch the allocation fail for real.
 
     python bench/step.py --models 7b --quants nvfp4,bf16 --completion 1024       # ~2.5 min on an H100
     python bench/step.py --models 7b --quants nvfp4,nvfp4-eager --completion 1024  # compiled vs eager small ops
+    python bench/step.py --models 7b --quants bf16,bf16-merged --prompts 1 --group 8 --completion 2048  # TRL's way
     python bench/step.py --models 32b --quants bf16 --completion 1024     # passes check_fits; does the step?
     python bench/step.py --models 32b --quants bf16 --completion 1024 --available-gib 60 --force  # OOM, for real
     python bench/step.py --models 72b --quants nvfp4 --prompts 1 --group 8 --completion 2048 \\
