@@ -93,8 +93,9 @@ class Merged:
     """bf16 LoRA sampled as TRL's GRPOTrainer samples it with vLLM, which merges the adapters into the
     weights it hands over (PEFT's merge_adapter) and unmerges them after: the peer at its best for
     decode, which an NVFP4 base cannot be (merged weights would need quantizing again). Around a
-    rollout: every adapted weight += scaling · B A in its own storage (so the stacked q/k/v and
-    gate/up views hold the merged values too), the rollout with the adapters switched off, then each
+    rollout: every adapted weight += its delta_weight() (scaling · B A in fp32, rounded once, as
+    lora.merge_lora merges for export), in its own storage (so the stacked q/k/v and gate/up views
+    hold the merged values too), the rollout with the adapters switched off, then each
     weight restored from a copy kept for the run, so the trainer's weights stay exact. The merge and
     the restore are inside the timed rollout; the copies take the adapted weights' bytes once more."""
 
@@ -106,8 +107,7 @@ class Merged:
     def sampling(self):
         with torch.no_grad():
             for m in self.mods:
-                w = m.base_layer.weight
-                w.addmm_(m.lora_B.to(w.dtype), m.lora_A.to(w.dtype), alpha=m.scaling)   # (N, r)·(r, K)
+                m.base_layer.weight.add_(m.delta_weight())                           # (N, K) bf16 += fp32
         try:
             with lora.adapters_disabled(self.model):
                 yield
