@@ -15,7 +15,8 @@ fp32 parameters (so AdamW updates of size 1e-6 are not rounded away) and are cas
 activation dtype inside forward, so a bf16 model runs bf16 matmuls while autograd delivers fp32
 gradients to the parameters (the cast's backward upcasts). The base layer may be any module with
 `in_features` / `out_features` and a forward (nn.Linear, nvfp4.NVFP4Linear): LoRA never reads
-its weight, except in `merge_lora`, where an NVFP4 base is dequantized first.
+its weight, except to merge: `merge_lora` for export (an NVFP4 base dequantized first) and
+`merged_sampling`, which a bf16 run's sampler decodes under (plan.py says where).
 
 The cost of the cast: each forward reads A and B in fp32 and writes bf16 copies (two extra kernels
 per adapted linear, ~8 bytes per adapter weight). Without autograd (sampling) the bf16 copies are
@@ -155,6 +156,7 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(B.to(device))
         self.enabled = True  # adapters_disabled() flips this to get the base (reference) policy
         self._casts = None   # (A, B) in the activation dtype, kept for sampling (see _cast)
+        self.kept = None     # a copy of the base weight where the sampler merges (keep_bases), else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
@@ -247,6 +249,46 @@ def _linear_suffixes(model: nn.Module) -> set:
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable adapter parameters (A then B of each adapted linear), for the optimizer."""
     return [p for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B)]
+
+
+def mergeable(model: nn.Module) -> list[LoRALinear]:
+    """The adapters whose base holds a plain weight (nn.Linear), which W + s·B A can replace. An
+    NVFP4 base cannot take the merge without being quantized again."""
+    return [m for m in lora_modules(model).values() if isinstance(m.base_layer, nn.Linear)]
+
+
+def keep_bases(model: nn.Module, on: bool) -> None:
+    """Give every mergeable adapter a copy of its base weight (on), or drop the copies. The base is
+    frozen, so a copy taken once serves the whole run: merged_sampling restores the weights from it."""
+    for m in mergeable(model):
+        m.kept = m.base_layer.weight.detach().clone() if on else None
+
+
+@contextmanager
+@torch.no_grad()
+def merged_sampling(model: nn.Module):
+    """Sample with the adapters merged into the weights, as TRL's GRPOTrainer hands vLLM the weights
+    with PEFT's merge_adapter applied: inside, every adapter with a kept base (keep_bases) is off, and
+    its base weight holds W + s·B A (delta_weight: fp32, rounded to the weight's dtype once, as
+    merge_lora merges for export). The merge is in the weight's own storage, so the stacked q/k/v and
+    gate/up views (model.Stack) and a CUDA graph's addresses see it. On exit each weight is copied back
+    from its kept base, bit for bit, for the training pass.
+
+    A decode step then multiplies by the weights alone: no shrink, no expand, the adapters' ~10% of
+    a bf16 decode step gone, for one pass over the adapted weights a call and a second copy of them
+    (plan.py decides where memory allows). The sampler's log-probs then come from merged weights; the
+    trainer's stay unmerged, and the mismatch metric and its correction (grpo.py) see the difference.
+    Adapters without a kept base (NVFP4 bases) run as they are."""
+    mods = [m for m in lora_modules(model).values() if m.kept is not None and m.enabled]
+    for m in mods:
+        m.base_layer.weight.add_(m.delta_weight())               # (out, in) += fp32, one rounding
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in mods:
+            m.base_layer.weight.copy_(m.kept)
+            m.enabled = True
 
 
 @contextmanager

@@ -12,8 +12,9 @@ choices that trade memory for speed, none of which changes the math:
     in the backward: a third more work, in exchange for ~1/10 of the activation memory.
   * resident state between steps: the sampler's KV cache and decode CUDA graphs (captured again
     after every free, a pass of the decode step's Python per batch size; the prefill graphs and their
-    staging rows stay), and, for the training pass, a bf16 copy of the NVFP4 weights (one
-    dequantization per step instead of one per matmul call and micro-batch).
+    staging rows stay), for the training pass a bf16 copy of the NVFP4 weights (one dequantization
+    per step instead of one per matmul call and micro-batch), and for a bf16 base's sampler a copy of
+    the adapted weights, so that it decodes with the adapters merged in (lora.merged_sampling).
 
 Free memory is what this process may still reserve (free_memory): the device's free memory, capped by
 a per-process limit where one is set (torch.cuda.set_per_process_memory_fraction, as bench/step.py's
@@ -34,6 +35,9 @@ tighter card (bench/memory.py's probe column). Then
                per micro-batch; a micro-batch takes consecutive sequences while count · longest <= tokens
     dense    = a bf16 copy of each NVFP4 weight during the training pass where those copies take at
                most DENSE_SHARE of the free memory (7B: yes; 32B on 80 GB: no)
+    merged   = a copy of each adapted bf16 weight, kept for the run, where the copies take at most
+               DENSE_SHARE of the free memory (bf16 7B on 80 GB: yes; 14B: no); the sampler then
+               merges the adapters in for each rollout and restores the weights from the copies
     KV cache = kept across steps where it takes at most KEEP_CACHE_SHARE of the token budget
 
 The FLOP cap: past ~10^15 FLOP of forward work (a 32B model's 15k tokens, a 7B model's 66k) a micro-
@@ -43,7 +47,8 @@ instead: a 32B model's training pass then peaks below its rollout, where filling
 more than the rollout did. Small models never reach the cap: their micro-batch is all the memory allows.
 
 The user may still pin --micro-batch (completions) and --[no-]grad-checkpointing. Without a GPU
-there is no memory to measure: the whole batch is one micro-batch, without recomputation. The
+there is no memory to measure: the whole batch is one micro-batch, without recomputation, and a
+bf16 (or fp32) base samples merged (its copies in host memory beside the model's). The
 losses do not depend on the grouping (grpo, dr_grpo and dapo normalise over the whole batch), except
 bnpo, whose token mean is per micro-batch by definition (TRL: per device batch).
 
@@ -54,6 +59,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import lora
 import ops
 
 PROBE_TOKENS = 256      # tokens of one synthetic probe sequence (two are measured: 1 and 2 sequences)
@@ -70,6 +76,7 @@ class StepPlan:
     micro_tokens: int | None      # padded tokens per micro-batch (count · longest), or None: unbounded
     grad_checkpointing: bool
     dense_weights: bool           # bf16 copies of the NVFP4 weights during the training pass
+    merged_sampling: bool         # the sampler decodes with the adapters merged into bf16 weights
     keep_cache_bytes: int         # the sampler's KV cache stays between steps up to this size
     why: str                      # the measurements behind it, for the start-up line and run_config.json
 
@@ -180,7 +187,7 @@ def parameters(model) -> int:
 
 def decide(free: float, a_full: float, b_full: float, a_ckpt: float, b_ckpt: float, max_seq_len: int,
            params: float, micro_batch: int | None, grad_checkpointing: bool | None, dense: bool,
-           why: str = "") -> StepPlan:
+           merged: bool = False, why: str = "") -> StepPlan:
     """The plan from measurements (bytes): free memory for the training pass, and peak = a + b·tokens
     without (full) and with (ckpt) recomputation; params: the model's parameters (the FLOP cap). The
     rules of the module docstring."""
@@ -192,23 +199,28 @@ def decide(free: float, a_full: float, b_full: float, a_ckpt: float, b_ckpt: flo
     tokens = max(min(int((budget - a) // b), cap), max_seq_len)
     if tokens == cap and not micro_batch:
         why += f"; capped at {MICRO_FORWARD_FLOP:.0e} FLOP of forward work: {cap} tokens"
-    return StepPlan(micro_batch, None if micro_batch else tokens, ckpt, dense,
+    return StepPlan(micro_batch, None if micro_batch else tokens, ckpt, dense, merged,
                     max(0, int(KEEP_CACHE_SHARE * (budget - a))), why)
 
 
 def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_checkpointing: bool | None,
               trainable: int, device) -> StepPlan:
-    """The plan for this model on this device (sets model.gradient_checkpointing). fwd_bwd(ids,
-    prompt_lens, comp_lens) runs the training forward and backward (train.py's); trainable: adapter
-    parameters (fp32, with a gradient and AdamW's two states each)."""
+    """The plan for this model on this device (sets model.gradient_checkpointing, and keeps the
+    adapted weights' copies where it merges: lora.keep_bases). fwd_bwd(ids, prompt_lens, comp_lens)
+    runs the training forward and backward (train.py's); trainable: adapter parameters (fp32, with a
+    gradient and AdamW's two states each)."""
     device = torch.device(device)
+    merge_bytes = sum(m.base_layer.weight.nbytes for m in lora.mergeable(model))   # the copies' bytes
     if device.type != "cuda":
         model.gradient_checkpointing = bool(grad_checkpointing)
-        return StepPlan(micro_batch, None, model.gradient_checkpointing, False, 0,
+        lora.keep_bases(model, merge_bytes > 0)
+        return StepPlan(micro_batch, None, model.gradient_checkpointing, False, merge_bytes > 0, 0,
                         "no GPU: one micro-batch, recomputation off unless asked for")
     free = free_memory(device) - 3 * 4 * trainable
     dense_bytes = 2 * nvfp4_weights(model)                                 # their bf16 copies
     dense = 0 < dense_bytes <= DENSE_SHARE * free
+    merged = 0 < merge_bytes <= DENSE_SHARE * free
+    lora.keep_bases(model, merged)                                         # held for the run: free less it
     with dense_weights(model, dense):
         free = free_memory(device) - 3 * 4 * trainable
         limit = BUDGET_SHARE * free
@@ -218,7 +230,7 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
     why = (f"{free / GIB:.1f} GiB free for the training pass; a token keeps {b_full / 2**20:.2f} MiB "
            f"({b_ckpt / 2**20:.2f} with recomputation)")
     p = decide(free, a_full, b_full, a_ckpt, b_ckpt, max_seq_len, parameters(model), micro_batch,
-               grad_checkpointing, dense, why)
+               grad_checkpointing, dense, merged, why)
     model.gradient_checkpointing = p.grad_checkpointing
     return p
 
@@ -228,5 +240,6 @@ def describe(plan: StepPlan) -> str:
     size = f"{plan.micro_batch} completions" if plan.micro_batch else (
         f"up to {plan.micro_tokens} tokens" if plan.micro_tokens else "the whole batch")
     return (f"step plan: micro-batches of {size}, recomputation {'on' if plan.grad_checkpointing else 'off'}, "
-            f"dense bf16 weights for training {'on' if plan.dense_weights else 'off'}, KV cache kept between steps "
+            f"dense bf16 weights for training {'on' if plan.dense_weights else 'off'}, "
+            f"adapters merged for sampling {'on' if plan.merged_sampling else 'off'}, KV cache kept between steps "
             f"up to {plan.keep_cache_bytes / GIB:.1f} GiB ({plan.why})")

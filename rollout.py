@@ -76,6 +76,7 @@ from dataclasses import dataclass
 import torch
 
 import graphs
+import lora
 import ops
 import plan
 import watchdog
@@ -362,8 +363,11 @@ class LLMEngine:
 
     num_blocks: fixed cache size; None sizes it to what the call needs, capped on GPU at
     gpu_memory_utilization of the free memory (minus a reserve for prefill activations).
-    CUDA graphs read the parameters in place, so in-place updates (optimizer steps, AQN noise)
-    are seen; after rebinding a parameter (e.g. load_adapter), call free_cache() to recapture."""
+    CUDA graphs read the parameters in place, so in-place updates (optimizer steps, AQN noise, a
+    merge: lora.merged_sampling) are seen; after rebinding a parameter (e.g. load_adapter), call
+    free_cache() to recapture. A graph replays the kernels its capture ran, the adapters' among them,
+    so a call that finds other adapters on than the last one did (lora.adapters_disabled or
+    merged_sampling around some calls only) drops every graph first (_adapters_changed)."""
 
     def __init__(self, model, *, block_size=16, num_blocks=None, max_num_seqs=256,
                  max_num_batched_tokens=16384, max_model_len=None, gpu_memory_utilization=0.9,
@@ -388,6 +392,7 @@ class LLMEngine:
         eos = getattr(cfg, "eos_token_ids", None) or getattr(cfg, "eos_token_id", None)
         self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         self.stats = {}
+        self.adapters_on = None      # which adapters were on in the last call (None: no call yet)
 
     def free_cache(self, keep_warm=False):
         """Drop the KV cache and the decode graphs. keep_warm: nothing but parameter values changed in
@@ -510,6 +515,8 @@ class LLMEngine:
         if cuda:
             start.record()
         self._check_prompts(prompts, params)
+        if self._adapters_changed():
+            self.free_cache()
         sched = self._schedule(prompts, params)
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.eos_ids)
         r.reseed(None if params.seed is None else torch.Generator(device=r.device).manual_seed(params.seed))
@@ -554,6 +561,12 @@ class LLMEngine:
                           total_s=time.perf_counter() - t0,
                           new_tokens=sum(len(s) - s.num_prompt_tokens for s in done))
         return self._completions(done, len(prompts), params.n)
+
+    def _adapters_changed(self) -> bool:
+        """Are other adapters on than in the last call? (Notes this call's.)"""
+        on = tuple(m.enabled for m in lora.lora_modules(self.model).values())
+        changed, self.adapters_on = self.adapters_on is not None and on != self.adapters_on, on
+        return changed
 
     @staticmethod
     def _completions(done, prompts, n):

@@ -22,8 +22,10 @@ One optimizer step (QeRL, arXiv 2510.11696, with the losses of grpo.py):
               the LoRA parameters only, μ AdamW steps per rollout
 
 One model in memory: the sampler and the trainer are the same modules, so there is no weight sync, and
-the only sampler/trainer mismatch is the numerics of decode vs dense attention (logged as
-`sampling/sampling_logp_difference/mean`). The KV cache is released before backward.
+the only sampler/trainer mismatch is numerics (logged as `sampling/sampling_logp_difference/mean`): decode
+vs dense attention, and on a bf16 base, where the plan keeps copies of the adapted weights, the adapters
+merged into the weights while sampling (lora.merged_sampling, as TRL hands vLLM merged weights). The KV
+cache is released before backward.
 
 build_policy turns the flags into a `Policy`: the model with its adapters, AdamW and its schedule, the
 grpo.GRPOConfig and aqn.AQNConfig of the flags, the sampler and the step plan. Each step
@@ -247,7 +249,7 @@ def rollout_step(step: int, policy: Policy, stream: PromptStream, noise: dict, t
     def sample_prompts(r, idx):  # round r on this rank's prompts -> (their rewards (len(idx)·G,), groups)
         sp = rollout.SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens,
                                     n=G, seed=step_seed(args.seed, step, f"sample{r}{per_rank}"))
-        with aqn.noise_applied(policy.model, noise):
+        with aqn.noise_applied(policy.model, noise), lora.merged_sampling(policy.model):
             comps = policy.engine.generate([stream.ids[i] for i in idx], sp)
         flat = [c for cs in comps for c in cs]                                    # prompt-major, G per prompt
         texts = tokenizer.batch_decode([c.token_ids for c in flat], skip_special_tokens=True)
@@ -432,8 +434,9 @@ def evaluate_policy(policy: Policy, tokenizer, eval_set: list, args) -> dict:
     """Greedy accuracy on eval_set, each rank answering every world-th question."""
     rank, world = rank_world()
     params = rollout.SamplingParams(temperature=0.0, max_tokens=args.eval_max_new_tokens or args.max_new_tokens)
-    _, recs = evaluate(policy.engine, tokenizer, eval_set[rank::world], params, system_prompt=args.system_prompt,
-                       chat_template_kwargs=args.chat_template_kwargs, progress=rank == 0)
+    with lora.merged_sampling(policy.model):
+        _, recs = evaluate(policy.engine, tokenizer, eval_set[rank::world], params, system_prompt=args.system_prompt,
+                           chat_template_kwargs=args.chat_template_kwargs, progress=rank == 0)
     hits = gather((sum(sum(r["scores"]) for r in recs), sum(len(r["scores"]) for r in recs)))
     return {"eval/accuracy": sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))}
 

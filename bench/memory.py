@@ -18,7 +18,8 @@ counted in every column where it is alive:
 Exact, from the meta model and the code's own rules: the weights (checkpoint.weight_bytes on a meta
 Transformer, split into NVFP4 codes and scales, embedding, lm_head, the rest), the in-flight allowance of
 quantize-on-load (load_bytes - weight_bytes), the LoRA parameters (r · (in + out) of every adapted linear)
-with their fp32 gradients, AdamW's two fp32 states and the bf16 copies the sampler keeps, the KV cache
+with their fp32 gradients, AdamW's two fp32 states and the bf16 copies the sampler keeps, a bf16 base's
+copies of its adapted weights where the plan merges for sampling (lora.keep_bases), the KV cache
 (2 · layers · kv heads · head_dim · 2 bytes a token, in blocks of 16, as many as the call asks for, capped
 at --gpu-memory-utilization of what is free), the engine's reserve (rollout.activation_reserve), the
 prefill CUDA graphs' staging rows and pool (graphs.prefill_cap), the plan (plan.decide on the free memory
@@ -144,6 +145,12 @@ def lora_parameters(meta, rank: int) -> int:
                if name.rpartition(".")[2] in lora.DEFAULT_TARGETS)
 
 
+def merge_copy_bytes(meta) -> int:
+    """What lora.keep_bases holds where a bf16 sampler merges: a copy of every adapted plain weight."""
+    return sum(m.weight.numel() * m.weight.element_size() for name, m in meta.named_modules()
+               if name.rpartition(".")[2] in lora.DEFAULT_TARGETS and isinstance(m, torch.nn.Linear))
+
+
 def weight_pieces(meta) -> list[tuple[str, int]]:
     """checkpoint.weight_bytes split: NVFP4 codes and scales, embedding, lm_head, the rest."""
     q = [m for m in meta.modules() if isinstance(m, nvfp4.NVFP4Linear)]
@@ -226,13 +233,18 @@ def memory_table(config: dict, recipe: Recipe, budget: float, b_full: float, b_c
     free = budget - qckpt.weight_bytes(meta) - 4 * n - 12 * n
     dense_bytes = 2 * plan.nvfp4_weights(meta)
     dense = 0 < dense_bytes <= plan.DENSE_SHARE * free
-    free = plan_free if plan_free is not None else free - dense_bytes * dense
+    merge_bytes = merge_copy_bytes(meta)
+    merged = 0 < merge_bytes <= plan.DENSE_SHARE * free
+    rows.append(("copies of the adapted bf16 weights, the merged sampler's restore (lora.keep_bases)",
+                 merge_bytes * merged, everywhere - {"load"}))
+    free = plan_free if plan_free is not None else free - dense_bytes * dense - merge_bytes * merged
     a = training_fixed_bytes(meta, recipe.logprob_chunk, dense)
     a_full, b_full, probe_full, passes = probed(a, b_full, plan.BUDGET_SHARE * free)
     a_ckpt, b_ckpt, probe_ckpt, _ = probed(a, b_ckpt, plan.BUDGET_SHARE * free)
     b_ckpt = plan.recompute_bytes(b_ckpt, b_full, cfg.num_layers, cfg.hidden_size, dtype.itemsize)
     seq = recipe.prompt_len + recipe.completion
-    step_plan = plan.decide(free, a_full, b_full, a_ckpt, b_ckpt, seq, plan.parameters(meta) + n, None, None, dense)
+    step_plan = plan.decide(free, a_full, b_full, a_ckpt, b_ckpt, seq, plan.parameters(meta) + n, None, None, dense,
+                            merged)
     spans = plan.micro_batches([seq] * (recipe.prompts * recipe.group), step_plan)
     mb = max(e - s for s, e in spans)
     a, b = (a_ckpt, b_ckpt) if step_plan.grad_checkpointing else (a_full, b_full)

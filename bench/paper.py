@@ -11,9 +11,10 @@ configuration, run in its own process: train.py's step (build_policy's defaults:
 linear, AdamW, DAPO, AQN on at its first noisy stage, the memory plan), every completion forced to
 2048 tokens, after a warm-up step of the same shape (bench/step.py's default: a shorter one left the
 first compile of the training pass inside the timed step of these one-prompt rows). The ratio is bf16's step (or rollout) time over NVFP4's,
-both measured by this run on this GPU. bf16 runs twice: as train.py runs it (the sampler computes the
-adapters' update, as the trainer does) and as TRL runs bf16 LoRA with vLLM (bench/step.py's Merged:
-the adapters merged into the weights for each rollout), the faster peer, which NVFP4 cannot be.
+both measured by this run on this GPU. bf16 runs twice: as train.py runs it, the adapters merged into
+the weights for each rollout where memory allows (lora.merged_sampling; TRL hands vLLM merged weights
+the same way), the faster peer, which NVFP4 cannot be; and unmerged (bench/step.py's bf16-unmerged: the
+sampler computes the adapters' update, as the trainer does), which is where the plan keeps no copies.
 
     python bench/paper.py --out DIR                    # every row, each step run twice
     python bench/paper.py --models 7b --batches 2,8    # a part of it; rows merge into DIR/paper.json
@@ -53,17 +54,17 @@ def configurations(models, batches) -> list:
         for b in batches:
             if m == "32b" and b != 8:
                 continue
-            out += [(m, q, b) for q in (("nvfp4",) if m == "32b" else ("nvfp4", "bf16", "bf16-merged"))]
+            out += [(m, q, b) for q in (("nvfp4",) if m == "32b" else ("nvfp4", "bf16", "bf16-unmerged"))]
     return out
 
 
 def table(rows: list) -> str:
     """Markdown: per (model, batch) our step and rollout figures for NVFP4 and both bf16 arms, the
-    ratios (bf16 / merged bf16 over NVFP4), the paper's."""
+    ratios (bf16 / unmerged bf16 over NVFP4), the paper's."""
     by = {(r["model"], r["quant"], r["batch"]): r for r in rows if r.get("status") == "ok"}
-    lines = ["| model | batch | NVFP4 step s | bf16 step s (merged) | step ratio (merged; paper) | NVFP4 rollout tok/s | "
-             "bf16 rollout tok/s (merged) | rollout ratio (merged) | paper rollout tok/s (bf16 → QeRL) | "
-             "NVFP4 peak GiB | bf16 peak GiB (merged) |",
+    lines = ["| model | batch | NVFP4 step s | bf16 step s (unmerged) | step ratio (unmerged; paper) | "
+             "NVFP4 rollout tok/s | bf16 rollout tok/s (unmerged) | rollout ratio (unmerged) | "
+             "paper rollout tok/s (bf16 → QeRL) | NVFP4 peak GiB | bf16 peak GiB (unmerged) |",
              "|" + "---|" * 11]
 
     def cell(r, key, fmt):
@@ -73,7 +74,7 @@ def table(rows: list) -> str:
         return f"{num[key] / den[key]:.2f}×" if num and den else "–"
 
     for model, batch in sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (k[0], k[1])):
-        q, b, m = (by.get((model, quant, batch)) for quant in ("nvfp4", "bf16", "bf16-merged"))
+        q, b, m = (by.get((model, quant, batch)) for quant in ("nvfp4", "bf16", "bf16-unmerged"))
         paper = PAPER_SPEEDUP.get((model, batch))
         paper_roll = PAPER_ROLLOUT.get(model) if batch == 8 else None
         lines.append(f"| {model} | {batch} | {cell(q, 'step_s', '.2f')} | {cell(b, 'step_s', '.2f')} "

@@ -3,8 +3,9 @@
 A configuration is (model shape, base-weight format, completion length). For each one this builds
 a random-init Qwen2.5 model (checkpoint.SHAPES: no checkpoint, no network) through train.build_policy,
 i.e. with train.py's defaults: LoRA r32 α64 on every linear, AdamW, DAPO loss, the step plan
-(plan.py: micro-batches sized from free memory, recomputation only where it is needed), lm_head
-log-probs in chunks, AQN noise on (σ of stage 1, 1e-2). Then it runs train.py's step on synthetic data:
+(plan.py: micro-batches sized from free memory, recomputation only where it is needed, a bf16 base
+sampled with the adapters merged in where memory allows), lm_head log-probs in chunks, AQN noise on
+(σ of stage 1, 1e-2). Then it runs train.py's step on synthetic data:
 
     prompts   P random-token prompts of prompt-len tokens (default 16 x 256)
     rollout   engine.generate(prompts, n=G) under the step's AQN noise, with no stop token, so every
@@ -39,7 +40,7 @@ check and checkpoint.check_fits itself, to watch the allocation fail for real.
 
     python bench/step.py --models 7b --quants nvfp4,bf16 --completion 1024       # ~2.5 min on an H100
     python bench/step.py --models 7b --quants nvfp4,nvfp4-eager --completion 1024  # compiled vs eager small ops
-    python bench/step.py --models 7b --quants bf16,bf16-merged --prompts 1 --group 8 --completion 2048  # TRL's way
+    python bench/step.py --models 7b --quants bf16,bf16-unmerged --prompts 1 --group 8 --completion 2048
     python bench/step.py --models 32b --quants bf16 --completion 1024     # passes check_fits; does the step?
     python bench/step.py --models 32b --quants bf16 --completion 1024 --available-gib 60 --force  # OOM, for real
     python bench/step.py --models 72b --quants nvfp4 --prompts 1 --group 8 --completion 2048 \\
@@ -50,7 +51,6 @@ Results merge into --out by (model, quant, completion), so runs split over sever
 add up to one table. Test: tests/test_step_bench.py (the tiny run and the "does not fit" path on CPU).
 """
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -78,43 +78,16 @@ MODELS = {"7b": qckpt.SHAPES["qwen2.5-7b"], "14b": qckpt.SHAPES["qwen2.5-14b"],
           "32b": qckpt.SHAPES["qwen2.5-32b"], "72b": qckpt.SHAPES["qwen2.5-72b"], "qwen3-8b": qckpt.SHAPES["qwen3-8b"],
           "tiny": dict(qckpt.SHAPES["qwen2.5-7b"], vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}  # a smoke test
-# -eager: the training pass's small ops not compiled; bf16-merged: sampled as TRL samples bf16 LoRA (Merged)
-QUANTS = ("nvfp4", "bf16", "nvfp4-eager", "bf16-eager", "bf16-merged")
+# -eager: the training pass's small ops not compiled; -unmerged: the sampler computes the adapters' update
+# instead of decoding with them merged in (the plan keeps no copies: lora.merged_sampling)
+QUANTS = ("nvfp4", "bf16", "nvfp4-eager", "bf16-eager", "bf16-unmerged")
 KEY = ("model", "quant", "completion")
 GIB = 2 ** 30
 
 
 def base_quant(spec: dict) -> str:
-    """"nvfp4-eager" -> "nvfp4", "bf16-merged" -> "bf16": the base-weight format of an arm."""
-    return spec["quant"].removesuffix("-eager").removesuffix("-merged")
-
-
-class Merged:
-    """bf16 LoRA sampled as TRL's GRPOTrainer samples it with vLLM, which merges the adapters into the
-    weights it hands over (PEFT's merge_adapter) and unmerges them after: the peer at its best for
-    decode, which an NVFP4 base cannot be (merged weights would need quantizing again). Around a
-    rollout: every adapted weight += its delta_weight() (scaling · B A in fp32, rounded once, as
-    lora.merge_lora merges for export), in its own storage (so the stacked q/k/v and gate/up views
-    hold the merged values too), the rollout with the adapters switched off, then each
-    weight restored from a copy kept for the run, so the trainer's weights stay exact. The merge and
-    the restore are inside the timed rollout; the copies take the adapted weights' bytes once more."""
-
-    def __init__(self, model):
-        self.model, self.mods = model, list(lora.lora_modules(model).values())
-        self.kept = [m.base_layer.weight.detach().clone() for m in self.mods]
-
-    @contextlib.contextmanager
-    def sampling(self):
-        with torch.no_grad():
-            for m in self.mods:
-                m.base_layer.weight.add_(m.delta_weight())                           # (N, K) bf16 += fp32
-        try:
-            with lora.adapters_disabled(self.model):
-                yield
-        finally:
-            with torch.no_grad():
-                for m, kept in zip(self.mods, self.kept):
-                    m.base_layer.weight.copy_(kept)
+    """"nvfp4-eager" -> "nvfp4", "bf16-unmerged" -> "bf16": the base-weight format of an arm."""
+    return spec["quant"].removesuffix("-eager").removesuffix("-unmerged")
 
 
 def needed_bytes(cfg: dict, quant: str, dtype) -> tuple[int, int]:
@@ -146,9 +119,8 @@ def memory(device, key: str) -> float | None:
     return getattr(torch.cuda, key)(device) / GIB if device.type == "cuda" else None
 
 
-def grpo_step(policy, args, device, prompts, step: int, new_tokens: int, merged: Merged | None = None) -> dict:
-    """train.py's step on the given prompts, random rewards and forced-length completions; with `merged`,
-    the rollout samples the merged weights (Merged)."""
+def grpo_step(policy, args, device, prompts, step: int, new_tokens: int) -> dict:
+    """train.py's step on the given prompts, random rewards and forced-length completions."""
     model, engine, G = policy.model, policy.engine, policy.grpo_cfg.group_size
     sigma = aqn.sigma_at(step, args.max_steps, policy.aqn_cfg)
     noise = aqn.sample_noise(model, sigma, torch.Generator().manual_seed(train.step_seed(args.seed, step, "aqn")))
@@ -158,7 +130,7 @@ def grpo_step(policy, args, device, prompts, step: int, new_tokens: int, merged:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = train.clock(device)
-    with aqn.noise_applied(model, noise), merged.sampling() if merged else contextlib.nullcontext():
+    with aqn.noise_applied(model, noise), lora.merged_sampling(model):     # as train.rollout_step samples
         comps = engine.generate(prompts, sp)                                   # [P][G] Completion
     kv = dict(kv_blocks=engine.stats["num_blocks"], preemptions=engine.stats["preemptions"])
     if engine.cache_bytes() > policy.step_plan.keep_cache_bytes:            # as train.rollout_step does
@@ -208,6 +180,8 @@ def run_config(spec: dict) -> dict:
         # allocations past it raise torch.OutOfMemoryError, as on a smaller card
         torch.cuda.set_per_process_memory_fraction(min(1.0, free / total),
                                                    torch.cuda.current_device() if device.index is None else device.index)
+    if spec["quant"].endswith("-unmerged"):   # this worker's plan keeps no copies, so its sampler never merges
+        lora.mergeable = lambda model: []
     phase = "build"
     try:
         with tempfile.TemporaryDirectory() as d:  # train.py's --random-init reads a shape from config.json
@@ -222,16 +196,15 @@ def run_config(spec: dict) -> dict:
                                                             "aqn", "gpu_memory_utilization", "temperature")}
         rec["step_plan"] = policy.step_plan.as_dict()
         print(f"     {train.plan.describe(policy.step_plan)}", flush=True)
-        merged = Merged(policy.model) if spec["quant"].endswith("-merged") else None
         prompts = torch.randint(0, cfg["vocab_size"], (spec["prompts"], spec["prompt_len"]),
                                 generator=torch.Generator().manual_seed(args.seed)).tolist()
         step = args.max_steps // args.aqn_stages                 # the first noisy AQN stage
         phase = "warm-up step"
         warm = min(spec["warmup_tokens"] or spec["completion"], spec["completion"])
-        rec["warmup"] = grpo_step(policy, args, device, prompts, step, warm, merged)
+        rec["warmup"] = grpo_step(policy, args, device, prompts, step, warm)
         print(f"     warm-up step ({warm} new tokens) {rec['warmup']['step_s']:.1f} s", flush=True)
         phase = "timed step"
-        rec.update(grpo_step(policy, args, device, prompts, step + 1, spec["completion"], merged), status="ok")
+        rec.update(grpo_step(policy, args, device, prompts, step + 1, spec["completion"]), status="ok")
     except torch.OutOfMemoryError as e:
         rec.update(status="oom", phase=phase, error=str(e).split("\n")[0][:400],
                    peak_allocated_gib=memory(device, "max_memory_allocated"),
@@ -290,7 +263,7 @@ def main(argv=None):
     ap.add_argument("--models", default="7b,14b,32b", help=f"comma-separated: {', '.join(MODELS)}")
     ap.add_argument("--quants", default="nvfp4,bf16", help="comma-separated: nvfp4, bf16; an -eager suffix "
                     "(nvfp4-eager) runs the training pass's norms / RoPE / SiLU·mul eagerly (kernels/compiled.py); "
-                    "bf16-merged samples with the adapters merged into the weights, as TRL does (Merged)")
+                    "bf16-unmerged samples with the adapters' update computed apart, not merged into the weights")
     ap.add_argument("--completion", default="1024,2048", help="comma-separated completion lengths (forced)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)

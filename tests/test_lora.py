@@ -12,8 +12,8 @@ import torch.nn as nn
 from conftest import make_tiny_hf
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from lora import (LoRAConfig, LoRALinear, adapters_disabled, apply_lora, load_adapter, lora_modules,
-                  lora_parameters, merge_lora, save_adapter)
+from lora import (LoRAConfig, LoRALinear, adapters_disabled, apply_lora, keep_bases, load_adapter, lora_modules,
+                  lora_parameters, merge_lora, merged_sampling, save_adapter)
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -240,6 +240,37 @@ def test_merge_matches_peft_merge_and_unload():
         assert torch.equal(merged_bf16[k], v.to(torch.bfloat16)), k
     # Merging does not modify the adapted model.
     assert all(isinstance(m, LoRALinear) for m in lora_modules(ours).values())
+
+
+def test_merged_sampling_holds_peft_merge_adapter_and_restores_the_weights():
+    """lora.merged_sampling, a bf16 run's sampler, against PEFT's merge_adapter (what TRL applies before
+    it hands vLLM the weights): inside, every adapted weight is PEFT's merged weight bit for bit and
+    the adapters are off, so the model computes what it computes with them on, to bf16 rounding; after,
+    every weight is bitwise what it was and the adapters are on. Without kept bases it merges nothing."""
+    cfg = LoRAConfig(r=8, alpha=16)
+    ours = apply_lora(make_tiny_hf("qwen2", seed=2).to(torch.bfloat16), cfg)
+    pm = get_peft_model(make_tiny_hf("qwen2", seed=2).to(torch.bfloat16), peft_config(cfg))
+    copy_into_peft(pm, randomize_adapters(ours))
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    x = ids()
+    want = logits(ours, x)                                           # the update computed apart
+    with merged_sampling(ours):
+        assert all(m.enabled for m in lora_modules(ours).values()) and torch.equal(logits(ours, x), want)
+    keep_bases(ours, True)
+    pm.merge_adapter()
+    with merged_sampling(ours):
+        assert not any(m.enabled for m in lora_modules(ours).values())
+        for path, m in lora_modules(ours).items():
+            assert torch.equal(m.base_layer.weight, peft_lora(path, pm).base_layer.weight), path
+        got = logits(ours, x)
+    with adapters_disabled(ours):
+        plain = logits(ours, x)
+    scale = want.float().abs().max().item()
+    check_close(got, want, 0.02 * scale, "merged against the adapted forward")
+    assert (plain.float() - want.float()).abs().max().item() > 0.1 * scale, "the adapters must matter here"
+    assert all(m.enabled for m in lora_modules(ours).values())
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+    assert torch.equal(logits(ours, x), want)
 
 
 def test_merge_tied_embeddings_appear_once():

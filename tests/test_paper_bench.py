@@ -8,8 +8,8 @@ from test_step_bench import load_bench
 def test_rows_follow_the_paper():
     paper = load_bench("paper")
     rows = paper.configurations(["7b", "32b"], [2, 8])
-    assert rows == [("7b", "nvfp4", 2), ("7b", "bf16", 2), ("7b", "bf16-merged", 2), ("7b", "nvfp4", 8),
-                    ("7b", "bf16", 8), ("7b", "bf16-merged", 8), ("32b", "nvfp4", 8)]
+    assert rows == [("7b", "nvfp4", 2), ("7b", "bf16", 2), ("7b", "bf16-unmerged", 2), ("7b", "nvfp4", 8),
+                    ("7b", "bf16", 8), ("7b", "bf16-unmerged", 8), ("32b", "nvfp4", 8)]
     assert paper.BATCHES[8] == (1, 8) and paper.BATCHES[32] == (4, 8)
 
 
@@ -19,8 +19,10 @@ def test_tiny_batch_two_end_to_end(tmp_path):
                 "--prompt-len", "8", "--out", str(tmp_path)])
     rows = json.load(open(tmp_path / "paper.json"))["rows"]
     assert sorted((r["quant"], r["batch"], r["prompts"], r["group"]) for r in rows) == [
-        ("bf16", 2, 1, 2), ("bf16-merged", 2, 1, 2), ("nvfp4", 2, 1, 2)]
+        ("bf16", 2, 1, 2), ("bf16-unmerged", 2, 1, 2), ("nvfp4", 2, 1, 2)]
     assert all(r["status"] == "ok" and r["forced"] and r["new_tokens"] == 2 * 4 for r in rows), rows
+    # train.py's bf16 samples merged (the plan keeps the copies), the unmerged arm does not, NVFP4 cannot
+    assert [r["step_plan"]["merged_sampling"] for r in sorted(rows, key=lambda r: r["quant"])] == [True, False, False]
     b, m, q = sorted(rows, key=lambda r: r["quant"])
     line = [ln for ln in paper.table(rows).splitlines() if ln.startswith("| tiny | 2 |")][0]
     for peer in (b, m):

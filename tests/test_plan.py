@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import checkpoint
+import lora
 import plan
 from conftest import fake_gpu_memory
 from plan import StepPlan, decide, micro_batches
@@ -15,13 +16,13 @@ P7, P32 = 7.6e9, 32.8e9      # parameters of Qwen2.5-7B and -32B (ANCHORS.md)
 def test_micro_batches_pack_consecutive_sequences_under_the_token_budget():
     lens = [100, 300, 200, 50, 400, 10]
     # count · longest <= 600: [100, 300] (2·300 = 600), [200, 50] (400; + 400 would be 3·400), [400, 10] (800?)
-    spans = micro_batches(lens, StepPlan(None, 600, False, False, 0, ""))
+    spans = micro_batches(lens, StepPlan(None, 600, False, False, False, 0, ""))
     assert spans == [(0, 2), (2, 4), (4, 5), (5, 6)]
     assert all((e - s) * max(lens[s:e]) <= 600 or e - s == 1 for s, e in spans)
-    assert micro_batches(lens, StepPlan(None, 10, False, False, 0, "")) == [(i, i + 1) for i in range(6)]  # one at least
-    assert micro_batches(lens, StepPlan(None, None, False, False, 0, "")) == [(0, 6)]   # no budget: the whole batch
-    assert micro_batches(lens, StepPlan(4, None, False, False, 0, "")) == [(0, 4), (4, 6)]   # pinned count
-    assert micro_batches([], StepPlan(None, 600, False, False, 0, "")) == []
+    assert micro_batches(lens, StepPlan(None, 10, False, False, False, 0, "")) == [(i, i + 1) for i in range(6)]  # one at least
+    assert micro_batches(lens, StepPlan(None, None, False, False, False, 0, "")) == [(0, 6)]   # no budget: the whole batch
+    assert micro_batches(lens, StepPlan(4, None, False, False, False, 0, "")) == [(0, 4), (4, 6)]   # pinned count
+    assert micro_batches([], StepPlan(None, 600, False, False, False, 0, "")) == []
 
 
 def test_decisions_from_measurements():
@@ -82,7 +83,7 @@ def test_flop_cap_bounds_a_large_models_micro_batch():
     memory alone allows ~44k; a cap below one sequence still takes one sequence."""
     floor = plan.recompute_bytes(1 / 256, 19.2 * MIB, 64, 5120, 2)
     assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, P32, None, None, False).micro_tokens == 15243
-    assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, P32, None, None, False, "m").why == \
+    assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 2304, P32, None, None, False, why="m").why == \
         "m; capped at 1e+15 FLOP of forward work: 15243 tokens"
     assert decide(48 * G, 2 * G, 19.2 * MIB, 2 * G, floor, 20000, P32, None, None, False).micro_tokens == 20000
 
@@ -97,6 +98,27 @@ def test_parameters_count_each_nvfp4_weight_as_its_matrix(quant):
     model = checkpoint.build_model(cfg, quant=quant, device="cpu", dtype=torch.float32)
     want = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64 + 128 + 3 * 64 + 2 * 64 * 64
     assert plan.parameters(model) == want
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", "bf16"])
+def test_a_plain_base_keeps_its_adapted_weights_for_merged_sampling(quant):
+    """make_plan without a GPU: a bf16 (here fp32) base gets a copy of each adapted weight, in its own
+    storage, which lora.merged_sampling restores from, and the plan says it samples merged; an NVFP4
+    base cannot merge and keeps nothing. The state dict (what checkpoints save) is unchanged."""
+    cfg = dict(checkpoint.SHAPES["qwen2.5-7b"], vocab_size=64, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    model = lora.apply_lora(checkpoint.build_model(cfg, quant=quant, device="cpu", dtype=torch.float32),
+                            lora.LoRAConfig(r=4, alpha=8))
+    keys = set(model.state_dict())
+    p = plan.make_plan(model, None, 64, None, None, 0, "cpu")
+    mods = list(lora.lora_modules(model).values())
+    assert len(mods) == 7 and p.merged_sampling == (quant == "bf16")
+    assert ("adapters merged for sampling on" in plan.describe(p)) == (quant == "bf16")
+    assert all((m.kept is not None) == (quant == "bf16") for m in mods)
+    if quant == "bf16":
+        assert all(torch.equal(m.kept, m.base_layer.weight) and m.kept.data_ptr() != m.base_layer.weight.data_ptr()
+                   for m in mods)
+    assert set(model.state_dict()) == keys
 
 
 def test_free_memory_honours_the_per_process_limit(monkeypatch):

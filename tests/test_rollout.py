@@ -347,6 +347,34 @@ def test_gpu_bf16_sampler_logprobs_match_dense_forward(tiny_hf_dir, graphs, lora
 
 
 @pytest.mark.gpu
+def test_gpu_graphs_follow_the_adapters_on_merged_and_off(tiny_hf_dir):
+    """A CUDA graph replays the kernels its capture ran, the adapters' update among them. One engine
+    generates with the adapters on, merged into the weights (lora.merged_sampling, twice: the second
+    call replays the first's graphs), off, and on again: each call's tokens and logprobs equal a fresh
+    engine's in the same state, bit for bit. Had the graphs captured with the adapters on been
+    replayed under the merge, the update would count twice."""
+    import contextlib
+    from lora import LoRAConfig, adapters_disabled, apply_lora, keep_bases, lora_modules, merged_sampling
+    model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
+    apply_lora(model, LoRAConfig(r=4, alpha=8))
+    with torch.no_grad():
+        for m in lora_modules(model).values():
+            m.lora_B.normal_(0, 0.05)
+    keep_bases(model, True)
+    states = {"on": contextlib.nullcontext, "merged": lambda: merged_sampling(model),
+              "off": lambda: adapters_disabled(model)}
+    prompts, params = random_prompts([5, 40, 17], seed=7), SamplingParams(max_tokens=24, n=4, seed=3, stop_token_ids=())
+    engine, runs = LLMEngine(model), {}
+    for name in ("on", "merged", "merged", "off", "on"):
+        with states[name]():
+            got = [(c.token_ids, c.logprobs) for comps in engine.generate(prompts, params) for c in comps]
+            assert got == [(c.token_ids, c.logprobs) for comps in LLMEngine(model).generate(prompts, params)
+                           for c in comps], name
+        runs.setdefault(name, got)
+    assert runs["on"] != runs["off"] and runs["merged"] != runs["off"], "the adapters must matter here"
+
+
+@pytest.mark.gpu
 def test_gpu_prefill_graph_matches_the_eager_prefill(tiny_hf_dir):
     """A prefill replayed as a CUDA graph (padded to its token bucket, the prompts to a power of two)
     writes the same K/V into the cache as the eager prefill and gives the same first tokens and

@@ -75,28 +75,3 @@ def test_tiny_step_record_and_does_not_fit(tmp_path, capsys):
     assert sorted(rows) == [("72b", "nvfp4"), ("7b", "nvfp4"), ("tiny", "bf16"), ("tiny", "nvfp4")], sorted(rows)
     r = rows["tiny", "bf16"]
     assert r["needed_gib"] > r["available_gib"] and r["status"] == "ok" and r["forced"], r
-
-
-def test_merged_sampling_computes_the_adapted_model_and_restores_the_weights(smollm2_tokenizer, tmp_path):
-    """bench/step.py's Merged (the bf16 peer sampled as TRL samples it): inside, the adapters are off
-    and the weights hold W + s·BA, so the model computes what the trunk's LoRALinear computes with them
-    on; after, every weight is bitwise what it was, and the adapters are on again."""
-    from test_train import adapted_model, make_tiny_model
-    import lora
-    model = adapted_model(make_tiny_model(smollm2_tokenizer, str(tmp_path / "model")), quant="bf16")
-    ids = torch.randint(0, 49152, (2, 7), generator=torch.Generator().manual_seed(0))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        want = model(ids)                                        # the adapters' update computed apart
-        merged = load_bench().Merged(model)
-        with merged.sampling():
-            assert not any(m.enabled for m in lora.lora_modules(model).values())
-            got = model(ids)
-        again = model(ids)
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
-    with torch.no_grad(), lora.adapters_disabled(model):
-        plain = model(ids)                                       # unmerged, adapters off: the base alone
-    assert not torch.allclose(plain, want, atol=1e-3), "the adapters must matter for the test to mean anything"
-    assert all(m.enabled for m in lora.lora_modules(model).values())
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert torch.equal(again, want)

@@ -74,7 +74,7 @@ def tiny_policy(model, optimizer, gcfg, micro_batch: int, device="cpu") -> train
     import aqn
     import plan
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    step_plan = plan.StepPlan(micro_batch, None, False, False, 0, "pinned by the test")
+    step_plan = plan.StepPlan(micro_batch, None, False, False, False, 0, "pinned by the test")
     return train.Policy(model, optimizer, sched, gcfg, aqn.AQNConfig(), None, step_plan, torch.device(device))
 
 
@@ -515,6 +515,32 @@ def test_lora_target_modules_adapt_only_those_linears(tiny_model, tmp_path):
     assert sorted(PeftConfig.from_pretrained(ckpt).target_modules) == ["q_proj", "v_proj"]
     from safetensors.torch import load_file
     assert {k.split(".")[-3] for k in load_file(os.path.join(ckpt, lora.ADAPTER_WEIGHTS))} == {"q_proj", "v_proj"}
+
+
+def test_a_bf16_run_samples_with_the_adapters_merged(tiny_model, tmp_path, monkeypatch):
+    """--quant bf16 (fp32 here): every generate() of the run, the evaluations' and the rollouts', finds the
+    adapters off and each adapted weight equal to its kept base + delta_weight() rounded once, which after
+    the first update is not the base (lora.merged_sampling); the training pass then sees the base again,
+    so the sampler's log-probs match the trainer's to fp32 rounding."""
+    import rollout
+    seen, real = [], rollout.LLMEngine.generate
+
+    def spy(self, prompts, params):
+        mods = list(lora.lora_modules(self.model).values())
+        seen.append((not any(m.enabled for m in mods),
+                     all(torch.equal(m.base_layer.weight, (m.kept + m.delta_weight()).to(m.kept.dtype)) for m in mods),
+                     any(bool(m.lora_B.detach().abs().sum()) for m in mods)))
+        return real(self, prompts, params)
+    monkeypatch.setattr(rollout.LLMEngine, "generate", spy)
+    out = str(tmp_path / "run")
+    reward_funcs.close_workers()
+    train.main(["--model", tiny_model, "--output-dir", out, "--max-steps", "2", "--quant", "bf16", *FAST,
+                "--reward", "reward_examples:spread_on_even_answers"])   # a spread: the first update moves B
+    reward_funcs.close_workers()
+    assert len(seen) == 3, seen                             # the evaluation before, two rollouts
+    assert all(off and merged for off, merged, _ in seen), seen
+    assert any(moved for *_, moved in seen), "no call sampled a trained adapter: the merge was not tested"
+    assert all(m["sampling/sampling_logp_difference/mean"] < 1e-4 for m in read_metrics(out))
 
 
 def test_eval_reports_lm_evals_matchers_on_gsm8k_style_data(tiny_model, test_data, capsys):
