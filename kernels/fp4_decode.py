@@ -75,6 +75,7 @@ OPERAND_SHIFT = tl.constexpr(7)      # the MMA operand is w·scale·2^-7 (all no
 OPERAND_POST = tl.constexpr(128.0)   # ... so the epilogue multiplies by 2^7 / global_scale
 LORA_CHUNK = tl.constexpr(32)        # LoRA ranks a folded update's MMA takes a step (_lora_update_tile)
 SHRINK_READY = tl.constexpr(64)      # a carried shrink's flags: rank-tile counts below, then ready, readers
+SHRINK_SPINS = tl.constexpr(1 << 24)  # loads of the ready word after which a reader traps (_await_shrink)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,19 +371,35 @@ def _carried_shrink(pid, NS: tl.constexpr, x_ptr, a_ptr, part_ptr, hp_ptr, flag_
 
 
 @triton.jit
-def _await_shrink(flag_ptr, R, BR: tl.constexpr, readers):
+def _trap():
+    """End the kernel with an error (PTX trap): the launch fails, and the host's next synchronising
+    call raises a CUDA error, where waiting on would hang the stream for good. Never reached in the
+    interpreter, which runs a launch's programs in id order (the carried ones first), so no wait there
+    sees a flag unset."""
+    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _await_shrink(flag_ptr, R, BR: tl.constexpr, readers, SPINS: tl.constexpr = SHRINK_SPINS):
     """In each of the `readers` programs of a launch that read the hp its first programs write
     (_carried_shrink): wait until the ready word counts every rank tile (one thread's acquire load,
     then a barrier, so every thread's loads of hp come after it), then count this reader; the last
-    sets both words back to 0 for the next launch that takes these flags. The reads of hp that follow
+    sets both words back to 0 for the next launch that takes these flags. A wait longer than SPINS
+    loads means the flags are wrong (the counters once lived in memory that another tensor reused:
+    launch.counters): it traps (_trap), so the run stops with a CUDA error in seconds instead of a
+    decode step that never ends. A wait is counted in loads, not in time, so that a launch paused
+    while another process has the GPU does not trap. The reads of hp that follow
     are plain loads, as after a grid-wide barrier: the acquire at GPU scope orders them after every
     tile's release (the PTX memory model), and on sm_90 it invalidates the SM's L1 (CCTL.IVALL after
     the acquiring load in the SASS), so no line of hp cached before it is read, whether a load goes
     through L1 or Triton pipelines it into a cp.async. The carried programs have the lowest program
     ids, and the GPU hands out a 1-D launch's programs in id order (observed hardware behaviour, not
     a documented guarantee), so they are on the SMs before any reader waits."""
+    spins = 0
     while tl.atomic_add(flag_ptr + SHRINK_READY, 0, sem="acquire", scope="gpu") < tl.cdiv(R, BR):
-        pass
+        spins += 1
+        if spins == SPINS:
+            _trap()
     tl.debug_barrier()
     if tl.atomic_add(flag_ptr + SHRINK_READY + 1, 1, sem="acq_rel", scope="gpu") == readers - 1:
         tl.store(flag_ptr + SHRINK_READY, 0)

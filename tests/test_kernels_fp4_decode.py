@@ -57,3 +57,44 @@ def test_fragment_kernel_decodes_every_code_exactly(M):
     W = reference_dequantize(packed, scale, gs)
     err = (y.double().t() - W).abs()
     assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
+
+
+WAIT_SCRIPT = """
+import sys, time, torch, triton, triton.language as tl
+from kernels.fp4_decode import SHRINK_READY, _await_shrink
+@triton.jit
+def wait(flag_ptr, R, SPINS: tl.constexpr):
+    _await_shrink(flag_ptr, R, 16, tl.num_programs(0), SPINS)
+spins = int(sys.argv[1])
+flags = torch.zeros(128, dtype=torch.int32, device="cuda")
+flags[SHRINK_READY.value] = 2                        # R = 32 ranks in tiles of 16: both counted ready
+wait[(4,)](flags, 32, SPINS=spins)
+torch.cuda.synchronize()
+print("set: returned", flags[SHRINK_READY.value].item(), flags[SHRINK_READY.value + 1].item(), flush=True)
+t = time.perf_counter()
+wait[(4,)](flags, 32, SPINS=spins)                   # the last reader set the words back to 0: never ready
+try:
+    torch.cuda.synchronize()
+    print("not trapped", flush=True)
+except RuntimeError as e:
+    print(f"trapped after {time.perf_counter() - t:.2f} s: {e}", flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_carried_shrink_flag_that_never_comes_traps_instead_of_hanging(tmp_path):
+    """_await_shrink, where the readers of a carried LoRA shrink wait: with the ready word counting
+    every rank tile, the readers return and the last sets both words back to 0; on a word that no
+    program sets, each reader stops after SPINS loads with a trap, and the host's next synchronisation
+    raises a CUDA error instead of waiting forever. In a subprocess: a trap leaves the CUDA context
+    unusable."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "wait.py"                                  # Triton compiles a kernel from its file
+    script.write_text(WAIT_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(1 << 20)], cwd=root, capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+    assert "set: returned 0 0" in out.stdout, out.stdout + out.stderr
+    assert "trapped after" in out.stdout and "CUDA error" in out.stdout, out.stdout + out.stderr
