@@ -280,12 +280,12 @@ def merged_sampling(model: nn.Module):
     trainer's stay unmerged, and the mismatch metric and its correction (grpo.py) see the difference.
     Adapters without a kept base (NVFP4 bases) run as they are."""
     mods = [m for m in lora_modules(model).values() if m.kept is not None and m.enabled]
-    for m in mods:
-        m.base_layer.weight.add_(m.delta_weight())               # (out, in) += fp32, one rounding
-        m.enabled = False
     try:
+        for m in mods:
+            m.base_layer.weight.add_(m.delta_weight())           # (out, in) += fp32, one rounding
+            m.enabled = False
         yield model
-    finally:
+    finally:                                                     # also after a merge cut short (OOM)
         for m in mods:
             m.base_layer.weight.copy_(m.kept)
             m.enabled = True

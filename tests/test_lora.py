@@ -246,7 +246,8 @@ def test_merged_sampling_holds_peft_merge_adapter_and_restores_the_weights():
     """lora.merged_sampling, a bf16 run's sampler, against PEFT's merge_adapter (what TRL applies before
     it hands vLLM the weights): inside, every adapted weight is PEFT's merged weight bit for bit and
     the adapters are off, so the model computes what it computes with them on, to bf16 rounding; after,
-    every weight is bitwise what it was and the adapters are on. Without kept bases it merges nothing."""
+    every weight is bitwise what it was and the adapters are on, also after a merge cut short by an
+    error. Without kept bases it merges nothing."""
     cfg = LoRAConfig(r=8, alpha=16)
     ours = apply_lora(make_tiny_hf("qwen2", seed=2).to(torch.bfloat16), cfg)
     pm = get_peft_model(make_tiny_hf("qwen2", seed=2).to(torch.bfloat16), peft_config(cfg))
@@ -271,6 +272,14 @@ def test_merged_sampling_holds_peft_merge_adapter_and_restores_the_weights():
     assert all(m.enabled for m in lora_modules(ours).values())
     assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
     assert torch.equal(logits(ours, x), want)
+
+    def out_of_memory():
+        raise RuntimeError("out of memory")
+    list(lora_modules(ours).values())[4].delta_weight = out_of_memory      # a merge cut short, four merged
+    with pytest.raises(RuntimeError, match="out of memory"), merged_sampling(ours):
+        pass
+    assert all(m.enabled for m in lora_modules(ours).values())
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
 
 
 def test_merge_tied_embeddings_appear_once():
