@@ -7,8 +7,16 @@ transformers itself, SmolLM2 by tools/get_smollm2.py.
 import os
 import random
 
-import pytest
-import torch
+# Under pytest-xdist (pytest.ini's -n 2) each worker, and every process it starts, computes on one
+# thread: two workers of two OpenMP threads each (plus their train.py children) oversubscribe CI's
+# two cores (test_rollout.py + test_qwen3.py on two workers: 110 s, against 50 s with one thread
+# each). It must be set before torch is imported; a value set outside the tests wins.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run in the interpreter. This must be set before triton is imported.
 if not torch.cuda.is_available():
@@ -25,13 +33,19 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def pytest_collection_modifyitems(config, items):
     """gpu tests need CUDA; interpreter tests run Triton kernels on CPU tensors, which only the
-    interpreter can (on a GPU machine their checks are done by gpu-marked tests on CUDA tensors)."""
+    interpreter can (on a GPU machine their checks are done by gpu-marked tests on CUDA tensors).
+
+    Under pytest-xdist (pytest.ini's -n) the slow-marked tests are collected first, so that the workers
+    start them at once and end on short tests, not on one long test while the other worker idles.
+    The order is a stable sort, the same on every worker (xdist requires one collection)."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "interpreter" in item.keywords and not interpreting:
             item.add_marker(pytest.mark.skip(reason="runs Triton on CPU tensors: needs TRITON_INTERPRET=1"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def make_tiny_hf(arch: str, tie: bool = False, seed: int = 0):

@@ -85,6 +85,7 @@ def test_two_ranks_give_the_single_process_update(tiny_model, tmp_path, device):
             assert met[k] == pytest.approx(want_met[k], rel=1e-4, abs=1e-6), (loss_type, k, met[k], want_met[k])
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_end_to_end(tiny_model, tmp_path):
     """`torchrun --nproc-per-node 2 train.py` on CPU: rank 0 logs and checkpoints, both resume. Each step
     fills its batch by dynamic sampling over both ranks (the reward leaves the groups of odd answers
@@ -217,6 +218,7 @@ def finish(procs: list, tmp_path, name: str) -> str:
     return (tmp_path / f"{name}0.out").read_text()
 
 
+@pytest.mark.slow
 def test_two_machines_without_a_shared_disk_killed_and_resumed_exactly(tiny_model, tmp_path):
     """torchrun --nnodes 2 on CPU, one process a machine, each machine its own --output-dir. Rank 0 writes
     every file, in its own directory; a run SIGKILLed once it has a checkpoint (both machines: agents and

@@ -45,6 +45,7 @@ def test_sample_kernels_greedy_across_chunks_with_ties_and_logprobs():
         torch.testing.assert_close(lp.double(), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_sample_kernels_draws_from_the_softmax_across_chunks():
     """Gumbel-max over 3 chunks of 8 logits: frequencies of 600 draws against softmax(z / 0.7),

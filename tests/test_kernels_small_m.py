@@ -31,7 +31,7 @@ def _replaced(**kw):
     ("tile", 5, 144, 512, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3)),
     ("tile", 16, 200, 1024, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=8)),
     ("tile", 33, 64, 256, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=2)),
-    ("gemv", 1, 48, 1056, GemvConfig(bn=16, bk=64, split=3)),
+    ("gemv", 1, 48, 352, GemvConfig(bn=16, bk=64, split=3)),        # 3 splits of 2 steps, the last 1.5
     ("gemv", 1, 64, 512, GemvConfig(bn=32, bk=64, split=4)),
     ("fragment", 3, 80, 512, MmaConfig(warps=1, split=2)),
     ("fragment", 4, 64, 384, MmaConfig(warps=2, tiles=2, split=3)),
@@ -86,8 +86,15 @@ def test_gpu_counters_live_outside_every_graph_pool(monkeypatch):
     assert not buffer.any()
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 16, 16), (1, 16, 32), (1, 48, 80), (1, 32, 272), (1, 64, 1056)])
-@pytest.mark.parametrize("cfg", [GemvConfig(), GemvConfig(bn=16, bk=64, split=3), GemvConfig(bn=32, bk=32)])
+_GEMV_CFGS = [GemvConfig(), GemvConfig(bn=16, bk=64, split=3), GemvConfig(bn=32, bk=32)]
+
+
+# K = 1056 (two 1024-k steps, the second a 32-k tail) on the default config only: on the two small-step
+# configs it repeats what K = 272 and 80 already run there (split-K, several steps a split, a tail in the
+# last split for bk = 64, none for bk = 32) at 6 to 11 times the interpreter's time.
+@pytest.mark.parametrize("M,N,K,cfg", [(1, N, K, cfg) for N, K in [(16, 16), (16, 32), (48, 80), (32, 272), (64, 1056)]
+                                       for i, cfg in enumerate(_GEMV_CFGS) if K != 1056 or i == 0],
+                         ids=lambda v: f"cfg{_GEMV_CFGS.index(v)}" if isinstance(v, GemvConfig) else None)
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_cuda_core_gemv_matches_float64(M, N, K, cfg, has_bias, poisoned):
     """The CUDA-core kernel (one row): minimum N and K, a K tail, split-K and single pass."""
@@ -128,7 +135,7 @@ def test_gemv_scales_each_lane_step_of_x(poisoned):
 
 
 @pytest.mark.parametrize("M,N,K,R,cfg,il,tune,where", [
-    (1, 48, 1056, 24, GemvConfig(bn=16, bk=64, split=3), False, {}, "last split"),
+    (1, 48, 352, 24, GemvConfig(bn=16, bk=64, split=3), False, {}, "last split"),   # the last split 1.5 steps
     (1, 64, 512, 16, GemvConfig(bn=32, bk=64, split=1), False, {}, "kernel"),      # one pass: every program
     (1, 32, 272, 40, GemvConfig(), False, {}, "kernel"),
     (9, 144, 512, 24, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3), False, {}, "last split"),
@@ -271,7 +278,7 @@ def test_lora_folds_at_decode_on_the_7b_shapes(monkeypatch):
 
 @pytest.mark.parametrize("N,K,cfg,il", [
     (64, 1056, GemvConfig(), False),                     # one program, a K tail
-    (96, 512, GemvConfig(bn=16, bk=64), False),          # 6 programs of 8 gate + 8 up rows
+    (96, 128, GemvConfig(bn=16, bk=64), False),          # 6 programs of 8 gate + 8 up rows, 2 steps each
     (160, 384, GemvConfig(bn=64, bk=128), True)])        # interleaved, I = 80: a part tile
 @pytest.mark.parametrize("with_lora", [False, True])
 def test_gemv_stores_silu_mul(N, K, cfg, il, with_lora, poisoned):

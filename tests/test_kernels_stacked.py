@@ -19,6 +19,7 @@ from kernels import lora as kl
 from kernels import stacked
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("quant", ["bf16", "nvfp4"])
 def test_stacked_projections_match_one_by_one(tiny_hf_dir, quant, monkeypatch):

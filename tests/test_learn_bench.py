@@ -4,6 +4,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from test_train import ROOT, make_tiny_model
 
 
@@ -14,6 +16,7 @@ def load_bench():
     return module
 
 
+@pytest.mark.slow
 def test_two_arms_two_seeds_summary_and_figure(smollm2_tokenizer, tmp_path, capsys):
     learn = load_bench()
     model = make_tiny_model(smollm2_tokenizer, str(tmp_path / "model"))

@@ -32,6 +32,7 @@ def tiny_model(smollm2_tokenizer, tmp_path_factory):
     return make_tiny_model(smollm2_tokenizer, str(tmp_path_factory.mktemp("tiny") / "model"))
 
 
+@pytest.mark.slow
 def test_nothing_is_silently_wrong_hangs_tracebacks_or_runs_from_a_run_dir(tiny_model, tmp_path, capsys):
     probes = [p for p in probe_integrity.build(probe_integrity.CLASSES, tiny_model, str(tmp_path))
               if not any(p.cls == c and p.name.startswith(n) for c, n in LEFT_OUT)]

@@ -325,6 +325,7 @@ def _count_head_norms(monkeypatch, head_dim):
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_qwen3_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
     model = load32(tiny_hf_dir("qwen3")[0])

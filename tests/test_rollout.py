@@ -196,6 +196,7 @@ def test_free_cache_releases_and_the_engine_reallocates(tiny_hf_dir):
     assert engine.generate([[1, 2, 3]], params)[0][0].token_ids == a[0][0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
     """The Triton store + paged-decode kernels (interpreter) inside the engine: 16-token blocks,

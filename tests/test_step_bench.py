@@ -10,6 +10,7 @@ import json
 import math
 import os
 
+import pytest
 import torch
 
 import checkpoint as qckpt
@@ -28,6 +29,7 @@ def load_bench(name="step"):
     return mod
 
 
+@pytest.mark.slow
 def test_tiny_step_record_and_does_not_fit(tmp_path, capsys):
     bench, out = load_bench(), str(tmp_path / "step.json")
     bench.main(["--models", "tiny,7b,72b", "--quants", "nvfp4", "--completion", "6", *SMALL, "--out", out])

@@ -240,6 +240,7 @@ def test_deterministic_run_repeats_its_metrics_bit_for_bit(tiny_model, tmp_path,
     assert len(runs[0]) == steps and runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume(tiny_model, tmp_path):
     """Kill -9 at an arbitrary point after the first checkpoint; --resume continues from the last
     complete checkpoint and never reads a half-written one."""
@@ -484,6 +485,7 @@ def test_a_finished_run_extends_with_its_aqn_schedule_kept(tiny_model, tmp_path,
         capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_python_example_trains_and_tells_its_callbacks(tiny_model, tmp_path):
     """examples/train_from_python.py for 2 steps of the tiny model, in a process of its own: its reward
     function runs in a worker that imports the script; the callbacks hear the evaluations before training
