@@ -31,6 +31,19 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             rms_norm_eps=1e-6)
 
 
+MAX_WORKERS = 4   # test processes at most: each holds a model or two and the Triton interpreter's state
+
+
+def pytest_xdist_auto_num_workers(config):
+    """pytest.ini's -n auto: without a GPU one test process per CPU core (CI's two), at most
+    MAX_WORKERS; with one, a single process, because the GPU tests share the one device and size their
+    KV caches and plans from the memory it has free. PYTEST_XDIST_AUTO_NUM_WORKERS still decides where set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 0 if torch.cuda.is_available() else min(cores, MAX_WORKERS)
+
+
 def pytest_collection_modifyitems(config, items):
     """gpu tests need CUDA; interpreter tests run Triton kernels on CPU tensors, which only the
     interpreter can (on a GPU machine their checks are done by gpu-marked tests on CUDA tensors).
