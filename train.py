@@ -616,10 +616,11 @@ def train(args, callbacks=()) -> dict:
             tracker.close()
         if rank == 0:
             plot_metrics(args.output_dir)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, torch.AcceleratorError) as e:  # Ctrl-C; a CUDA error (a kernel's trap among them)
         if rank == 0:
             at = f"during step {state.step + 1}" if state else "before training began"
-            print(f"interrupted {at}: {how_to_continue(args.output_dir)}", file=sys.stderr)
+            what = "interrupted" if isinstance(e, KeyboardInterrupt) else f"the GPU failed ({str(e).splitlines()[0]})"
+            print(f"{what} {at}: {how_to_continue(args.output_dir)}", file=sys.stderr)
         raise
     finally:
         if rank == 0:

@@ -5,7 +5,7 @@ Each case runs in a process of its own (a firing watchdog ends its process). The
 CPython's: a stall in Python code (time.sleep releases the GIL), a stall in C code that holds the GIL
 (a libc sleep called through ctypes.PyDLL, which keeps the GIL, where ctypes.CDLL would release it),
 and faulthandler's own header and stack format. Last, train.py stalled in its training pass: it exits
-75 naming the last checkpoint, and --resume continues the run.
+75 naming the last checkpoint, and --resume continues the run; train.py failed on the GPU names the same.
 """
 import os
 import re
@@ -121,6 +121,31 @@ def test_train_stalled_in_its_training_pass_exits_75_and_resumes(smollm2_tokeniz
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "at step 1" in res.stdout
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def test_train_failed_on_the_gpu_names_its_checkpoint_and_the_resume(smollm2_tokenizer, tmp_path, monkeypatch, capsys):
+    """A CUDA error in the second step (torch.AcceleratorError: what a kernel's trap, fp4_decode._await_shrink,
+    raises at the host's next synchronisation) propagates, and train.py first names the step, the error,
+    the last checkpoint and the command that resumes from it."""
+    import torch
+
+    import train
+    real, calls = train.train_step, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.AcceleratorError("CUDA error: unspecified launch failure\nmore lines")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train, "train_step", failing)
+    out = str(tmp_path / "run")
+    model = make_tiny_model(smollm2_tokenizer, str(tmp_path / "model"))
+    with pytest.raises(torch.AcceleratorError):
+        train.main(["--model", model, "--output-dir", out, "--max-steps", "3", "--save-every", "1", *FAST,
+                    "--eval-limit", "0"])
+    err = capsys.readouterr().err
+    assert (f"the GPU failed (CUDA error: unspecified launch failure) during step 2: {out}/checkpoint-000001 (step 1) "
+            f"is the last checkpoint, intact; continue with: python train.py --resume {out}") in err, err[-600:]
 
 
 def test_eval_stalled_in_its_sampling_exits_75_and_writes_nothing(smollm2_tokenizer, tmp_path):
