@@ -7,10 +7,10 @@ transformers itself, SmolLM2 by tools/get_smollm2.py.
 import os
 import random
 
-# Under pytest-xdist (pytest.ini's -n 2) each worker, and every process it starts, computes on one
-# thread: two workers of two OpenMP threads each (plus their train.py children) oversubscribe CI's
-# two cores (test_rollout.py + test_qwen3.py on two workers: 110 s, against 50 s with one thread
-# each). It must be set before torch is imported; a value set outside the tests wins.
+# Under pytest-xdist (pytest.ini's -n auto) each worker, and every process it starts, computes on one
+# thread: workers of several OpenMP threads each (plus their train.py children) oversubscribe the
+# cores, which slows the interpreter's kernel tests about twofold. It must be set before torch is
+# imported; a value set outside the tests wins.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
