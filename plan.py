@@ -122,6 +122,12 @@ def dense_weights(model, on: bool):
             m.dense = None
 
 
+def copies_fit(nbytes: int, free: float) -> bool:
+    """Whether copies of nbytes stay resident: there are some, and they take at most DENSE_SHARE of
+    free memory (the rule for the dense weights and for the merged sampler's kept bases alike)."""
+    return 0 < nbytes <= DENSE_SHARE * free
+
+
 def free_memory(device) -> int:
     """Bytes this process may still reserve on a CUDA device: the device's free memory, or less where a
     per-process limit is set (torch.cuda.set_per_process_memory_fraction: an 80 GB card emulated on a
@@ -218,8 +224,7 @@ def make_plan(model, fwd_bwd, max_seq_len: int, micro_batch: int | None, grad_ch
                         "no GPU: one micro-batch, recomputation off unless asked for")
     free = free_memory(device) - 3 * 4 * trainable
     dense_bytes = 2 * nvfp4_weights(model)                                 # their bf16 copies
-    dense = 0 < dense_bytes <= DENSE_SHARE * free
-    merged = 0 < merge_bytes <= DENSE_SHARE * free
+    dense, merged = copies_fit(dense_bytes, free), copies_fit(merge_bytes, free)
     lora.keep_bases(model, merged)                                         # held for the run: free less it
     with dense_weights(model, dense):
         free = free_memory(device) - 3 * 4 * trainable

@@ -139,16 +139,19 @@ def meta_model(config: dict, quant: str, dtype) -> qmodel.Transformer:
         return qmodel.Transformer(qmodel.ModelConfig.from_hf(config), quant, dtype)
 
 
+def adapted(meta) -> list:
+    """The linears train.py adapts: every one lora.DEFAULT_TARGETS names."""
+    return [m for name, m in meta.named_modules() if name.rpartition(".")[2] in lora.DEFAULT_TARGETS]
+
+
 def lora_parameters(meta, rank: int) -> int:
-    """Adapter parameters train.py adds: r · (in + out) for every linear lora.DEFAULT_TARGETS names."""
-    return sum(rank * (m.in_features + m.out_features) for name, m in meta.named_modules()
-               if name.rpartition(".")[2] in lora.DEFAULT_TARGETS)
+    """Adapter parameters train.py adds: r · (in + out) for every adapted linear."""
+    return sum(rank * (m.in_features + m.out_features) for m in adapted(meta))
 
 
 def merge_copy_bytes(meta) -> int:
     """What lora.keep_bases holds where a bf16 sampler merges: a copy of every adapted plain weight."""
-    return sum(m.weight.numel() * m.weight.element_size() for name, m in meta.named_modules()
-               if name.rpartition(".")[2] in lora.DEFAULT_TARGETS and isinstance(m, torch.nn.Linear))
+    return sum(m.weight.numel() * m.weight.element_size() for m in adapted(meta) if isinstance(m, torch.nn.Linear))
 
 
 def weight_pieces(meta) -> list[tuple[str, int]]:
@@ -232,9 +235,9 @@ def memory_table(config: dict, recipe: Recipe, budget: float, b_full: float, b_c
     # parameter set aside for gradients and AdamW
     free = budget - qckpt.weight_bytes(meta) - 4 * n - 12 * n
     dense_bytes = 2 * plan.nvfp4_weights(meta)
-    dense = 0 < dense_bytes <= plan.DENSE_SHARE * free
+    dense = plan.copies_fit(dense_bytes, free)
     merge_bytes = merge_copy_bytes(meta)
-    merged = 0 < merge_bytes <= plan.DENSE_SHARE * free
+    merged = plan.copies_fit(merge_bytes, free)
     rows.append(("copies of the adapted bf16 weights, the merged sampler's restore (lora.keep_bases)",
                  merge_bytes * merged, everywhere - {"load"}))
     free = plan_free if plan_free is not None else free - dense_bytes * dense - merge_bytes * merged
