@@ -8,7 +8,10 @@ replay (nano-vllm's scheme; it does its graphs in one function, these need a few
 
 Decode graphs (`Graphs.decode`): one per (batch bucket, temperature), captured lazily and sharing one
 memory pool. A step of B sequences runs the graph of the smallest bucket >= B (BUCKETS), its padding
-rows writing no KV (slot -1) and attending to nothing. The graph reads
+rows writing no KV (slot -1) and attending to nothing. The graphs reach the KV cache through the
+runner's cache table (kernels/paged_decode.py: where the caches lie), not through their addresses,
+so they outlive the cache, which every training step frees before its backward pass: a run captures
+each bucket once, and its pool stays allocated beside the training pass. The graph reads
 
     meta    (6·n,) int32    rows [token, position, KV slot, context length, source row, sequence id]
     tables  (n, width)      the block tables
@@ -32,15 +35,16 @@ freed before every backward pass, the graph is not, so a training step replays w
 captured, and one index_copy per K and V moves the N real rows into the cache after the replay.
 
 Warm-up. A key's first capture runs its body once eagerly, outside the capture (a Triton kernel
-cannot load its binary while a stream captures). A training step's free_cache(keep_warm=True) keeps
-the record of warmed keys, with the kernel settings they ran under: the model is the same and only
-its values changed, so the next capture finds every kernel compiled and pays one pass of the layers'
-Python instead of two. Any other free_cache, and a replaced static buffer, forget it. A decode key's
-first capture also warms every smaller bucket at once, on padding rows (`_warm_below`): a batch
-shrinks through them as its sequences finish, and each compiles kernels of its own.
+cannot load its binary while a stream captures); the record of warmed keys, with the kernel
+settings they ran under, lets a later capture of the key skip it. A decode key's first capture also
+warms every smaller bucket at once, on padding rows (`_warm_below`): a batch shrinks through them as
+its sequences finish, and each compiles kernels of its own. A training step's free_cache(keep_warm=True)
+keeps the graphs and the record (the model is the same and only its values changed in place); any
+other free_cache, and a replaced static buffer, drop both.
 
 Tests: tests/test_rollout.py (GPU-marked: graphs against eager steps, the prefill graph's cache
-contents, tokens and logprobs under three padding layouts, graphs outliving free_cache(keep_warm)).
+contents, tokens and logprobs under three padding layouts, prefill and decode graphs outliving
+free_cache(keep_warm) and replaying on a cache allocated elsewhere).
 """
 import torch
 
@@ -84,15 +88,13 @@ class Graphs:
         self.prefill_graphs, self.prefill_pool, self.stage = {}, None, None
         self.warmed = set()                 # (graph key, kernel settings) captured before (see _record)
 
-    def drop(self, keep_warm=False, prefill=False):
-        """Drop the decode graphs and their pool (they point into the KV cache); with prefill the
-        prefill graphs too; unless keep_warm, the record of warmed keys, so that the next capture of
-        each key warms up first."""
-        self.decode_graphs, self.decode_pool = {}, None
+    def drop(self, prefill=False):
+        """Drop the decode graphs, their pool and the record of warmed keys, so that the next capture
+        of each key warms up first (a buffer they read moved, or the model changed); with prefill
+        the prefill graphs too."""
+        self.decode_graphs, self.decode_pool, self.warmed = {}, None, set()
         if prefill:
             self.prefill_graphs, self.prefill_pool, self.stage = {}, None, None
-        if not keep_warm:
-            self.warmed = set()
 
     def _record(self, key, body, pool):
         """-> (graph, its output): body() captured in a CUDA graph sharing `pool`, after an eager

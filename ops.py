@@ -37,6 +37,7 @@ The ops:
     refresh_casts(t) / casts_kept()   when the adapters' kept bf16 casts of A and B are refreshed
     logits(hidden, head)              head(hidden), fp32
     logprob_stats / logprob_grad      log π(target), entropy and log Z of logit rows; their gradient
+    cache_table / place_caches        where the KV caches lie, which the attention kernels read
     store_kv / paged_attention        the KV cache's store and decode attention (attention.py's references)
     fill_tokens(meta, prev)           the tokens of the step in flight into the next step's inputs
     sample(logits, params, ...)       tokens and their logprobs (sampling.py's reference)
@@ -364,22 +365,34 @@ def _logprob_grad(logits, logz, target, g, dtype):
 # ----------------------------------------------------------------------------------------------
 # the sampler: the KV cache, decode attention, the tokens in flight, sampling
 
-def store_kv(k_cache, v_cache, k, v, slots):
-    """k, v (N, Hkv, D) into their cache slots (N,) (-1: skip): one kernel where it runs, else
-    attention.store_kv_ref."""
+def cache_table(layers, device):
+    """(layers, 2) int64: where each layer's K and V caches lie, for the kernels (place_caches fills it).
+    The kernels reach the caches through it, so a CUDA graph outlives the caches it ran on."""
+    return kernels.cache_table(layers, device)
+
+
+def place_caches(table, k_caches, v_caches):
+    """Point the cache table at the caches, (L, num_blocks, bs, Hkv, D) each."""
+    kernels.place_caches(table, k_caches, v_caches)
+
+
+def store_kv(k_cache, v_cache, k, v, slots, *, place):
+    """k, v (N, Hkv, D) into their cache slots (N,) (-1: skip): one kernel where it runs, which
+    reaches the caches through place (their row of the cache table), else attention.store_kv_ref."""
     if attention_kernels(k.device):
-        return kernels.store_kv(k_cache, v_cache, k, v, slots)
+        return kernels.store_kv(k_cache, v_cache, k, v, slots, place)
     return store_kv_ref(k_cache, v_cache, k, v, slots)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_model_len, counts,
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, place, max_model_len, counts,
                     partition_size=None, rope=None):
-    """Decode attention over the paged cache, q (B, Hq, D) -> (B, Hq, D). The kernel splits the
-    context into partitions it merges by log-sum-exp (counts: its (rows, Hkv) int32 counters,
-    attention_counts) and, given rope = (k, v, cos, sin, slots), first rotates q and the new k and
-    stores k, v, in the same launch. attention.paged_attention_ref is the reference (rope None)."""
+    """Decode attention over the paged cache, q (B, Hq, D) -> (B, Hq, D). The kernel reaches the
+    caches through place (their row of the cache table), splits the context into partitions it
+    merges by log-sum-exp (counts: its (rows, Hkv) int32 counters, attention_counts) and, given rope
+    = (k, v, cos, sin, slots), first rotates q and the new k and stores k, v, in the same launch.
+    attention.paged_attention_ref is the reference (rope None)."""
     if attention_kernels(q.device):
-        return kernels.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+        return kernels.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, place=place,
                                        max_model_len=max_model_len, counts=counts,
                                        partition_size=partition_size, rope=rope)
     if rope is not None:

@@ -10,9 +10,10 @@ choices that trade memory for speed, none of which changes the math:
     reaches its matmul rate on thousands of tokens at once.
   * recomputation (gradient checkpointing) keeps each layer's input only and runs the layer again
     in the backward: a third more work, in exchange for ~1/10 of the activation memory.
-  * resident state between steps: the sampler's KV cache and decode CUDA graphs (captured again
-    after every free, a pass of the decode step's Python per batch size; the prefill graphs and their
-    staging rows stay), for the training pass a bf16 copy of the NVFP4 weights (one dequantization
+  * resident state between steps: the sampler's KV cache (its CUDA graphs stay whether it does or
+    not: they reach it through a table of where it lies, so a run captures each batch bucket once;
+    their memory pool, about one decode step's activations at the largest bucket used, stays beside
+    the training pass, in the share of free memory the budget leaves), for the training pass a bf16 copy of the NVFP4 weights (one dequantization
     per step instead of one per matmul call and micro-batch), and for a bf16 base's sampler a copy of
     the adapted weights, so that it decodes with the adapters merged in (lora.merged_sampling).
 

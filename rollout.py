@@ -40,7 +40,8 @@ all three in one kernel launch per layer.
              the step in flight (ops.fill_tokens), and where sampling is the kernels' path (no
              top-k / top-p) it runs the lm_head and the sampler too (one graph per temperature): a
              step is then two small copies in (three after a prefill), one replay and one copy of
-             the step's record (tokens and logprobs in one buffer) out.
+             the step's record (tokens and logprobs in one buffer) out. The kernels find the cache
+             through the runner's cache_table (ops.cache_table), so these graphs outlive it too.
     draws:   a sequence's random draws depend only on (the call's seed, the sequence, the position
              sampled): row keys = seed + seq_id · 2^24 + position (ROW_KEY), each row drawing from
              its own key. So preemption, a smaller KV cache or another batch composition sample
@@ -139,7 +140,7 @@ class PrefillContext:
         r = self.runner
         q, k = ops.rope(q, k, cos, sin)
         if self.stage is None:
-            r.store_kv(r.k_cache[layer], r.v_cache[layer], k[0], v[0], self.slots)
+            r.store_kv(layer, k[0], v[0], self.slots)
         else:
             self.stage[0][layer].copy_(k[0])
             self.stage[1][layer].copy_(v[0])
@@ -157,14 +158,13 @@ class DecodeContext:
         """cos, sin (B, 1, 1, D/2). On the Triton backend's fast path one kernel rotates q and k,
         stores k and v, and attends (taking the new token's k and v from registers)."""
         r = self.runner
-        k_cache, v_cache = r.k_cache[layer], r.v_cache[layer]
-        meta = (k_cache, v_cache, self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
+        meta = (self.block_tables, self.context_lens, q.shape[-1] ** -0.5)
         if r.attn_backend == "triton" and ops.runs(q):
             cos, sin = (t[:, 0, 0] for t in (cos, sin))              # (B, D/2)
-            return r.paged_attention(q[:, 0], *meta, rope=(k[:, 0], v[:, 0], cos, sin, self.slots))[:, None]
+            return r.paged_attention(layer, q[:, 0], *meta, rope=(k[:, 0], v[:, 0], cos, sin, self.slots))[:, None]
         q, k = ops.rope(q, k, cos, sin)
-        r.store_kv(k_cache, v_cache, k[:, 0], v[:, 0], self.slots)
-        return r.paged_attention(q[:, 0], *meta)[:, None]
+        r.store_kv(layer, k[:, 0], v[:, 0], self.slots)
+        return r.paged_attention(layer, q[:, 0], *meta)[:, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,11 +189,9 @@ class Runner:
             raise ValueError(f"attn_backend='triton' needs triton installed and a CUDA device (or the "
                              f"interpreter), got {self.device}")
         self.partition_size, self.attn_backend = partition_size, attn_backend
-        if attn_backend == "triton":
-            self.store_kv, self.paged_attention = ops.store_kv, self._paged_attention_triton
-        else:
-            self.store_kv, self.paged_attention = store_kv_ref, paged_attention_ref
         self.k_cache = self.v_cache = None
+        # where the caches lie, for the kernels (ops.cache_table): graphs hold its rows, not the caches
+        self.cache_table = ops.cache_table(self.num_layers, self.device) if attn_backend == "triton" else None
         self.attn_counts = None             # (rows, Hkv) int32 zeros: the attention kernel's merge counters
         self.varlen = varlen_runs(self.device, self.dtype, self.head_dim)   # a packed prefill: one flash launch
         # graphs need the sync-free kernel path (the torch reference reads lengths on the host); prefill
@@ -213,9 +211,19 @@ class Runner:
             seq_ids, positions = self._tensor(seq_ids, torch.int64), self._tensor(positions, torch.int64)
         return self.seed + seq_ids.long() * ROW_KEY + positions.long()
 
-    def _paged_attention_triton(self, q, *args, rope=None):
-        """ops.paged_attention with the counters its partitions merge by. The partitioning it
-        picks is fixed per batch size (not per step), so captured CUDA graphs stay valid."""
+    def store_kv(self, layer, k, v, slots):
+        """k, v (N, Hkv, D) into layer's cache at slots (N,) (-1: skip)."""
+        if self.attn_backend == "torch":
+            return store_kv_ref(self.k_cache[layer], self.v_cache[layer], k, v, slots)
+        ops.store_kv(self.k_cache[layer], self.v_cache[layer], k, v, slots, place=self.cache_table[layer])
+
+    def paged_attention(self, layer, q, block_tables, context_lens, scale, rope=None):
+        """q (B, Hq, D) attending to layer's cache -> (B, Hq, D); rope: as in ops.paged_attention (the
+        kernels only). On the kernels, with the counters their partitions merge by; the partitioning
+        is fixed per batch size (not per step), so captured CUDA graphs stay valid."""
+        caches = (self.k_cache[layer], self.v_cache[layer], block_tables, context_lens, scale)
+        if self.attn_backend == "torch":
+            return paged_attention_ref(q, *caches)
         if self.attn_counts is None or self.attn_counts.shape[0] < q.shape[0]:
             # never during a capture (a key's first capture warms up eagerly); graphs read the counts
             # by address, so a larger eager batch (> the biggest bucket) drops them before the old
@@ -223,8 +231,8 @@ class Runner:
             self.drop_graphs()
             self.attn_counts = ops.attention_counts(max(q.shape[0], MAX_GRAPH_BATCH), self.num_kv_heads,
                                                     self.device)
-        return ops.paged_attention(q, *args, max_model_len=self.max_model_len, counts=self.attn_counts,
-                                   partition_size=self.partition_size, rope=rope)
+        return ops.paged_attention(q, *caches, place=self.cache_table[layer], max_model_len=self.max_model_len,
+                                   counts=self.attn_counts, partition_size=self.partition_size, rope=rope)
 
     # ---- cache
     def bytes_per_block(self):
@@ -233,19 +241,21 @@ class Runner:
     def allocate_cache(self, num_blocks):
         if self.k_cache is not None and self.k_cache.shape[1] == num_blocks:
             return
-        self.free_cache(keep_warm=True)                 # the same model: its kernels stay compiled
+        self.free_cache(keep_warm=True)                 # the same model: its graphs stay
         shape = (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        if self.cache_table is not None:
+            ops.place_caches(self.cache_table, self.k_cache, self.v_cache)
 
     def free_cache(self, keep_warm=False):
-        """Drop the KV cache and the decode graphs (they point into it), e.g. before backward.
-        keep_warm: the model and kernel settings are unchanged (a training step: only values changed
-        in place), so the prefill graphs stay (they point into no cache) and later captures skip
-        their warm-up (graphs.py). Without it the prefill graphs go too."""
+        """Drop the KV cache, e.g. before backward. keep_warm: the model and kernel settings are
+        unchanged (a training step: only values changed in place), so the graphs stay: they reach
+        the cache through cache_table, which the next allocate_cache points at the new one
+        (graphs.py). Without it every graph goes too."""
         self.k_cache = self.v_cache = None
-        if self.graphs is not None:
-            self.graphs.drop(keep_warm, prefill=not keep_warm)
+        if self.graphs is not None and not keep_warm:
+            self.graphs.drop(prefill=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -395,10 +405,10 @@ class LLMEngine:
         self.adapters_on = None      # which adapters were on in the last call (None: no call yet)
 
     def free_cache(self, keep_warm=False):
-        """Drop the KV cache and the decode graphs. keep_warm: nothing but parameter values changed in
-        place since the last generate() (a training step: the same modules, tensors, adapters and
-        tuning), so the prefill graphs stay and the next captures skip their warm-up. Anything else
-        (a reloaded adapter, another dtype) needs free_cache() without it, which drops every graph."""
+        """Drop the KV cache. keep_warm: nothing but parameter values changed in place since the last
+        generate() (a training step: the same modules, tensors, adapters and tuning), so the CUDA
+        graphs stay and the next call replays them on its new cache. Anything else (a reloaded
+        adapter, another dtype) needs free_cache() without it, which drops every graph."""
         self.runner.free_cache(keep_warm)
 
     def cache_bytes(self) -> int:

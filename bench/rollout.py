@@ -13,17 +13,18 @@ Engines, on the same random weights (checkpoint.build_model, real Qwen2.5 config
                  LoRA updates as torch GEMMs: what the fast path of the seam buys
 Workloads (every sequence runs to its full length: no stop tokens; sampling at temperature 1):
     batchB   B = 1, 2, 4, ..., 64 prompts of 256 random tokens, 512 new each:
-             decode tok/s = B·(new - 1) / (total - TTFT), the first decode graph's capture included
+             decode tok/s = B·(new - 1) / (total - TTFT)
     batchB:N the same with N new tokens each: batch8:2048 is the QeRL paper's operating point
              (--max-model-len must hold 256 + N; an error says so before any model is built)
     grpo     16 prompts x 8 samples, prompt 256, 1024 new: total tok/s = new tokens / wall time,
              time to first token (all prompts prefilled and first tokens sampled), peak memory
 Each workload is timed after a warm-up on the same prompts with 2 new tokens (Triton compiles its
-kernels for those shapes once per process); the KV cache and CUDA graphs are then freed, so graph
-capture happens inside the timed run, as in every training step (train.py frees them before each
-backward). TTFT is the engine's: from the call to the first tokens sampled on the GPU (an event);
-the JSON also has first_read_s, when the host reads them, one step later (after queuing the first
-decode step and capturing its graph).
+kernels for those shapes once per process, and the engine captures the CUDA graphs of the batch);
+the KV cache is then freed as train.py frees it before each backward (free_cache(keep_warm=True)),
+and the graphs stay, as they do between training steps, so the timed run replays them on a new
+cache, as every step after a run's first does. TTFT is the engine's: from the call to the first
+tokens sampled on the GPU (an event); the JSON also has first_read_s, when the host reads them, one
+step later (after queuing the first decode step).
 
     python bench/rollout.py                                   # 7B: ours-nvfp4, ours-bf16, hf-bf16
     python bench/rollout.py --models 32b --engines ours-nvfp4,ours-bf16
@@ -248,7 +249,7 @@ def _measure(model_name, engine_name, cfg, quant, workloads, max_model_len, prof
         prompts = random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0)
         run(prompts, w["n"], 2)            # warm-up: Triton compiles for these shapes, once per process
         if engine_name != "hf-bf16":
-            engine.free_cache(keep_warm=True)   # the timed run captures its graphs, as every training step does
+            engine.free_cache(keep_warm=True)   # the graphs stay for the timed run, as between training steps
         torch.cuda.reset_peak_memory_stats()
         r = run(prompts, w["n"], w["new"])
         r.update(model=model_name, engine=engine_name, workload=wl, **w,

@@ -18,7 +18,7 @@ sampled with the adapters merged in where memory allows), lm_head log-probs in c
 It reports the step time split as train.py logs it: rollout (time/rollout), logprob pass (collate,
 advantages and the no-grad passes that β > 0 or μ > 1 need: ~0 with the defaults), forward+backward
 (time/forward_backward) and optimizer (clip + AdamW); rollout tok/s = generated tokens / rollout
-seconds (CUDA-graph capture included where the KV cache was freed); peak GPU memory,
+seconds (the warm-up step captured the CUDA graphs; the timed one replays them); peak GPU memory,
 allocated and reserved, of the whole step and of its rollout and train halves; the time to build.
 A warm-up step comes first, by default the timed step itself: it pays what a run pays once (Triton
 JIT, CUDA-graph captures, cuBLAS and cuDNN plans, the allocator's first growth, and torch.compile of the

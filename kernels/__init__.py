@@ -161,15 +161,26 @@ def lora_linear(x, base, A, B, scale):
 # ----------------------------------------------------------------------------------------------
 # attention, sampling
 
-def store_kv(k_cache, v_cache, k, v, slots):
-    """k, v (N, Hkv, D) into their cache slots (-1: skip)."""
-    return paged_decode.store_kv(k_cache, v_cache, k, v, slots)
+def cache_table(layers, device):
+    """(layers, 2) int64: where each layer's K and V caches lie, the kernels' way to them
+    (paged_decode.cache_table)."""
+    return paged_decode.cache_table(layers, device)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_model_len, counts,
+def place_caches(table, k_caches, v_caches):
+    """Point the cache table at the caches (L, num_blocks, bs, Hkv, D) (paged_decode.place_caches)."""
+    return paged_decode.place_caches(table, k_caches, v_caches)
+
+
+def store_kv(k_cache, v_cache, k, v, slots, place):
+    """k, v (N, Hkv, D) into their cache slots (-1: skip), the caches where place (a table row) says."""
+    return paged_decode.store_kv(k_cache, v_cache, k, v, slots, place)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, place, max_model_len, counts,
                     partition_size=None, rope=None):
     """Decode attention over the paged cache, split into partitions (paged_decode.paged_attention)."""
-    return paged_decode.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+    return paged_decode.paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, place=place,
                                         max_model_len=max_model_len, counts=counts,
                                         partition_size=partition_size, rope=rope)
 

@@ -9,6 +9,13 @@ here take one layer's (num_blocks, block_size, Hkv, D). A token at position t of
 in slot `block_table[t // block_size] * block_size + t % block_size`. Slot -1 means "write
 nothing": the padding rows of a CUDA graph.
 
+Where the caches lie. The kernels do not take the caches' addresses as arguments: they load them
+from the layer's row of a cache table (cache_table, filled by place_caches whenever the caches are
+allocated). A CUDA graph replays its kernels with the arguments of its capture, so a decode graph
+that held the addresses would die with the cache, which a training step frees for its backward
+pass; one that holds the table's row replays against whatever cache was allocated since, and the
+sampler captures each batch bucket once a run instead of once a step.
+
     store:   k, v (N, Hkv, D) into their slots (store_kv).
     decode:  one token per sequence, q (B, Hq, D); attention reads K/V through the block tables,
              split over the context into partitions merged by log-sum-exp (flash-decoding), so
@@ -57,13 +64,25 @@ from .fused_ops import rotate_halves
 # kernels
 
 @triton.jit
+def _caches(place_ptr, anchor_ptr, ALIGN: tl.constexpr):
+    """The K and V caches of a layer, from its row of the cache table (place_ptr: two int64
+    offsets, in cache elements, from anchor_ptr, the row's own address in the cache's dtype):
+    anchor + offset keeps the alignment that 16-byte loads need (a loaded int64 cast to a pointer
+    would not, and its loads would go scalar)."""
+    k_off = tl.multiple_of(tl.load(place_ptr), ALIGN)
+    v_off = tl.multiple_of(tl.load(place_ptr + 1), ALIGN)
+    return anchor_ptr + k_off, anchor_ptr + v_off
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, stride_k, stride_v,        # new k, v rows: (N, Hkv*D)
-    k_cache_ptr, v_cache_ptr,                # (num_slots, Hkv*D), contiguous
+    place_ptr, anchor_ptr,                   # the caches (num_slots, Hkv*D), contiguous: _caches
     slot_ptr,                                # (N,) int32 or int64, -1 = skip
-    ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    ROW: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """for i in range(N): if slot[i] >= 0: k_cache[slot[i]] = k[i]; v_cache[slot[i]] = v[i]"""
+    k_cache_ptr, v_cache_ptr = _caches(place_ptr, anchor_ptr, ALIGN)
     pdl_start(USE_PDL)
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i)
@@ -166,7 +185,7 @@ def _attend_tile(q, k, v, valid, m, l, acc, scale, FP32_DOT: tl.constexpr):
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, stride_qb, stride_qh,             # q (B, Hq, D), last dim contiguous
-    k_cache_ptr, v_cache_ptr,                # (num_blocks, BS, Hkv, D), contiguous
+    place_ptr, anchor_ptr,                   # the caches (num_blocks, BS, Hkv, D), contiguous: _caches
     block_table_ptr, stride_bt,              # (B, max_blocks) int32
     ctx_len_ptr,                             # (B,) int32
     part_out_ptr, part_lse_ptr,              # (B, Hq, P, D) fp32, (B, Hq, P) fp32
@@ -176,7 +195,7 @@ def _paged_decode_kernel(
     scale, num_parts,
     HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, G_M: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, PARTITION: tl.constexpr, TILE: tl.constexpr, P_CHUNK: tl.constexpr,
-    MERGE: tl.constexpr, ROPE: tl.constexpr, FP32_DOT: tl.constexpr, EARLY: tl.constexpr,
+    MERGE: tl.constexpr, ROPE: tl.constexpr, FP32_DOT: tl.constexpr, EARLY: tl.constexpr, ALIGN: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program = (sequence b, kv head h, partition p): the G query heads of h attend to
@@ -198,9 +217,10 @@ def _paged_decode_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     p = tl.program_id(2)
-    # ---- loaded before waiting on the kernel before (pdl_start): the context length, and with
-    # EARLY the first tile's block table entries and older K/V, all written before this layer
-    # began; their latency then passes under that kernel's tail
+    # ---- loaded before waiting on the kernel before (pdl_start): where the caches lie, the context
+    # length, and with EARLY the first tile's block table entries and older K/V, all written before
+    # this layer began; their latency then passes under that kernel's tail
+    k_cache_ptr, v_cache_ptr = _caches(place_ptr, anchor_ptr, ALIGN)
     ctx = tl.load(ctx_len_ptr + b)
     # a context past num_parts * PARTITION breaks the contract (its tail is left out), but must
     # not leave a count that never reaches n_parts, shared by every later call
@@ -302,18 +322,50 @@ def _paged_decode_merge_kernel(
 # wrappers
 
 
-def store_kv(k_cache, v_cache, k, v, slots):
-    """k_cache (num_blocks, bs, Hkv, D) contiguous; k (N, Hkv, D); slots (N,) int, -1 = skip (graph
-    padding): attention.store_kv_ref's contract."""
+def cache_table(layers: int, device) -> torch.Tensor:
+    """(layers, 2) int64 zeros: where each layer's K and V caches lie (place_caches fills it). The
+    kernels read and write a cache through its layer's row, so a CUDA graph, which holds the row's
+    address, stays valid when the caches are freed and allocated again elsewhere."""
+    return torch.zeros(layers, 2, dtype=torch.int64, device=device)
+
+
+def place_caches(table, k_caches, v_caches):
+    """table[l] = where k_caches[l] and v_caches[l] ((L, num_blocks, bs, Hkv, D), contiguous) lie:
+    offsets in cache elements from the row's own address (_caches says why), stream-ordered after
+    any kernel still reading the old places."""
+    L = table.shape[0]
+    if len(k_caches) != L or len(v_caches) != L or v_caches.dtype != k_caches.dtype:
+        raise ValueError(f"place_caches: K and V caches of {L} layers and one dtype needed, got "
+                         f"{len(k_caches)} of {k_caches.dtype} and {len(v_caches)} of {v_caches.dtype}")
+    rows = [[c[l].data_ptr() - table[l].data_ptr() for c in (k_caches, v_caches)] for l in range(L)]
+    if any(o % 16 for r in rows for o in r):
+        raise ValueError("place_caches: the caches must be 16-byte aligned (the kernels load 16 bytes at once)")
+    table.copy_(torch.tensor([[o // k_caches.element_size() for o in r] for r in rows], dtype=torch.int64))
+
+
+def _place_args(place, k_cache, v_cache):
+    """The kernels' (place_ptr, anchor_ptr) and ALIGN for a layer's caches at its table row `place`."""
+    if place.dtype != torch.int64 or place.shape != (2,) or not place.is_contiguous() or place.device != k_cache.device:
+        raise ValueError(f"place must be a layer's row of cache_table ((2,) int64 on {k_cache.device}), got "
+                         f"{place.dtype} {tuple(place.shape)} on {place.device}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or v_cache.dtype != k_cache.dtype:
+        raise ValueError("the caches must be contiguous, of one dtype")
+    return (place, place.view(k_cache.dtype)), 16 // k_cache.element_size()
+
+
+def store_kv(k_cache, v_cache, k, v, slots, place):
+    """k_cache (num_blocks, bs, Hkv, D) contiguous, at the table row place (cache_table); k (N, Hkv,
+    D); slots (N,) int, -1 = skip (graph padding): attention.store_kv_ref's contract."""
     N, Hkv, D = k.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype in (torch.int32, torch.int64)
+    assert slots.dtype in (torch.int32, torch.int64)
+    at, align = _place_args(place, k_cache, v_cache)
     k, v = k.reshape(N, Hkv * D), v.reshape(N, Hkv * D)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    _store_kv_kernel[(N,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slots,
-                           ROW=Hkv * D, BLOCK=triton.next_power_of_2(Hkv * D), **launch.pdl_launch(k.device))
+    _store_kv_kernel[(N,)](k, v, k.stride(0), v.stride(0), *at, slots, ROW=Hkv * D,
+                           BLOCK=triton.next_power_of_2(Hkv * D), ALIGN=align, **launch.pdl_launch(k.device))
 
 
 def attention_counts(rows: int, num_kv_heads: int, device) -> torch.Tensor:
@@ -330,20 +382,22 @@ def partition(rows: int, block_size: int, max_model_len: int) -> int:
     return max(block_size, min(512, triton.next_power_of_2(tokens)), triton.next_power_of_2(-(-max_model_len // 64)))
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, max_model_len, counts,
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, place, max_model_len, counts,
                     partition_size=None, rope=None):
     """attention.paged_attention_ref's contract (q (B, Hq, D); block_tables (B, nb) int32;
     context_lens (B,) int32 -> (B, Hq, D)) on the kernels, split into partitions of partition_size
     positions (default: partition(B, block_size, max_model_len)), ceil(max_model_len / size) of them.
-    counts: attention_counts of >= B rows. rope: as in attend."""
+    place: the caches' row of a cache_table; counts: attention_counts of >= B rows; rope: as in attend."""
     part = partition_size or partition(q.shape[0], k_cache.shape[1], max_model_len)
     return attend(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts=-(-max_model_len // part),
-                  counts=counts, partition_size=part, rope=rope)
+                  counts=counts, place=place, partition_size=part, rope=rope)
 
 
-def attend(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, counts,
+def attend(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, counts, place,
            partition_size=256, tile=128, merge_in_kernel=None, warps=4, rope=None):
-    """paged_attention with every launch parameter given. num_parts * partition_size >= every context
+    """paged_attention with every launch parameter given. The kernel reads and writes the caches
+    where their table row `place` says (cache_table); k_cache and v_cache give their shape and
+    dtype. num_parts * partition_size >= every context
     length; fixed per engine (not per step) so that a captured CUDA graph stays valid. counts: (>= B,
     Hkv) int32 zeros, reused by every call (the kernel leaves it zero again). Each program reads
     `tile` positions (a power of 2, several cache blocks) a step: bigger loads, fewer steps.
@@ -372,21 +426,22 @@ def attend(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, co
     part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
+    at, align = _place_args(place, k_cache, v_cache)
     if rope is not None:
         k, v, cos, sin, slots = rope
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or slots.dtype not in (torch.int32, torch.int64):
-            raise ValueError("rope: the caches must be contiguous and slots int32 or int64")
+        if slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError("rope: slots must be int32 or int64")
         k, v = (x if x.stride(-1) == 1 and x.stride(-2) == D else x.contiguous() for x in (k, v))
         rope_args = (k, v, k.stride(0), v.stride(0), cos.contiguous(), sin.contiguous(), slots)
     else:
         rope_args = (q, q, 0, 0, q, q, q)                               # unused
     _paged_decode_kernel[(B, Hkv, num_parts)](
-        q, q.stride(0), q.stride(1), k_cache, v_cache, block_tables, block_tables.stride(0),
+        q, q.stride(0), q.stride(1), *at, block_tables, block_tables.stride(0),
         context_lens, part_out, part_lse, counts, out, *rope_args, scale, num_parts,
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), G_M=triton.next_power_of_2(G), D=D, BS=BS,
         PARTITION=partition_size, TILE=tile, P_CHUNK=min(t.merge_chunk, triton.next_power_of_2(num_parts)),
         MERGE=merge, ROPE=rope is not None, FP32_DOT=launch.interpreting() or k_cache.dtype == torch.float32,
-        EARLY=tile <= t.early_max_tile, num_warps=warps, **launch.pdl_launch(q.device))
+        EARLY=tile <= t.early_max_tile, ALIGN=align, num_warps=warps, **launch.pdl_launch(q.device))
     if not merge:
         _paged_decode_merge_kernel[(B, Hq)](
             part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,

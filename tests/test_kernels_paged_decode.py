@@ -12,7 +12,7 @@ import kernels
 from attention import paged_attention_ref, store_kv_ref
 from kernels import tuning
 from kernels.fused_ops import rope
-from kernels.paged_decode import attend, partition, store_kv
+from kernels.paged_decode import attend, cache_table, partition, place_caches, store_kv
 
 
 def apply_rope(x, cos, sin):
@@ -23,6 +23,13 @@ def apply_rope(x, cos, sin):
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels (TRITON_INTERPRET=1 on CPU) against the torch reference
+
+def _place(k_cache, v_cache):
+    """The row of a one-layer cache table pointing at k_cache, v_cache (num_blocks, bs, Hkv, D)."""
+    table = cache_table(1, k_cache.device)
+    place_caches(table, k_cache[None], v_cache[None])
+    return table[0]
+
 
 def _random_paged(B, Hq, Hkv, D, bs, num_blocks, ctx_lens, dtype, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -50,7 +57,7 @@ def test_paged_attention_kernel_matches_reference(dtype, partition, tile, merge)
     q, kc, vc, tables, lens = _random_paged(5, 6, 2, 16, 16, 48, ctx, dtype)
     ref = paged_attention_ref(q, kc, vc, tables, lens, 0.25)
     counts = torch.zeros(5, 2, dtype=torch.int32)
-    out = attend(q, kc, vc, tables, lens, 0.25, num_parts=-(-160 // partition), counts=counts,
+    out = attend(q, kc, vc, tables, lens, 0.25, num_parts=-(-160 // partition), counts=counts, place=_place(kc, vc),
                                  partition_size=partition, tile=tile, merge_in_kernel=merge)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     err = (out.float() - ref.float()).abs()
@@ -64,11 +71,11 @@ def test_a_context_past_the_partitions_does_not_break_later_calls():
     still come back to zero so that the next (valid) call merges correctly."""
     q, kc, vc, tables, lens = _random_paged(2, 4, 2, 16, 16, 16, [100, 20], torch.float32)
     counts = torch.zeros(2, 2, dtype=torch.int32)
-    attend(q, kc, vc, tables, lens, 0.25, num_parts=2, counts=counts, partition_size=16,
+    attend(q, kc, vc, tables, lens, 0.25, num_parts=2, counts=counts, place=_place(kc, vc), partition_size=16,
                            merge_in_kernel=True)                     # 100 > 2 x 16
     assert torch.all(counts == 0)
     ok = torch.tensor([30, 20], dtype=torch.int32)
-    out = attend(q, kc, vc, tables, ok, 0.25, num_parts=2, counts=counts, partition_size=16,
+    out = attend(q, kc, vc, tables, ok, 0.25, num_parts=2, counts=counts, place=_place(kc, vc), partition_size=16,
                                  merge_in_kernel=True)
     torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, tables, ok, 0.25), rtol=1e-5, atol=1e-5)
 
@@ -79,7 +86,7 @@ def test_paged_attention_kernel_rejects_bad_counts():
     for counts in (torch.zeros(1, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int64),
                    torch.zeros(2, 3, dtype=torch.int32)):
         with pytest.raises(ValueError, match="counts"):
-            attend(q, kc, vc, tables, lens, 0.25, num_parts=4, counts=counts, partition_size=16)
+            attend(q, kc, vc, tables, lens, 0.25, num_parts=4, counts=counts, place=_place(kc, vc), partition_size=16)
 
 
 @pytest.mark.interpreter
@@ -91,13 +98,54 @@ def test_store_kv_kernel_matches_reference():
     caches = [torch.randn(4, 8, 2, 16, generator=g) for _ in range(2)]
     ref = [c.clone() for c in caches]
     store_kv_ref(ref[0], ref[1], k, v, slots)
-    store_kv(caches[0], caches[1], k, v, slots)
+    store_kv(caches[0], caches[1], k, v, slots, _place(caches[0], caches[1]))
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
     # a non-contiguous view (k sliced out of a fused qkv row) also works
     qkv = torch.randn(6, 2, 48, generator=g)
-    store_kv(caches[0], caches[1], qkv[..., 16:32], qkv[..., 32:], slots)
+    store_kv(caches[0], caches[1], qkv[..., 16:32], qkv[..., 32:], slots, _place(caches[0], caches[1]))
     store_kv_ref(ref[0], ref[1], qkv[..., 16:32], qkv[..., 32:], slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+@pytest.mark.interpreter
+def test_the_kernels_reach_the_caches_through_the_table():
+    """What a CUDA graph relies on: the kernels read and write the caches where the table row says,
+    whatever tensors they are handed for the shape. With the row pointing at a second pair of
+    caches (layer 1 of two, as the sampler's (L, ...) caches are laid out), the store lands there
+    and attention reads there, against the torch reference on that pair; the first pair is left as
+    it was."""
+    q, kc, vc, tables, lens = _random_paged(3, 4, 2, 16, 16, 12, [5, 40, 17], torch.float32)
+    other = tuple(torch.stack([torch.randn_like(c), torch.randn_like(c)]) for c in (kc, vc))   # (2, ...) each
+    table = cache_table(2, "cpu")
+    place_caches(table, *other)
+    before = kc.clone(), vc.clone()
+    k, v = torch.randn(2, 3, 2, 16).unbind(0)
+    slots = torch.tensor([4, 39, -1])
+    want = other[0][1].clone(), other[1][1].clone()
+    store_kv_ref(*want, k, v, slots)
+    store_kv(kc, vc, k, v, slots, table[1])
+    assert torch.equal(other[0][1], want[0]) and torch.equal(other[1][1], want[1])
+    counts = torch.zeros(3, 2, dtype=torch.int32)
+    out = attend(q, kc, vc, tables, lens, 0.25, num_parts=4, counts=counts, place=table[1], partition_size=16)
+    torch.testing.assert_close(out, paged_attention_ref(q, *want, tables, lens, 0.25), rtol=1e-5, atol=1e-5)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_place_caches_rejects_what_the_kernels_cannot_reach():
+    """A table of another layer count, caches of two dtypes, or a cache off 16-byte alignment (the
+    kernels load 16 bytes at once) is refused, naming the problem; so is a place that is not a table row."""
+    kc = torch.zeros(2, 4, 16, 2, 16)
+    with pytest.raises(ValueError, match="3 layers"):
+        place_caches(cache_table(3, "cpu"), kc, kc.clone())
+    with pytest.raises(ValueError, match="one dtype"):
+        place_caches(cache_table(2, "cpu"), kc, kc.double())
+    shifted = torch.zeros(kc.numel() + 1)[1:].view(kc.shape)                  # 4 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        place_caches(cache_table(2, "cpu"), shifted, kc)
+    q, kc, vc, tables, lens = _random_paged(2, 4, 2, 16, 16, 8, [5, 9], torch.float32)
+    with pytest.raises(ValueError, match="row of cache_table"):
+        attend(q, kc, vc, tables, lens, 0.25, num_parts=4, counts=torch.zeros(2, 2, dtype=torch.int32),
+               place=cache_table(2, "cpu"), partition_size=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -127,10 +175,11 @@ def test_attention_with_rope_equals_rope_then_store_then_attention(dtype, partit
 
     want_q, want_k = rope(q.clone(), k.clone(), cos, sin)
     want_kc, want_vc = kc.clone(), vc.clone()
-    store_kv(want_kc, want_vc, want_k[:, 0], v[:, 0], slots)
-    want = attend(want_q[:, 0], want_kc, want_vc, tables, lens, 0.25, counts=counts, **kw)
+    store_kv(want_kc, want_vc, want_k[:, 0], v[:, 0], slots, _place(want_kc, want_vc))
+    want = attend(want_q[:, 0], want_kc, want_vc, tables, lens, 0.25, counts=counts,
+                  place=_place(want_kc, want_vc), **kw)
     before = qkv.clone()
-    got = attend(q[:, 0], kc, vc, tables, lens, 0.25, counts=counts, **kw,
+    got = attend(q[:, 0], kc, vc, tables, lens, 0.25, counts=counts, place=_place(kc, vc), **kw,
                                  rope=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
     assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc), "the cache differs from rope + store"
     rel, abs_ = (1e-5, 1e-6) if dtype == torch.float32 else (2 ** -7, 2 ** -8)   # |v| ~ 1
@@ -159,7 +208,7 @@ def test_gpu_kernels_match_reference_bf16():
     # program ends last (atomic counts, on real concurrent programs), three calls in a row on the
     # same counts
     for part, num_parts, merge in ((128, 8, None), (16, 64, None), (16, 64, True), (16, 64, True), (16, 64, True)):
-        out = attend(q, kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts,
+        out = attend(q, kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts, place=_place(kc, vc),
                                      partition_size=part, merge_in_kernel=merge)
         err = (out.float() - ref.float()).abs()
         assert err.max() < 2e-2, f"partition {part}: max err {err.max():.2e} mean {err.mean():.2e}"
@@ -168,7 +217,7 @@ def test_gpu_kernels_match_reference_bf16():
     slots = torch.tensor([0, 5, -1, 17, 31, 8, 900, 2000, 40], device="cuda")
     a, b = kc.clone(), vc.clone()
     store_kv_ref(a, b, k, v, slots)
-    store_kv(kc, vc, k, v, slots)
+    store_kv(kc, vc, k, v, slots, _place(kc, vc))
     assert torch.equal(a, kc) and torch.equal(b, vc)
     # decode's RoPE + store + attention in one launch gives the bits of rope, store and
     # attention, at the 7B head layout with 64 partitions of 16 and 8 of 128
@@ -182,11 +231,12 @@ def test_gpu_kernels_match_reference_bf16():
     want_q, want_k = rope(q.clone(), k.clone(), cos, sin)
     for part, num_parts in ((16, 64), (128, 8)):
         want_kc, want_vc = kc.clone(), vc.clone()
-        store_kv(want_kc, want_vc, want_k[:, 0], v[:, 0], slots)
+        store_kv(want_kc, want_vc, want_k[:, 0], v[:, 0], slots, _place(want_kc, want_vc))
         want = attend(want_q[:, 0], want_kc, want_vc, tables, lens, 128 ** -0.5, num_parts=num_parts,
-                                      counts=counts, partition_size=part)
+                      counts=counts, place=_place(want_kc, want_vc), partition_size=part)
         got = attend(q[:, 0], kc, vc, tables, lens, 128 ** -0.5, num_parts=num_parts, counts=counts,
-                                     partition_size=part, rope=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
+                     place=_place(kc, vc), partition_size=part,
+                     rope=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
         assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
         assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 2 ** -8).all()
 
@@ -215,7 +265,7 @@ def test_paged_attention_picks_the_partition_and_matches_reference():
     assert counts.dtype == torch.int32 and counts.shape == (5, 2) and not counts.any()
     ref = paged_attention_ref(q, kc, vc, tables, lens, 0.25)
     for size in (None, 16):
-        out = kernels.paged_attention(q, kc, vc, tables, lens, 0.25, max_model_len=160, counts=counts,
-                                      partition_size=size)
+        out = kernels.paged_attention(q, kc, vc, tables, lens, 0.25, place=_place(kc, vc), max_model_len=160,
+                                      counts=counts, partition_size=size)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert torch.all(counts == 0)

@@ -410,8 +410,9 @@ def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
     that replays them, and in a second engine that captured its graphs in another order (another
     seed first); another seed gives others. Stop tokens end sequences at different steps, so the
     batch moves down the buckets and graphs are captured while a graph step's tokens are in flight.
-    After a training step's free_cache the graphs are captured again without the eager warm-up,
-    and give the same.
+    After a training step's free_cache the graphs stay and replay on a cache allocated elsewhere
+    (the old one kept alive and poisoned with NaN: a graph that still held its addresses would read
+    it), and give the same, without a capture.
     With top-p the graph stops at the hidden states and sampling runs outside it (key temperature
     None), reproducible too."""
     model = _load(tiny_hf_dir("llama")[0], device="cuda", dtype=torch.bfloat16)
@@ -430,7 +431,12 @@ def test_gpu_sampling_inside_the_graph_is_seeded_and_reproducible(tiny_hf_dir):
     assert run(other, 12) != first
     assert run(engine, 11) == first and run(other, 11) == first
     assert set(engine.runner.graphs.decode_graphs) <= {key for key, _ in engine.runner.graphs.warmed}
-    engine.free_cache(keep_warm=True)    # as before every backward: captured again without the warm-up
-    assert not engine.runner.graphs.decode_graphs and engine.runner.graphs.prefill_graphs and run(engine, 11) == first
+    kept, old = dict(engine.runner.graphs.decode_graphs), (engine.runner.k_cache, engine.runner.v_cache)
+    engine.free_cache(keep_warm=True)    # as before every backward: the graphs stay
+    with torch.inference_mode():         # the caches were made there
+        for cache in old:
+            cache.fill_(float("nan"))
+    assert run(engine, 11) == first and engine.runner.k_cache.data_ptr() != old[0].data_ptr()
+    assert engine.runner.graphs.decode_graphs == kept and engine.runner.graphs.prefill_graphs
     nucleus = run(engine, 11, top_p=0.9)
     assert None in {k[1] for k in engine.runner.graphs.decode_graphs} and run(engine, 11, top_p=0.9) == nucleus
