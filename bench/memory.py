@@ -22,8 +22,9 @@ with their fp32 gradients, AdamW's two fp32 states and the bf16 copies the sampl
 copies of its adapted weights where the plan merges for sampling (lora.keep_bases), the KV cache
 (2 · layers · kv heads · head_dim · 2 bytes a token, in blocks of 16, as many as the call asks for, capped
 at --gpu-memory-utilization of what is free), the engine's reserve (rollout.activation_reserve), the
-prefill CUDA graphs' staging rows and pool (graphs.prefill_cap), the plan (plan.decide on the free memory
-make_plan sees) and the micro-batches it cuts (plan.micro_batches).
+prefill CUDA graphs' staging rows and pool (graphs.prefill_cap), the decode graphs' pool (kept between
+steps), the plan (plan.decide on the free memory make_plan sees) and the micro-batches it cuts
+(plan.micro_batches).
 
 Estimated: what a token of the training pass keeps (plan.py's b, in peak = a + b · tokens). plan.py
 measures it on the GPU at start-up; here it is such a measurement from a reference run (--reference: a
@@ -79,6 +80,7 @@ REFERENCE = os.path.join(HERE, "results", "step_32b_nvfp4_2048_h100.json")
 PHASES = ("load", "probe", "rollout", "train", "optimizer")
 BLOCK = 16                     # rollout.LLMEngine's KV block (tokens)
 MAX_BATCHED_TOKENS = 16384     # rollout.LLMEngine's default max_num_batched_tokens (train.py keeps it)
+MAX_NUM_SEQS = 256             # rollout.LLMEngine's default max_num_seqs: the most sequences a step decodes
 
 
 @dataclass
@@ -180,6 +182,13 @@ def prefill_graph_bytes(cfg, dtype, prefill_tokens: int) -> int:
     return 2 * cfg.num_layers * cap * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize + bucket * per_token
 
 
+def decode_graph_bytes(cfg, dtype, rows: int) -> int:
+    """The decode CUDA graphs' pool, alive from the first rollout on (the graphs outlive the KV cache):
+    one step's activations and fp32 logits at the bucket of `rows` sequences, the most a step decodes."""
+    bucket = next(b for b in graphs.BUCKETS if b >= min(rows, graphs.BUCKETS[-1]))
+    return bucket * ((4 * cfg.hidden_size + 3 * cfg.intermediate_size) * dtype.itemsize + 4 * cfg.vocab_size)
+
+
 def kv_cache(cfg, recipe: Recipe, free: float, itemsize: int) -> tuple[int, int, int]:
     """(blocks allocated, blocks the call asks for, bytes a block) as rollout.LLMEngine sizes the cache:
     every sequence's blocks (no sharing assumed), capped at gpu_memory_utilization of what is free."""
@@ -230,6 +239,8 @@ def memory_table(config: dict, recipe: Recipe, budget: float, b_full: float, b_c
     prefill_tokens = min(MAX_BATCHED_TOKENS, recipe.prompts * recipe.prompt_len)
     rows.append(("prefill CUDA graphs: K/V staging rows and pool", prefill_graph_bytes(cfg, dtype, prefill_tokens),
                  steady))
+    rows.append(("decode CUDA graphs' pool (one step at the largest bucket)",
+                 decode_graph_bytes(cfg, dtype, min(recipe.prompts * recipe.group, MAX_NUM_SEQS)), steady))
 
     # the plan, as make_plan sees memory after the build: the weights and adapters allocated, 12 bytes a
     # parameter set aside for gradients and AdamW

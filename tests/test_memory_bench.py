@@ -35,7 +35,8 @@ def test_tiny_shape_by_hand(memory):
     # embedding and lm_head; fp32 norms (2 a layer + the final one); bf16 q/k/v biases; RoPE's 8 inv_freq
     weights = 73728 // 2 + 73728 // 16 + 14 * 4 + 2 * 256 * 64 * 2 + 5 * 64 * 4 + 2 * 128 * 2 + 8 * 4
     in_flight = 2 * max(64 * 3 * 128, 256 * 64)                   # checkpoint.load_bytes: gate/up or the embedding
-    graphs = 2 * 2 * 4096 * 2 * 16 * 2 + 64 * (4 * 64 + 3 * 128) * 2   # staging for 4096 tokens, a 64-token bucket
+    graphs = 2 * 2 * 4096 * 2 * 16 * 2 + 64 * (4 * 64 + 3 * 128) * 2   # prefill: staging for 4096 tokens, a 64-token bucket
+    graphs += 2 * ((4 * 64 + 3 * 128) * 2 + 4 * 256)               # decode: a step of 2 rows and its fp32 logits
     steady = weights + (4 + 4 + 8 + 2) * n + graphs               # adapters, gradients, AdamW, bf16 copies
     dense = 2 * 73728                                              # 0.25 of the free memory allows them
     a = 8 * 256 * (4 + 2)                                          # one lm_head chunk: fp32 logits, bf16 gradient
