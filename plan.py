@@ -13,9 +13,10 @@ choices that trade memory for speed, none of which changes the math:
   * resident state between steps: the sampler's KV cache (its CUDA graphs stay whether it does or
     not: they reach it through a table of where it lies, so a run captures each batch bucket once;
     their memory pool, about one decode step's activations at the largest bucket used, stays beside
-    the training pass, in the share of free memory the budget leaves), for the training pass a bf16 copy of the NVFP4 weights (one dequantization
-    per step instead of one per matmul call and micro-batch), and for a bf16 base's sampler a copy of
-    the adapted weights, so that it decodes with the adapters merged in (lora.merged_sampling).
+    the training pass, in the share of free memory the budget leaves), for the training pass a bf16
+    copy of the NVFP4 weights (one dequantization per step instead of one per matmul call and
+    micro-batch), and for a bf16 base's sampler a copy of the adapted weights, so that it decodes
+    with the adapters merged in (lora.merged_sampling).
 
 Free memory is what this process may still reserve (free_memory): the device's free memory, capped by
 a per-process limit where one is set (torch.cuda.set_per_process_memory_fraction, as bench/step.py's
