@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-import torch
 
 import checkpoint
 import lora
