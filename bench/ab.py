@@ -21,10 +21,11 @@ the fields with their defaults; their reasons are in kernels/tuning.py.
     python bench/ab.py --models 32b --workloads batch16 --variants wgmma_small_min_m=16 wgmma_small_min_m=8 --profile 16
 
 Each timed run follows a warm-up run of 2 new tokens under the same variant (it compiles, warms every
-graph bucket, captures the graphs) and a free_cache(keep_warm=True), which keeps the graphs: the
-timed call replays them on a new KV cache, as every train.py step after a run's first does.
---replay N also times N back-to-back replays of the run's decode graph: the step's GPU time alone,
-the sharpest view of a kernel change.
+graph bucket, captures the graphs); it is bench/rollout.py's timed_calls: TIMED_CALLS calls, each
+after a free_cache(keep_warm=True), which keeps the graphs, so each replays them on a new KV cache,
+as every train.py step after a run's first does, and the median call's rate (each call's in the
+JSON). --replay N also times N back-to-back replays of the decode graph after the last call: the
+step's GPU time alone, the sharpest view of a kernel change.
 
 Prints a line per run and writes OUT/ab.json: rows (model, rep, variant, workload, tok/s: decode tok/s
 for batchB, total tok/s for grpo; replay_ms with --replay); with --profile, OUT/profile.txt: per variant
@@ -157,10 +158,9 @@ def main(argv=None):
                         prompts = br.random_prompts(w["prompts"], w["prompt_len"], cfg["vocab_size"], 0)
                         engine.free_cache()                          # graphs of this variant's kernels
                         br.run_ours(engine, prompts, w["n"], 2)      # warm-up (compiles)
-                        engine.free_cache(keep_warm=True)            # graphs kept, as between train.py's steps
-                        r = br.run_ours(engine, prompts, w["n"], w["new"])
-                        tok_s = r["new_tokens"] / r["total_s"] if wl == "grpo" else br.decode_tok_s(w, r)
-                        row = dict(model=model_name, rep=rep, variant=name, workload=wl, tok_s=tok_s)
+                        r = br.timed_calls(engine, prompts, wl, w)   # graphs kept, as between train.py's steps
+                        row = dict(model=model_name, rep=rep, variant=name, workload=wl, tok_s=br.rate(wl, w, r),
+                                   calls_tok_s=r["calls_tok_s"])
                         if args.replay and wl != "grpo":
                             row["replay_ms"] = replay_ms(engine, w["prompts"], args.replay)
                         rows.append(row)

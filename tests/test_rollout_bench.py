@@ -53,3 +53,27 @@ def test_workloads_take_a_count_of_new_tokens_and_must_fit_the_model_length():
     assert list(bench.workloads("batch1,batch8:2048", 2304)) == ["batch1", "batch8:2048"]
     with pytest.raises(ValueError, match="needs 2304 positions.*--max-model-len 2304"):
         bench.workloads("batch1,batch8:2048", 2048)
+
+
+def test_timed_calls_free_the_cache_before_each_call_and_report_the_median(monkeypatch):
+    bench = load_bench("rollout")
+    events = []
+
+    class Engine:
+        def free_cache(self, keep_warm=False):
+            events.append(("free", keep_warm))
+
+    walls = iter([1.0, 3.0, 2.0])                    # three calls: the median by wall time is the third
+
+    def run_ours(engine, prompts, n, new):
+        events.append(("run", n, new))
+        return dict(total_s=next(walls), ttft_s=0.5, new_tokens=2 * n * new)
+
+    monkeypatch.setattr(bench, "run_ours", run_ours)
+    w = dict(prompts=2, n=1, prompt_len=256, new=11)
+    r = bench.timed_calls(Engine(), [[1], [2]], "batch2", w)
+    assert events == [("free", True), ("run", 1, 11)] * 3          # a training step's free before every call
+    assert r["total_s"] == 2.0
+    # decode tok/s = prompts (new - 1) / (total - ttft): 20 / 0.5, 20 / 2.5, 20 / 1.5
+    assert r["calls_tok_s"] == pytest.approx([40.0, 8.0, 40.0 / 3])
+    assert bench.rate("grpo", w, r) == pytest.approx(22 / 2.0)     # grpo: all new tokens over the wall time
