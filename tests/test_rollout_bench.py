@@ -1,4 +1,4 @@
-"""bench/rollout.py on CPU: the critical-path attribution of its --profile, on a hand-made trace; its workloads."""
+"""bench/rollout.py on CPU: the critical-path attribution of its --profile, on a hand-made trace; its workloads; its timed calls."""
 import json
 
 import pytest
