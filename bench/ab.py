@@ -164,7 +164,7 @@ def main(argv=None):
                         if args.replay and wl != "grpo":
                             row["replay_ms"] = replay_ms(engine, w["prompts"], args.replay)
                         rows.append(row)
-                        print(f"{model_name} rep {rep} {name:24s} {wl:8s} {tok_s:9.1f} tok/s"
+                        print(f"{model_name} rep {rep} {name:24s} {wl:8s} {row['tok_s']:9.1f} tok/s"
                               + (f"  replay {row['replay_ms']:.4f} ms" if "replay_ms" in row else ""), flush=True)
         for batch in (int(b) for b in args.profile.split(",") if b):
             for name, variant in variants.items():
