@@ -60,6 +60,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -276,8 +277,9 @@ class Child:
         self.rep, rep_w = os.pipe()
         sink = subprocess.DEVNULL if quiet else None
         # close_fds (the default) keeps the run directory's lock and every other descriptor out of it
-        self.proc = subprocess.Popen([sys.executable, "-c", code, str(req_r), str(rep_w), *argv],
-                                     stdin=subprocess.DEVNULL, stdout=sink, stderr=sink, pass_fds=(req_r, rep_w))
+        self.proc = _from_lasting_thread(lambda: subprocess.Popen(
+            [sys.executable, "-c", code, str(req_r), str(rep_w), *argv],
+            stdin=subprocess.DEVNULL, stdout=sink, stderr=sink, pass_fds=(req_r, rep_w)))
         os.close(req_r)
         os.close(rep_w)
         os.set_blocking(self.req, False)
@@ -334,6 +336,23 @@ class Child:
                 except OSError:
                     pass
             self.req = self.rep = -1
+
+
+_starter: tuple[int, ThreadPoolExecutor] | None = None   # (the process it belongs to, one thread)
+_starter_lock = threading.Lock()
+
+
+def _from_lasting_thread(start: Callable):
+    """start() run on one thread that lasts as long as the process. A child asks to die with its
+    parent (`child_pipes`), and Linux means by that the thread that started it (prctl(2),
+    PR_SET_PDEATHSIG): a child started from a caller's short-lived thread would be killed when that
+    thread ends, mid-call or between calls. A forked process gets a thread of its own."""
+    global _starter
+    with _starter_lock:
+        if _starter is None or _starter[0] != os.getpid():
+            _starter = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="qerl-child-starter"))
+        pool = _starter[1]
+    return pool.submit(start).result()
 
 
 def child_pipes():

@@ -304,6 +304,21 @@ def test_math_worker_kills_an_overrun_from_a_thread():
     assert not t.is_alive() and out["timeout"] < 1.5 and out["next"] is True, out
 
 
+def test_a_worker_started_from_a_thread_outlives_the_thread():
+    """Linux kills a child that asked to die with its parent when the thread that started it ends
+    (PR_SET_PDEATHSIG): a worker started from a caller's short-lived thread must still answer after."""
+    worker = rw.MathWorker()
+    t = threading.Thread(target=worker.call, args=("1", "1", 30))
+    t.start()
+    t.join()
+    time.sleep(0.5)   # the kill, when there is one, lands a moment after the thread's join
+    try:
+        assert worker._child.usable(), worker._child.exit_status(0.1)
+        assert worker.call("0.5", r"\frac{1}{2}", 30) is True
+    finally:
+        worker.close()
+
+
 def test_a_spent_step_budget_shortens_each_call():
     stats = RewardStats(budget_s=0.0)
     assert stats.timeout(rw.DEFAULT_TIMEOUT_S) == rw.MIN_TIMEOUT_S
