@@ -53,6 +53,7 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import select
 import signal
@@ -60,7 +61,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -338,21 +339,34 @@ class Child:
             self.req = self.rep = -1
 
 
-_starter: tuple[int, ThreadPoolExecutor] | None = None   # (the process it belongs to, one thread)
+_starter: tuple[int, queue.SimpleQueue] | None = None   # (the process it belongs to, its jobs)
 _starter_lock = threading.Lock()
 
 
 def _from_lasting_thread(start: Callable):
-    """start() run on one thread that lasts as long as the process. A child asks to die with its
-    parent (`child_pipes`), and Linux means by that the thread that started it (prctl(2),
+    """start() run on one daemon thread that lasts as long as the process. A child asks to die with
+    its parent (`child_pipes`), and Linux means by that the thread that started it (prctl(2),
     PR_SET_PDEATHSIG): a child started from a caller's short-lived thread would be killed when that
-    thread ends, mid-call or between calls. A forked process gets a thread of its own."""
+    thread ends, mid-call or between calls. A forked process starts a thread of its own."""
     global _starter
     with _starter_lock:
         if _starter is None or _starter[0] != os.getpid():
-            _starter = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="qerl-child-starter"))
-        pool = _starter[1]
-    return pool.submit(start).result()
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=_start_jobs, args=(jobs,), name="qerl-child-starter", daemon=True).start()
+            _starter = (os.getpid(), jobs)
+        jobs = _starter[1]
+    done = Future()
+    jobs.put((start, done))
+    return done.result()
+
+
+def _start_jobs(jobs):
+    while True:
+        start, done = jobs.get()
+        try:
+            done.set_result(start())
+        except BaseException as e:   # the caller's: raised in its thread by done.result()
+            done.set_exception(e)
 
 
 def child_pipes():
