@@ -544,15 +544,18 @@ def group_applies(mods) -> bool:
 def group_casts(holder, mods, x, refresh=True):
     """The group's A (Σr, in) and block-diagonal B (Σ out, Σr) in x's dtype, kept on holder (the
     stack's lora_casts) between calls: refreshed in place by each call, except where refresh is
-    False (a decode graph's capture, which reads them as they are)."""
+    False (a decode graph's capture, which reads them as they are). They are kept for the members'
+    ranks and sizes, not only for the shapes: the members' ranks reshuffled (adapters loaded anew,
+    every shape alike) would leave the old blocks in B's zeros."""
     R, N, K = sum(m.r for m in mods), sum(m.out_features for m in mods), mods[0].in_features
+    layout = tuple((m.r, m.out_features) for m in mods)
     casts = getattr(holder, "lora_casts", None)
     if (casts is None or casts[0].dtype != x.dtype or casts[0].device != x.device
-            or tuple(casts[0].shape) != (R, K) or tuple(casts[1].shape) != (N, R)):
+            or tuple(casts[0].shape) != (R, K) or casts[2] != layout):
         with torch.inference_mode(False):   # plain tensors, writable outside inference mode too
             casts = holder.lora_casts = (torch.empty(R, K, dtype=x.dtype, device=x.device),
-                                         torch.zeros(N, R, dtype=x.dtype, device=x.device))
-    A, B = casts                                                               # (Σr, in), (Σout, Σr)
+                                         torch.zeros(N, R, dtype=x.dtype, device=x.device), layout)
+    A, B = casts[:2]                                                           # (Σr, in), (Σout, Σr)
     if refresh:
         r0 = n0 = 0
         for m in mods:

@@ -262,6 +262,24 @@ def test_early_shrink_on_nvfp4_bases_and_where_the_expand_folds():
     assert not kl.fold_expand(q, torch.zeros(1, 128), B)                  # fp32 activations
 
 
+def test_group_casts_follow_the_members_ranks_not_only_the_shapes():
+    """group_casts on one holder: the group's stacked A and block-diagonal B; the members' ranks
+    reshuffled with every shape alike (a rank pattern loaded anew) give the new block-diagonal, no
+    block of the old one left in its zeros."""
+    import lora
+    gen = torch.Generator().manual_seed(0)
+    x = torch.zeros(2, 32)
+    holder = type("Holder", (), {"lora_casts": None})()
+    bases = [torch.nn.Linear(32, 8, bias=False) for _ in range(3)]
+    for ranks in ((4, 8, 4), (8, 4, 4)):
+        mods = [lora.LoRALinear(b, r=r, alpha=2 * r) for b, r in zip(bases, ranks)]
+        for m in mods:
+            torch.nn.init.normal_(m.lora_B, std=0.5, generator=gen)
+        A, B = kl.group_casts(holder, mods, x)
+        assert torch.equal(A, torch.cat([m.lora_A for m in mods])), ranks
+        assert torch.equal(B, torch.block_diag(*[m.lora_B for m in mods])), ranks
+
+
 def test_lora_linear_off_the_kernels_is_base_plus_the_addmm():
     """Where the kernels do not run (the CPU here), lora_linear is base(x) + s·F.linear(x, A)Bᵀ: the
     torch path, against float64, on a 3-D x."""
