@@ -411,12 +411,14 @@ def split_cost(device, log, names, Ms):
     return rows
 
 
-# the adapters train.py attaches at decode: rank 32 on each projection, q/k/v and gate/up as one group
-LORA_RANKS = {"7B qkv": 96, "7B o": 32, "7B gate_up": 64, "7B down": 32,
-              "32B qkv": 96, "32B o": 32, "32B gate_up": 64, "32B down": 32}
+# the adapters train.py attaches at decode: rank 32 on each projection, q/k/v and gate/up each one
+# group whose B is compact (lora.group_casts): a projection's members' output sizes
+LORA_RANK = 32
+LORA_MEMBERS = {"7B qkv": (3584, 512, 512), "7B gate_up": (18944, 18944),
+                "32B qkv": (5120, 1024, 1024), "32B gate_up": (27648, 27648)}
 
 
-def lora_calls(x, w, A, B, scale):
+def lora_calls(x, w, A, B, cuts, scale):
     """The decode sequences lora_cost compares for one projection (w shipped: interleaved), each a
     callable -> y: the base matmul alone; with the update folded in from an h computed once before
     (what the fold itself costs); the shrink launch and then the folding matmul, as decode runs
@@ -426,31 +428,35 @@ def lora_calls(x, w, A, B, scale):
     calls = {"plain": lambda: gemm.matmul(x, *w, interleaved=True)}
     if gemm.folds_lora(M, N, K, x.device, True):
         hp = kl.shrink(x, A, B)
-        calls["fold, h given"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=(hp, B, scale))
-        calls["shrink + fold"] = lambda: adapted(x, w, A, B, scale)
+        calls["fold, h given"] = lambda: gemm.matmul(x, *w, interleaved=True, lora=gemm.Fold(hp, B, scale, cuts=cuts))
+        calls["shrink + fold"] = lambda: adapted(x, w, A, B, cuts, scale)
     else:
-        calls["shrink + expand"] = lambda: adapted(x, w, A, B, scale)
+        calls["shrink + expand"] = lambda: adapted(x, w, A, B, cuts, scale)
     return calls
 
 
-def adapted(x, w, A, B, scale):
+def adapted(x, w, A, B, cuts, scale):
     """x·Wᵀ + s·(x Aᵀ)Bᵀ as decode runs it: the shrink, then the matmul folding the update where
     gemm.folds_lora holds, else the matmul and the expand kernel."""
     hp = kl.shrink(x, A, B)
     if gemm.folds_lora(x.shape[0], w[0].shape[0], x.shape[1], x.device, True):
-        return gemm.matmul(x, *w, interleaved=True, lora=(hp, B, scale))
-    return kl.lora_expand_(hp, B, gemm.matmul(x, *w, interleaved=True), scale)
+        return gemm.matmul(x, *w, interleaved=True, lora=gemm.Fold(hp, B, scale, cuts=cuts))
+    return kl.lora_expand_(hp, B, gemm.matmul(x, *w, interleaved=True), scale, cuts=cuts)
 
 
 def lora_operands(name, device, gen):
-    """(N, K, R, rotated shipped weights, A (R, K), B (N, R)) of one SHAPES projection with train.py's
-    adapter rank (LORA_RANKS), A scaled so that x Aᵀ stays O(1)."""
+    """(N, K, R, rotated shipped weights, A (R, K), B, cuts) of one SHAPES projection with train.py's
+    adapters: rank LORA_RANK for each member (LORA_MEMBERS, else the projection alone), A the members'
+    stacked, B (N, LORA_RANK) compact with the cuts where the first two members' columns end, as
+    lora.group_casts keeps them; A scaled so that x Aᵀ stays O(1)."""
     N, K = SHAPES[name]
-    R = LORA_RANKS[name]
+    ends = torch.tensor(LORA_MEMBERS.get(name, (N,))).cumsum(0).tolist()
+    R = LORA_RANK * len(ends)
+    cuts = (ends[0], ends[1]) if len(ends) > 1 else None
     qs = Rotating([shipped_weight(N, K, device, gen) for _ in range(copies_for(N * K * 9 / 16, device))])
     A = (torch.randn(R, K, device=device, generator=gen) / K ** 0.5).bfloat16()
-    B = torch.randn(N, R, device=device, generator=gen).bfloat16()
-    return N, K, R, qs, A, B
+    B = torch.randn(N, LORA_RANK, device=device, generator=gen).bfloat16()
+    return N, K, R, qs, A, B, cuts
 
 
 def lora_cost(device, log, names, Ms):
@@ -461,10 +467,10 @@ def lora_cost(device, log, names, Ms):
     gen = torch.Generator(device=device).manual_seed(4)
     rows = []
     for name in names:
-        N, K, R, qs, A, B = lora_operands(name, device, gen)
+        N, K, R, qs, A, B, cuts = lora_operands(name, device, gen)
         for M in Ms:
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
-            sets = Rotating([lora_calls(x, w, A, B, 0.5) for w in qs.items])    # one per weight copy
+            sets = Rotating([lora_calls(x, w, A, B, cuts, 0.5) for w in qs.items])    # one per weight copy
             us = {what: bench_ms(lambda: sets.next()[what]()) * 1e3 for what in sets.items[0]}
             us["shrink alone"] = bench_ms(lambda: kl.shrink(x, A, B)) * 1e3
             rows.append(dict(shape=name, M=M, R=R, us=us, path=gemm.route(M, N, K, device, True)))
@@ -487,7 +493,7 @@ def lora_trace(device, log, names, Ms, out_dir):
     gen = torch.Generator(device=device).manual_seed(5)
     rows = []
     for name in names:
-        N, K, R, qs, A, B = lora_operands(name, device, gen)
+        N, K, R, qs, A, B, cuts = lora_operands(name, device, gen)
         norm_w = torch.ones(K, device=device)
         for M in Ms:
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
@@ -496,10 +502,11 @@ def lora_trace(device, log, names, Ms, out_dir):
                 def step():
                     if kind == "norm+shrink":
                         a, _, hp = kl.norm_shrink_rows(x, norm_w, 1e-6, None, A)
-                        return gemm.matmul(a, *qs.next(), interleaved=True, lora=gemm.Fold(hp, B, 0.5, x_fresh=True))
+                        fold = gemm.Fold(hp, B, 0.5, x_fresh=True, cuts=cuts)
+                        return gemm.matmul(a, *qs.next(), interleaved=True, lora=fold)
                     a = fused_ops.rms_norm(x, norm_w, 1e-6)
                     w = qs.next()
-                    return gemm.matmul(a, *w, interleaved=True) if kind == "plain" else adapted(a, w, A, B, 0.5)
+                    return gemm.matmul(a, *w, interleaved=True) if kind == "plain" else adapted(a, w, A, B, cuts, 0.5)
                 stream = torch.cuda.Stream(device)
                 with torch.cuda.stream(stream):                # compiles, and the split counts of this stream
                     step()

@@ -50,8 +50,9 @@ tile, and sets its count back to 0 for the next launch on that stream.
 
 The LoRA update in the epilogue (_lora_update, _lora_update_tile, _add_update): at decode a kernel
 that stores a finished tile of y (the GEMV, the fragment kernel, the swapped tiles, the split-K
-reduce) may add s · bf16(Σ_j hp[j]) · Bᵀ first, from the K-chunk partials hp of lora.lora_shrink
-that ran before it, so no expand kernel is launched (gemm.folds_lora says where). The shrink's chunk
+reduce) may add s · bf16(Σ_j hp[j]) · Bᵀ first (B an adapter's, or a group's compact B: _lora_part),
+from the K-chunk partials hp of lora.lora_shrink that ran before it, so no expand kernel is launched
+(gemm.folds_lora says where). The shrink's chunk
 (_shrink_chunk) is shared by that launch and by a launch that carries the shrink in its first
 programs (_carried_shrink: the reduce and expand kernels, lora.carries): each finished rank tile is
 counted on one ready word, which the launch's other programs acquire before they read hp
@@ -257,41 +258,72 @@ def _sum_splits(part_ptr, y_ptr, offs, mask, cols, N, stride_os, gs_ptr, bias_pt
 # kernel, the swapped tiles and the split-K reduce apply it)
 
 @triton.jit
-def _lora_update(hp_ptr, lb_ptr, lora_scale, m, cols, M, N, R, LSPLIT: tl.constexpr, LR: tl.constexpr,
+def _lora_part(cols, N1, N2):
+    """Which member of an adapter group output columns cols belong to. A group's B is compact
+    (lora.group_casts): row n holds only its own member's RB ranks, B (N, RB), where h (M, R) holds
+    every member's, member p's at [p·RB, +RB). Member 0's columns end at N1, member 1's at N2,
+    member 2's at N; one adapter (or a block-diagonal B) has N1 = N2 = N and RB = R: one part. RB
+    arrives as a kernel argument, so that Triton sees its divisibility and B's rows load as vectors."""
+    return (cols >= N1).to(tl.int32) + (cols >= N2).to(tl.int32)
+
+
+@triton.jit
+def _lora_update(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, m, cols, M, N, R, LSPLIT: tl.constexpr, LR: tl.constexpr,
                  INTERPRET: tl.constexpr):
     """s · bf16(sum_j hp[j, m, :]) · B[cols, :]ᵀ in fp32, of the shape m and cols broadcast to:
     lora._lora_expand_kernel's update (h rounded as there) for the rows m of x and the
     output columns cols that a kernel finishing y holds. hp (LSPLIT, M, R) fp32 are the shrink's
-    K-chunk partials, B (N, R) bf16; LR >= R a power of two. A sum of R products in fp32 per
-    output (the expand kernel's MMA sums the same products in another order)."""
+    K-chunk partials, B (N, RB) bf16 a group's compact B (_lora_part: each column reads its own
+    member's ranks of h); LR >= RB a power of two. A sum of RB products in fp32 per output (the
+    expand kernel's MMA sums the same products in another order)."""
     r = tl.arange(0, LR)
-    h = _lora_h(hp_ptr, tl.expand_dims(m, -1), r, M, R, LSPLIT, INTERPRET)
     c1 = tl.expand_dims(cols, -1)
-    b = tl.load(lb_ptr + c1 * R + r, mask=(c1 < N) & (r < R), other=0.0).to(tl.float32)
+    h = _lora_h(hp_ptr, tl.expand_dims(m, -1), _lora_part(c1, N1, N2) * RB + r, M, R, LSPLIT, INTERPRET)
+    b = tl.load(lb_ptr + c1 * RB + r, mask=(c1 < N) & (r < RB), other=0.0).to(tl.float32)
     return lora_scale * tl.sum(h * b, axis=-1)
 
 
 @triton.jit
-def _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R, LSPLIT: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+def _lora_update_tile(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, offs_m, offs_n, M, N, R, LSPLIT: tl.constexpr,
+                      PARTS: tl.constexpr, INTERPRET: tl.constexpr):
     """_lora_update for a (BM, BN) tile (BM >= 16 rows offs_m, BN columns offs_n) as MMAs on bf16
-    operands, h (BM, R) · B (BN, R)ᵀ: the expand kernel's own product (fp32 under the interpreter,
-    whose bf16 dot is wrong). A run-time loop over R, LORA_CHUNK ranks a step, so that one chunk of h
-    and of B's tile is in registers at a time: a kernel's register count is its peak, and the
-    kernels that fold the update in are streaming loops that want every program an SM they can get
-    (B's tile in one piece at R = 128 would be 64 bf16 a thread of an 8-warp, 128-row fragment
-    program, on top of what its loop holds)."""
+    operands, h (BM, RB) · B (BN, RB)ᵀ: the expand kernel's own product (fp32 under the interpreter,
+    whose bf16 dot is wrong). A group of PARTS members (a constexpr: one adapter compiles to the
+    plain product) takes a product for each member whose columns the tile holds (one, but where it
+    straddles two or three), B's other rows zero: the members unrolled, each behind a run-time test (a
+    run-time loop over them compiles the split-K reduce to ~25% more registers)."""
     d = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
-    for r0 in range(0, R, LORA_CHUNK):
+    inside = offs_n < N
+    if PARTS == 1:
+        d = _member_product(d, hp_ptr, lb_ptr, RB, inside, 0, offs_m, offs_n, M, R, LSPLIT, INTERPRET)
+    else:
+        part = _lora_part(offs_n, N1, N2)                                               # (BN,)
+        first, last = tl.min(part, 0), tl.max(tl.where(inside, part, 0), 0)
+        for p in tl.static_range(PARTS):
+            if (p >= first) & (p <= last):
+                d = _member_product(d, hp_ptr, lb_ptr, RB, inside & (part == p), p, offs_m, offs_n, M, R, LSPLIT,
+                                    INTERPRET)
+    return lora_scale * d
+
+
+@triton.jit
+def _member_product(d, hp_ptr, lb_ptr, RB, rows, p, offs_m, offs_n, M, R, LSPLIT: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """d + h[:, member p's ranks] · B[offs_n where rows]ᵀ (BM, BN), a run-time loop over RB,
+    LORA_CHUNK ranks a step, so that one chunk of h and of B's tile is in registers at a time: a
+    kernel's register count is its peak, and the kernels that fold the update in are streaming loops
+    that want every program an SM they can get (B's tile in one piece at RB = 128 would be 64 bf16 a
+    thread of an 8-warp, 128-row fragment program, on top of what its loop holds)."""
+    for r0 in range(0, RB, LORA_CHUNK):
         r = r0 + tl.arange(0, LORA_CHUNK)
-        h = _lora_h(hp_ptr, offs_m[:, None], r[None, :], M, R, LSPLIT, INTERPRET)      # (BM, LORA_CHUNK)
-        b = tl.load(lb_ptr + offs_n[:, None] * R + r[None, :], mask=(offs_n[:, None] < N) & (r[None, :] < R),
-                    other=0.0)                                                           # (BN, LORA_CHUNK)
+        h = _lora_h(hp_ptr, offs_m[:, None], p * RB + r[None, :], M, R, LSPLIT, INTERPRET)      # (BM, CHUNK)
+        b = tl.load(lb_ptr + offs_n[:, None] * RB + r[None, :],
+                    mask=rows[:, None] & (r[None, :] < RB), other=0.0)                          # (BN, CHUNK)
         if INTERPRET:
             d = tl.dot(h, tl.trans(b.to(tl.float32)), d, input_precision="ieee")
         else:
             d = tl.dot(h.to(tl.bfloat16), tl.trans(b), d)
-    return lora_scale * d
+    return d
 
 
 @triton.jit

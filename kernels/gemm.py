@@ -102,12 +102,38 @@ class Fold(NamedTuple):
     x_fresh: the launch just before the matmul wrote x as well as h (lora.norm_shrink), or wrote x
     and the launch computes h itself (shrink), so the kernel must wait on it before it reads x; else
     the launch before is lora.lora_shrink, which only read x, and the kernel streams x and W before
-    its wait (LATE_WAIT). shrink: h's shrink, carried by whichever launch folds the update."""
+    its wait (LATE_WAIT). shrink: h's shrink, carried by whichever launch folds the update. cuts:
+    for an adapter group's compact B (N, RB) (lora.group_casts), the columns where its first two
+    members end (fp4_decode._lora_part); None: one part, B (N, R) (one adapter, or a group's
+    block-diagonal B)."""
     h: torch.Tensor
     B: torch.Tensor
     scale: float
     x_fresh: bool = False
     shrink: Shrink = None
+    cuts: tuple = None
+
+
+def lora_cuts(cuts, N: int) -> tuple:
+    """(N1, N2) of a Fold's cuts (N1, N2), or (N, N) for one adapter (B's N rows); a group of two has N2 = N."""
+    return tuple(cuts) if cuts is not None else (N, N)
+
+
+def lora_parts(cuts, N: int) -> int:
+    """The group members a compact B of N rows cut at cuts holds: 1 (one adapter), 2 or 3."""
+    n1, n2 = lora_cuts(cuts, N)
+    return 1 + (n1 < N) + (n2 < N)
+
+
+def check_lora_b(B, cuts, R: int, what: str) -> None:
+    """A ValueError unless B (N, RB) fits h's R ranks with cuts: one part (RB = R) without cuts, else
+    two or three parts of RB = R / parts ranks each, the cuts increasing (fp4_decode._lora_part)."""
+    N = B.shape[0]
+    n1, n2 = lora_cuts(cuts, N) if cuts is None or len(cuts) == 2 else (0, 0)
+    parts = lora_parts((n1, n2), N)
+    if not (0 < n1 <= n2 <= N and R % parts == 0 and B.shape[1] == R // parts):
+        raise ValueError(f"{what}: B {tuple(B.shape)} with cuts {cuts} does not fit h's {R} ranks: cuts are two "
+                         f"increasing columns (N1, N2) up to {N}, and B has R / parts ranks a row")
 
 
 def shrink_args(shrink, dummy):
@@ -173,9 +199,9 @@ def _check_lora(lora, M, N, K, device, interleaved):
     elif first.dtype != torch.float32 or first.dim() != 3 or first.shape[1] != M or not first.is_contiguous():
         raise ValueError(f"lora: hp must be contiguous fp32 K-chunk partials (split, {M}, R), got "
                          f"{first.dtype} {tuple(first.shape)}")
-    R = first.shape[-1]
-    if B.dtype != torch.bfloat16 or tuple(B.shape) != (N, R) or not B.is_contiguous():
-        raise ValueError(f"lora: B must be a contiguous bf16 ({N}, {R}), got {B.dtype} {tuple(B.shape)}")
+    if B.dtype != torch.bfloat16 or B.dim() != 2 or B.shape[0] != N or not B.is_contiguous():
+        raise ValueError(f"lora: B must be a contiguous bf16 ({N}, RB), got {B.dtype} {tuple(B.shape)}")
+    check_lora_b(B, getattr(lora, "cuts", None), first.shape[-1], "lora")
     if first.device != device or B.device != device or not isinstance(s, float):
         raise ValueError(f"lora: {'h' if h_form else 'hp'} and B on the activations' device, and a float scale")
     if h_form and not reduce_folds_lora(M, N, K, device, interleaved):
@@ -394,18 +420,20 @@ def _split_targets(out, tiles, split, reduce):
 def _reduce(part, global_scale, bias, out, lora=None):
     """out = sum of the partials (scaled, + bias); nothing to do if the launch wrote out itself.
     lora: also out += the LoRA update (tiles._splitk_reduce_lora_kernel), in either of matmul's
-    forms: (h, B, s) with h (M, R) bf16, or (hp, B, s) with hp (split, M, R) fp32 partials."""
+    forms: (h, B, s) with h (M, R) bf16, or (hp, B, s) with hp (split, M, R) fp32 partials (a
+    Fold's cuts: a group's compact B)."""
     if part is out:
         return out
     if lora is not None:
         h, B, s = lora[:3]
-        R = B.shape[1]
         # 16 x 128 tiles: as many programs as the flat reduce has blocks of 1024 at 8 rows
         (M, N), BM, BN = out.shape, 16, 128
         shrink_ptrs, shrink_meta = shrink_args(_carried(lora), out)
         _splitk_reduce_lora_kernel[(shrink_meta["NS"] + cdiv(M, BM) * cdiv(N, BN),)](
-            part, global_scale, bias if bias is not None else out, out, h, B, s, *shrink_ptrs, M, N, R, part.shape[0],
+            part, global_scale, bias if bias is not None else out, out, h, B, s, B.shape[1],
+            *lora_cuts(getattr(lora, "cuts", None), N), *shrink_ptrs, M, N, h.shape[-1], part.shape[0],
             HAS_BIAS=bias is not None, BM=BM, BN=BN, LSPLIT=1 if h.dim() == 2 else h.shape[0],
+            PARTS=_lora_members(lora),
             INTERPRET=launch.interpreting(), **shrink_meta, **launch.pdl_launch(out.device))
         return out
     numel = out.numel()
@@ -429,15 +457,24 @@ def _late_wait(lora) -> bool:
 
 
 def _lora_args(lora, out, split, reduce):
-    """A launch's LoRA arguments: (hp, B, s), R and the constexprs LORA, LSPLIT (dummies without
-    lora). The update folds in only where the kernel finishes its own tiles (one pass, or the split
-    sum in-kernel): else a clear error."""
+    """A launch's LoRA arguments: (hp, B, s, RB, N1, N2) (B's ranks a row and fp4_decode._lora_part's
+    cuts), R (h's ranks) and the constexprs LORA, LSPLIT (dummies without lora); the kernels that
+    fold it by MMAs take LPARTS too (_lora_members). The update folds in
+    only where the kernel finishes its own tiles (one pass, or the split sum in-kernel): else a clear
+    error."""
     if lora is not None and split > 1 and not reduce:
         raise ValueError("the LoRA update folds into a kernel only where it sums its own split-K partials "
                          "(tuning's reduce_in_kernel; see folds_lora)")
-    hp, lb, ls = lora[:3] if lora is not None else (out, out, 0.0)
-    R = lb.shape[1] if lora is not None else 1
-    return (hp, lb, ls), R, dict(LORA=lora is not None, LSPLIT=hp.shape[0] if lora is not None else 1)
+    if lora is None:
+        return (out, out, 0.0, 1, 1, 1), 1, dict(LORA=False, LSPLIT=1)
+    hp, lb, ls = lora[:3]
+    return ((hp, lb, ls, lb.shape[1], *lora_cuts(getattr(lora, "cuts", None), lb.shape[0])), hp.shape[-1],
+            dict(LORA=True, LSPLIT=hp.shape[0]))
+
+
+def _lora_members(lora) -> int:
+    """The constexpr LPARTS of a launch that folds lora by MMAs (fp4_decode._lora_update_tile)."""
+    return 1 if lora is None else lora_parts(getattr(lora, "cuts", None), lora[1].shape[0])
 
 
 def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
@@ -469,7 +506,7 @@ def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         *targets, *lora_ptrs,
         M, N, K, k_split, R,
         x.stride(0), packed.stride(0), scale.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=_late_wait(lora),
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LPARTS=_lora_members(lora), LATE_WAIT=_late_wait(lora),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, SWAP_AB=cfg.swap, IL=il,
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -507,7 +544,8 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         *targets, *lora_ptrs,
         M, N, K // 2, k_split // 2, R,
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(R)), SILU=silu_mul,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(lora_ptrs[3])),
+        SILU=silu_mul,
         LATE_WAIT=_late_wait(lora),
         BN=cfg.bn, BK=bk, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
@@ -534,7 +572,7 @@ def _gemv_tma(x, packed, scale, global_scale, bias, out, lora, silu_mul):
     gemv_tma._gemv_tma_kernel[(tiles, split)](
         x.view(torch.int32), *rak.weight_descriptors(packed, scale, 16), global_scale,
         bias if bias is not None else out, part, out, counts, *lora_ptrs, N, R, K // 512, steps, split, N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, **lora_flags, LR=max(16, triton.next_power_of_2(R)),
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, **lora_flags, LR=max(16, triton.next_power_of_2(lora_ptrs[3])),
         SILU=silu_mul, LATE_WAIT=_late_wait(lora), S=gemv_tma.STAGES, num_warps=4, maxnreg=gemv_tma.REGS,
         **launch.pdl_launch(x.device))
     return out
@@ -566,8 +604,9 @@ def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         *targets, *lora_ptrs,
         M, N, K // 128, per, R,
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags, LATE_WAIT=_late_wait(lora),
-        W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step, AHEAD=shapes.mma_ahead(M),
+        HAS_BIAS=bias is not None, **flags, **lora_flags, LPARTS=_lora_members(lora if finishes else None),
+        LATE_WAIT=_late_wait(lora), W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
+        AHEAD=shapes.mma_ahead(M),
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=1, **launch.pdl_launch(x.device))
     return out if finishes else _reduce(part, global_scale, bias, out, lora)
 
@@ -672,8 +711,9 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
     kernel route() picks. interleaved: packed and scale hold nvfp4.interleave's layout.
     lora = (hp, B, s), where folds_lora(M, N, K, ...): also y += s · bf16(Σ_j hp[j]) · Bᵀ, the update
     of lora.lora_expand_ (hp (split, M, R) fp32 from lora.lora_shrink, launched just before this call
-    on this x, B (N, R) bf16): the kernel streams x and W before it waits on that launch (LATE_WAIT
-    in fp4_decode.pdl_start), so nothing may write x between the two (a Fold with x_fresh: the
+    on this x, B (N, R) bf16, or (N, R / members) where a Fold's cuts make it a group's compact B):
+    the kernel streams x and W before it waits on that launch (LATE_WAIT in
+    fp4_decode.pdl_start), so nothing may write x between the two (a Fold with x_fresh: the
     launch before wrote x and hp, lora.norm_shrink, and the kernel waits first; a Fold with a shrink:
     the reduce launch after a split matmul computes hp itself, carries_shrink); or lora = (h, B, s) with
     h = x Aᵀ bf16 (M, R), where reduce_folds_lora: y += s · h · Bᵀ, added by the reduce

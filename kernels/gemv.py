@@ -299,10 +299,11 @@ def _gemv_store(acc, m, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, lora
 
 
 @triton.jit
-def _gemv_update(hp_ptr, lb_ptr, lora_scale, m: tl.constexpr, offs_n, M, N, R, LSPLIT: tl.constexpr,
+def _gemv_update(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, m: tl.constexpr, offs_n, M, N, R, LSPLIT: tl.constexpr,
                  LR: tl.constexpr, INTERPRET: tl.constexpr):
     """The (BN,) LoRA update of row m of y (fp4_decode._lora_update)."""
-    return _lora_update(hp_ptr, lb_ptr, lora_scale, tl.full((1,), m, tl.int32), offs_n, M, N, R, LSPLIT, LR, INTERPRET)
+    return _lora_update(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, tl.full((1,), m, tl.int32), offs_n, M, N, R, LSPLIT,
+                        LR, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -310,7 +311,8 @@ def _nvfp4_gemv_kernel(
     # pointers (x2: x viewed as int32 words, one bf16 pair each)
     x2_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
     y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
-    hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ, hp (LSPLIT, M, R_LORA) fp32, B (N, R_LORA)
+    hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ, hp (LSPLIT, M, R_LORA) fp32, B (N, lora_rb)
+    lora_rb, lora_n1, lora_n2,   # B's ranks a row, the group's cuts (fp4_decode._lora_part)
     # sizes: x (M = 1, K), W (N, K), K2 = K/2 (bytes per row of W, words of x2);
     # each program of split pid_k reduces the bytes [pid_k·SPLIT2, +SPLIT2) of its rows
     M, N, K2, SPLIT2, R_LORA,
@@ -323,7 +325,7 @@ def _nvfp4_gemv_kernel(
     IL: tl.constexpr,                                  # W interleaved (nvfp4.interleave)
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
-    LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= R_LORA)
+    LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= lora_rb)
     LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
     SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (1, I)
 ):
@@ -382,7 +384,8 @@ def _nvfp4_gemv_kernel(
     update = None                                        # the LoRA update of a row finished here
     if LORA:
         if not PARTIAL:
-            update = _gemv_update(hp_ptr, lb_ptr, lora_scale, 0, offs_n, M, N, R_LORA, LSPLIT, LR, INTERPRET)
+            update = _gemv_update(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, 0, offs_n, M, N, R_LORA,
+                                  LSPLIT, LR, INTERPRET)
     _gemv_store(acc, 0, offs_n, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, update, HAS_BIAS, PARTIAL, SILU,
                 INTERPRET)
     if REDUCE:
@@ -390,6 +393,7 @@ def _nvfp4_gemv_kernel(
             m = tl.arange(0, 1)[:, None]                                          # (1, 1)
             upd_all = None
             if LORA:
-                upd_all = _lora_update(hp_ptr, lb_ptr, lora_scale, m, offs_n[None], M, N, R_LORA, LSPLIT, LR, INTERPRET)
+                upd_all = _lora_update(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, m, offs_n[None], M, N,
+                                       R_LORA, LSPLIT, LR, INTERPRET)
             _sum_splits(out_ptr - pid_k * stride_os, y_ptr, m * stride_om + offs_n[None], (m < M) & (offs_n < N)[None],
                         offs_n[None], N, stride_os, gs_ptr, bias_ptr, upd_all, NSPLIT, HAS_BIAS, INTERPRET)

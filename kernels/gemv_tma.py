@@ -111,17 +111,19 @@ def _main_loop(ws, ss, ready, free, x2_ptr, step_start, step_end, LS: gl.constex
 
 
 @gluon.jit
-def _update(hp_ptr, lb_ptr, lora_scale, rows, N, R, LSPLIT: gl.constexpr, LR: gl.constexpr):
-    """s · bf16(sum_j hp[j, 0, :]) · B[rows, :]ᵀ (fp32, (BN,)): fp4_decode._lora_update at one row."""
+def _update(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, rows, N, R, LSPLIT: gl.constexpr, LR: gl.constexpr):
+    """s · bf16(sum_j hp[j, 0, ranks]) · B[rows, :]ᵀ (fp32, (BN,)): fp4_decode._lora_update at one row,
+    each row reading its own member's RB ranks of h (B a group's compact B: fp4_decode._lora_part)."""
     UL: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
-    r = gl.arange(0, LR, layout=gl.SliceLayout(0, UL))
-    h = gl.load(hp_ptr + r, mask=r < R, other=0.0).to(gl.float32)
+    r = gl.arange(0, LR, layout=gl.SliceLayout(0, UL))[None, :]                 # (1, LR)
+    n = gl.convert_layout(rows, gl.SliceLayout(1, UL))[:, None]                 # (BN, 1)
+    ranks = ((n >= N1).to(gl.int32) + (n >= N2).to(gl.int32)) * RB + r         # (BN, LR): h's ranks of row n
+    h = gl.load(hp_ptr + ranks, mask=ranks < R, other=0.0).to(gl.float32)
     for j in gl.static_range(1, LSPLIT):
-        h += gl.load(hp_ptr + j * R + r, mask=r < R, other=0.0)
+        h += gl.load(hp_ptr + j * R + ranks, mask=ranks < R, other=0.0)
     h = h.to(gl.bfloat16).to(gl.float32)
-    n = gl.convert_layout(rows, gl.SliceLayout(1, UL))
-    b = gl.load(lb_ptr + n[:, None] * R + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
-    return gl.convert_layout(lora_scale * gl.sum(h[None, :] * b.to(gl.float32), axis=1), rows.type.layout)
+    b = gl.load(lb_ptr + n * RB + r, mask=(n < N) & (r < RB), other=0.0)
+    return gl.convert_layout(lora_scale * gl.sum(h * b.to(gl.float32), axis=1), rows.type.layout)
 
 
 @gluon.jit
@@ -132,8 +134,8 @@ def _pairs(v):
 
 
 @gluon.jit
-def _finish(acc, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, out_ptr, N, R, HAS_BIAS: gl.constexpr,
-            LORA: gl.constexpr, LSPLIT: gl.constexpr, LR: gl.constexpr, SILU: gl.constexpr):
+def _finish(acc, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, RB, N1, N2, out_ptr, N, R,
+            HAS_BIAS: gl.constexpr, LORA: gl.constexpr, LSPLIT: gl.constexpr, LR: gl.constexpr, SILU: gl.constexpr):
     """Store y[rows] from the fp32 sums acc: times 2^7/global_scale, + bias, bf16, + the LoRA update
     (rounded again), and with SILU silu(gate)·up of the two groups (fp4_decode.silu_mul's math)."""
     y = acc * (_POST / gl.load(gs_ptr))
@@ -141,7 +143,7 @@ def _finish(acc, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, out_ptr, N,
         y += gl.load(bias_ptr + rows).to(gl.float32)
     y = y.to(gl.bfloat16)
     if LORA:
-        y = (y.to(gl.float32) + _update(hp_ptr, lb_ptr, lora_scale, rows, N, R, LSPLIT, LR)).to(gl.bfloat16)
+        y = (y.to(gl.float32) + _update(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, rows, N, R, LSPLIT, LR)).to(gl.bfloat16)
     if SILU:
         g, u = gl.split(_pairs(y))                                             # gate rows j, up rows I + j
         _, cols = gl.split(_pairs(rows - N // 2))
@@ -154,7 +156,7 @@ def _finish(acc, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, out_ptr, N,
 
 @gluon.jit
 def _consumer(ws, ss, ready, free, x2_ptr, gs_ptr, bias_ptr, part_ptr, y_ptr, count_ptr, hp_ptr, lb_ptr, lora_scale,
-              rows, N, R, step_start, step_end, pid_n, pid_k, NSPLIT, stride_os, HAS_BIAS: gl.constexpr,
+              RB, N1, N2, rows, N, R, step_start, step_end, pid_n, pid_k, NSPLIT, stride_os, HAS_BIAS: gl.constexpr,
               PARTIAL: gl.constexpr, LORA: gl.constexpr, LSPLIT: gl.constexpr, LR: gl.constexpr,
               SILU: gl.constexpr, LATE_WAIT: gl.constexpr, USE_PDL: gl.constexpr):
     """The main loop, then the epilogue of a row tile (or its partial, and the sum by the last split)."""
@@ -176,18 +178,19 @@ def _consumer(ws, ss, ready, free, x2_ptr, gs_ptr, bias_ptr, part_ptr, y_ptr, co
             total = gl.load(part_ptr + rows, cache_modifier=".cg")
             for sp in range(1, NSPLIT):
                 total += gl.load(part_ptr + sp * stride_os + rows, cache_modifier=".cg")
-            _finish(total, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, y_ptr, N, R, HAS_BIAS, LORA, LSPLIT,
-                    LR, SILU)
+            _finish(total, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, RB, N1, N2, y_ptr, N, R, HAS_BIAS, LORA,
+                    LSPLIT, LR, SILU)
     else:
-        _finish(y, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, y_ptr, N, R, HAS_BIAS, LORA, LSPLIT, LR,
-                SILU)
+        _finish(y, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, RB, N1, N2, y_ptr, N, R, HAS_BIAS, LORA, LSPLIT,
+                LR, SILU)
 
 
 @gluon.jit
 def _gemv_tma_kernel(x2_ptr, w_desc, s_desc, gs_ptr, bias_ptr, part_ptr, y_ptr, count_ptr, hp_ptr, lb_ptr, lora_scale,
-                     N, R, NSTEP, STEP_SPLIT, NSPLIT, stride_os, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                     LORA: gl.constexpr, LSPLIT: gl.constexpr, LR: gl.constexpr, SILU: gl.constexpr,
-                     LATE_WAIT: gl.constexpr, USE_PDL: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
+                     RB, N1, N2, N, R, NSTEP, STEP_SPLIT, NSPLIT, stride_os,
+                     HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, LORA: gl.constexpr, LSPLIT: gl.constexpr,
+                     LR: gl.constexpr, SILU: gl.constexpr, LATE_WAIT: gl.constexpr, USE_PDL: gl.constexpr,
+                     S: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_n, pid_k): rows of groups ga and gb (2·pid_n and 2·pid_n + 1, or with SILU gate
     group pid_n and up group N/32 + pid_n), steps [pid_k·STEP_SPLIT, +STEP_SPLIT) of NSTEP."""
     pid_n = gl.program_id(0)
@@ -212,7 +215,7 @@ def _gemv_tma_kernel(x2_ptr, w_desc, s_desc, gs_ptr, bias_ptr, part_ptr, y_ptr, 
     step_end = gl.minimum(NSTEP, step_start + STEP_SPLIT)
     gl.warp_specialize([
         (_consumer, (ws, ss, ready, free, x2_ptr, gs_ptr, bias_ptr, part_ptr, y_ptr, count_ptr, hp_ptr, lb_ptr,
-                     lora_scale, rows, N, R, step_start, step_end, pid_n, pid_k, NSPLIT, stride_os, HAS_BIAS, PARTIAL,
-                     LORA, LSPLIT, LR, SILU, LATE_WAIT, USE_PDL)),
+                     lora_scale, RB, N1, N2, rows, N, R, step_start, step_end, pid_n, pid_k, NSPLIT, stride_os,
+                     HAS_BIAS, PARTIAL, LORA, LSPLIT, LR, SILU, LATE_WAIT, USE_PDL)),
         (_producer, (w_desc, s_desc, ws, ss, ready, free, ga, gb, step_start, step_end)),
     ], [1], [register_a.LOADER_REGS])

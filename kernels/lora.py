@@ -50,11 +50,14 @@ dependent launch, and at batch 1 each costs more than its few megabytes of A and
     waits before it reads x (gemm.Fold's x_fresh).
   * beyond lora_max_m rows (prefill, and the log-prob pass) the shrink is F.linear, and where the NVFP4 matmul's
     register-A route splits K its reduce kernel adds s·h·Bᵀ (fold_in_reduce: qkv, o and down);
-    elsewhere one addmm, in place on the fresh base output without autograd (a copy of y first
-    would cost more than the addmm).
+    elsewhere one addmm (a group's compact B: one a member, on its columns), in place on the fresh base
+    output without autograd (a copy of y first would cost more than the addmm).
 
 The adapters of a stacked group (q/k/v, gate/up: stacked.py) update together: their A's stacked
-(Σr, in) and their B's as one block-diagonal (Σ out, Σr), two kernels for the group. Those stacked
+(Σr, in) and their B's as one (Σ out, r), each row holding its own member's r ranks, with the
+columns where the members end (group_casts: a third of the block-diagonal (Σ out, Σr) for q/k/v,
+half for gate/up; every kernel that adds the update reads each column's ranks of h by
+fp4_decode._lora_part), two kernels for the group. Those stacked
 copies are kept between calls, as the trunk keeps each adapter's cast copies: every call refreshes
 them in place, and a decode graph's capture reads them as they are (the caller says which:
 `refresh`), so a graphed decode step has no cast or copy kernels; the prefill that starts every
@@ -64,20 +67,21 @@ The adapters arrive by duck typing (the wing imports nothing of the trunk): an a
 lora_A (r, in) and lora_B (out, r) fp32, scaling, enabled, lora_dropout, training, r; an NVFP4
 base has weight_packed, weight_scale, weight_global_scale, bias, interleaved and in_features.
 
-Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) contiguous, y (M, N) contiguous rows,
-all in one dtype. M is not specialized (do_not_specialize, as in small_m.py): one binary for every
-batch bucket, rather than one each for M = 1, M a multiple of 16 and the rest, compiled whenever a
-run first reaches such a bucket. Under TRITON_INTERPRET=1 the dots run in fp32 (the interpreter's
-bf16 tl.dot is wrong), as in the other kernels.
+Shapes: x (M, K) rows with a stride, A (R, K) and B (N, R) (a compact group's: (N, R / members))
+contiguous, y (M, N) contiguous rows, all in one dtype. M is not specialized (do_not_specialize, as
+in small_m.py): one binary for every batch bucket, rather than one each for M = 1, M a multiple of
+16 and the rest, compiled whenever a run first reaches such a bucket. Under TRITON_INTERPRET=1 the
+dots run in fp32 (the interpreter's bf16 tl.dot is wrong), as in the other kernels.
 Tests: tests/test_kernels_lora.py (interpreter: the kernels against float64 with odd sizes, K-splits
 and row-strided x and y, the expand launches carrying the shrink, bf16 rounding of h, bad input, the
 in-place addmm, where the expand folds;
-GPU: one adapter and a q/k/v group's block-diagonal B against the torch path, folded into the NVFP4
+GPU: one adapter and a q/k/v group against the torch path, folded into the NVFP4
 GEMV, the fragment kernel and the reduce kernel or not; 7B's q/k/v, gate/up and down at decode, folded
 against the expand kernel); the folded update itself: tests/test_kernels_small_m.py, the reduce
 kernel's: tests/test_kernels_tiles.py.
 """
 import functools
+import itertools
 
 import torch
 import torch.nn as nn
@@ -86,7 +90,7 @@ import triton
 import triton.language as tl
 
 from . import gemm, launch, tuning
-from .fp4_decode import (SHRINK_READY, _await_shrink, _carried_shrink, _shrink_chunk, pdl_start,
+from .fp4_decode import (SHRINK_READY, _await_shrink, _carried_shrink, _lora_part, _shrink_chunk, pdl_start,
                          silu_mul as silu_mul_math)
 from .fused_ops import norm_inputs, norm_row
 
@@ -176,12 +180,13 @@ def _norm_shrink_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, a_ptr, h_ptr, M
 
 @triton.jit(do_not_specialize=["M"])
 def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, sx_ptr, sa_ptr, spart_ptr, sflag_ptr, SK, stride_sxm,
-                        M, N, R, stride_ym, scale,
-                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
-                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+                        M, N, R, RB, N1, N2, stride_ym, scale,
+                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RB_PAD: tl.constexpr,
+                        PARTS: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
                         NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
                         SSPLIT: tl.constexpr, SFP32: tl.constexpr):
-    """y[m, n] += scale · bf16(Σ_j hp[j, m, :]) · B[n, :] for BN columns n, in place. With NS, the
+    """y[m, n] += scale · bf16(Σ_j hp[j, m, ranks of n]) · B[n, :] for BN columns n, in place (B (N,
+    RB): an adapter's, or a group's compact B cut at N1 and N2, fp4_decode._lora_part). With NS, the
     first NS programs compute hp themselves (gemm.shrink_args: the carried shrink)."""
     pid = tl.program_id(0)
     if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, hp_ptr, sflag_ptr, M, R, SK, stride_sxm,
@@ -190,21 +195,59 @@ def _lora_expand_kernel(hp_ptr, b_ptr, y_ptr, sx_ptr, sa_ptr, spart_ptr, sflag_p
     pid -= NS
     offs_m = tl.arange(0, BM)
     offs_n = pid * BN + tl.arange(0, BN)
-    offs_r = tl.arange(0, R_PAD)
-    b = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :],
-                mask=(offs_n[:, None] < N) & (offs_r[None, :] < R), other=0.0)    # (BN, R_PAD)
+    b = _b_rows(b_ptr, offs_n, N, RB, RB_PAD)                                     # (BN, RB_PAD)
     pdl_start(USE_PDL)                               # B is a weight: loaded before the wait, hp and y after it
     if NS > 0:
         _await_shrink(sflag_ptr, R, SBR, tl.num_programs(0) - NS)
-    h = _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT, y_ptr.dtype.element_ty)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(ys, _plus_update(tl.load(ys, mask=y_mask, other=0.0), h, b, scale, FP32_DOT), mask=y_mask)
+    y = tl.load(ys, mask=y_mask, other=0.0)
+    d = _group_product(hp_ptr, b, offs_m, offs_n, M, N, R, RB, N1, N2, SPLIT, y_ptr.dtype.element_ty, FP32_DOT,
+                       PARTS)
+    tl.store(ys, (y.to(tl.float32) + scale * d).to(y.dtype), mask=y_mask)
+
+
+@triton.jit
+def _b_rows(b_ptr, offs_n, N, RB, RB_PAD: tl.constexpr):
+    """B's rows offs_n (BN, RB_PAD), zero past N and RB."""
+    offs_r = tl.arange(0, RB_PAD)
+    return tl.load(b_ptr + offs_n[:, None] * RB + offs_r[None, :],
+                   mask=(offs_n[:, None] < N) & (offs_r[None, :] < RB), other=0.0)
+
+
+@triton.jit
+def _group_product(hp_ptr, b, offs_m, offs_n, M, N, R, RB, N1, N2, SPLIT: tl.constexpr, dtype: tl.constexpr,
+                   FP32_DOT: tl.constexpr, PARTS: tl.constexpr):
+    """h·Bᵀ (BM, BN) in fp32 for B's rows b (BN, RB_PAD) at columns offs_n of a group of PARTS
+    members: a product for each member whose columns the tile holds, h that member's ranks, B's
+    other rows zero (fp4_decode._lora_part, _lora_update_tile's pattern), so that a column's sum is
+    its own member's alone."""
+    d = tl.zeros((offs_m.shape[0], offs_n.shape[0]), tl.float32)
+    if PARTS == 1:
+        d = _member_dot(d, hp_ptr, b, 0, offs_m, M, R, RB, SPLIT, dtype, FP32_DOT)
+    else:
+        part = _lora_part(offs_n, N1, N2)                                         # (BN,)
+        first, last = tl.min(part, 0), tl.max(tl.where(offs_n < N, part, 0), 0)
+        for p in tl.static_range(PARTS):
+            if (p >= first) & (p <= last):
+                bp = tl.where((part == p)[:, None], b, tl.zeros_like(b))
+                d = _member_dot(d, hp_ptr, bp, p, offs_m, M, R, RB, SPLIT, dtype, FP32_DOT)
+    return d
+
+
+@triton.jit
+def _member_dot(d, hp_ptr, b, p, offs_m, M, R, RB, SPLIT: tl.constexpr, dtype: tl.constexpr,
+                FP32_DOT: tl.constexpr):
+    """d + h[:, member p's ranks] · bᵀ, b (BN, RB_PAD) the rows of B member p holds (the others zero)."""
+    h = _summed_h(hp_ptr, offs_m, p * RB + tl.arange(0, b.shape[1]), M, R, SPLIT, dtype)   # (BM, RB_PAD)
+    if FP32_DOT:
+        return tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), d, input_precision="ieee")
+    return tl.dot(h, tl.trans(b), d)                                            # (BM, BN)
 
 
 @triton.jit
 def _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT: tl.constexpr, dtype: tl.constexpr):
-    """h = Σ_j hp[j] (BM, R_PAD), rounded to the activations' dtype as F.linear's h is."""
+    """h = Σ_j hp[j] (BM, ranks offs_r), rounded to the activations' dtype as F.linear's h is."""
     h_mask = (offs_m[:, None] < M) & (offs_r[None, :] < R)
     h = tl.zeros((offs_m.shape[0], offs_r.shape[0]), tl.float32)
     for j in tl.static_range(SPLIT):                  # unrolled: the loads go out together
@@ -212,26 +255,16 @@ def _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT: tl.constexpr, dtype: tl.const
     return h.to(dtype)
 
 
-@triton.jit
-def _plus_update(y, h, b, scale, FP32_DOT: tl.constexpr):
-    """y + scale · h·bᵀ for y (BM, BN), h (BM, R_PAD), b (BN, R_PAD): the sum in fp32, rounded once."""
-    if FP32_DOT:
-        d = tl.dot(h.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-    else:
-        d = tl.dot(h, tl.trans(b))                                                 # (BM, BN)
-    return (y.to(tl.float32) + scale * d).to(y.dtype)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, sx_ptr, sa_ptr, spart_ptr, sflag_ptr, SK, stride_sxm,
-                        M, I, R, stride_ym, scale,
-                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr,
-                        FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+                        M, I, R, RB, N1, N2, stride_ym, scale,
+                        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RB_PAD: tl.constexpr,
+                        PARTS: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
                         NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
                         SSPLIT: tl.constexpr, SFP32: tl.constexpr):
     """out[m, n] = silu(g)·u for BN columns n of I, where g and u are y's gate column n and up column
-    I + n after the expand (_lora_expand_kernel's arithmetic: bf16(y + scale · bf16(Σ_j hp[j]) · B[row]));
-    with NS, the carried shrink in the first NS programs, as there."""
+    I + n after the expand (_lora_expand_kernel's arithmetic, B (2I, RB) cut at N1 and N2); with NS,
+    the carried shrink in the first NS programs, as there."""
     pid = tl.program_id(0)
     if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, hp_ptr, sflag_ptr, M, R, SK, stride_sxm,
                        SBM, SBR, SBK, SSPLIT, SFP32):
@@ -239,33 +272,37 @@ def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, sx_ptr, sa_ptr, spart_ptr
     pid -= NS
     offs_m = tl.arange(0, BM)
     offs_n = pid * BN + tl.arange(0, BN)                                        # (BN,) columns of I
-    offs_r = tl.arange(0, R_PAD)
-    b_mask = (offs_n[:, None] < I) & (offs_r[None, :] < R)
-    b_g = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=b_mask, other=0.0)        # (BN, R_PAD)
-    b_u = tl.load(b_ptr + (I + offs_n[:, None]) * R + offs_r[None, :], mask=b_mask, other=0.0)
+    up = tl.where(offs_n < I, I + offs_n, 2 * I)                                # up's columns; past I: none
+    b_g = _b_rows(b_ptr, offs_n, I, RB, RB_PAD)                                 # (BN, RB_PAD)
+    b_u = _b_rows(b_ptr, up, 2 * I, RB, RB_PAD)
     pdl_start(USE_PDL)                               # B is a weight: loaded before the wait, hp and y after it
     if NS > 0:
         _await_shrink(sflag_ptr, R, SBR, tl.num_programs(0) - NS)
-    h = _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT, y_ptr.dtype.element_ty)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
     ys = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    g = _plus_update(tl.load(ys, mask=y_mask, other=0.0), h, b_g, scale, FP32_DOT)
-    u = _plus_update(tl.load(ys + I, mask=y_mask, other=0.0), h, b_u, scale, FP32_DOT)
+    dtype: tl.constexpr = y_ptr.dtype.element_ty
+    g = tl.load(ys, mask=y_mask, other=0.0)
+    u = tl.load(ys + I, mask=y_mask, other=0.0)
+    d_g = _group_product(hp_ptr, b_g, offs_m, offs_n, M, I, R, RB, N1, N2, SPLIT, dtype, FP32_DOT, PARTS)
+    d_u = _group_product(hp_ptr, b_u, offs_m, up, M, 2 * I, R, RB, N1, N2, SPLIT, dtype, FP32_DOT, PARTS)
+    g = (g.to(tl.float32) + scale * d_g).to(dtype)
+    u = (u.to(tl.float32) + scale * d_u).to(dtype)
     tl.store(out_ptr + offs_m[:, None] * I + offs_n[None, :], silu_mul_math(g, u), mask=y_mask)
 
 
 def _side(n) -> int:
     """An MMA tile side holding n: a power of two, at least 16. A shrink / expand program holds all
     M rows in one (16, 32 or 64: tuning.LORA_MAX_ROWS, so a decode step's programs each read their A
-    or B once), and an expand all R ranks."""
+    or B once), and an expand all of B's ranks."""
     return max(16, triton.next_power_of_2(n))
 
 
-def lora_delta_(x, A, B, y, scale):
+def lora_delta_(x, A, B, y, scale, cuts=None):
     """y += scale · (x Aᵀ) Bᵀ in place and return y: x (M, K), A (R, K), B (N, R), y (M, N), one
-    dtype, M <= lora_max_m. Two launches: shrink over chunks of K (summed by its last chunk), then
-    expand, with programmatic dependent launch where the device has it."""
-    return lora_expand_(lora_shrink(x, A, B), B, y, scale)
+    dtype, M <= lora_max_m (with cuts, a group's stacked A and compact B: group_casts). Two launches:
+    shrink over chunks of K (summed by its last chunk), then expand, with programmatic dependent
+    launch where the device has it."""
+    return lora_expand_(lora_shrink(x, A, B), B, y, scale, cuts=cuts)
 
 
 def lora_shrink(x, A, B):
@@ -309,7 +346,7 @@ def _shrink_operands(x, A, B):
     """x (M, K) with unit inner stride and A (R, K) contiguous for h = x Aᵀ, after the checks."""
     t = tuning.current()
     M, K = x.shape
-    if not (M <= t.lora_max_m and A.shape[1] == K and B.shape[1] == A.shape[0]):
+    if not (M <= t.lora_max_m and A.shape[1] == K and A.shape[0] % B.shape[1] == 0):
         raise ValueError(f"lora_delta_: x {tuple(x.shape)}, A {tuple(A.shape)}, B {tuple(B.shape)} do not "
                          f"fit y (M, N) += (x Aᵀ) Bᵀ with M <= {t.lora_max_m}")
     if not x.dtype == A.dtype == B.dtype:
@@ -317,46 +354,54 @@ def _shrink_operands(x, A, B):
     return (x if x.stride(-1) == 1 else x.contiguous()), A.contiguous()
 
 
-def lora_expand_(hp, B, y, scale, shrink=None):
+def lora_expand_(hp, B, y, scale, shrink=None, cuts=None):
     """The second half: y += scale · bf16(Σ hp) Bᵀ in place, y (M, N) with contiguous rows. shrink
-    (carried_shrink): the launch computes hp itself first."""
+    (carried_shrink): the launch computes hp itself first. cuts: B is a group's compact B
+    (group_casts), each column reading its own member's ranks of h."""
     t = tuning.current()
     split, M, R = hp.shape
     N = B.shape[0]
-    if tuple(y.shape) != (M, N) or B.shape[1] != R:
+    RB, n1, n2 = _expand_check("lora_delta_", hp, B, y, cuts)
+    if tuple(y.shape) != (M, N):
         raise ValueError(f"lora_delta_: B {tuple(B.shape)}, y {tuple(y.shape)} do not fit y (M, N) += h Bᵀ "
                          f"with h ({M}, {R})")
-    if y.dtype != B.dtype:
-        raise ValueError(f"lora_delta_ needs one dtype, got B {B.dtype}, y {y.dtype}")
-    if y.stride(-1) != 1:
-        raise ValueError("lora_delta_ writes y in place: its rows must be contiguous")
     BN = t.lora_expand_cols
     ptrs, meta = gemm.shrink_args(shrink, hp)
     _lora_expand_kernel[(meta["NS"] + triton.cdiv(N, BN),)](
-        hp, B.contiguous(), y, *ptrs, M, N, R, y.stride(0), scale, SPLIT=split, BM=_side(M), BN=BN,
-        R_PAD=_side(R), FP32_DOT=launch.interpreting() or y.dtype == torch.float32, **meta,
-        **launch.pdl_launch(y.device))
+        hp, B.contiguous(), y, *ptrs, M, N, R, RB, n1, n2, y.stride(0), scale, SPLIT=split, BM=_side(M), BN=BN,
+        RB_PAD=_side(RB), PARTS=gemm.lora_parts(cuts, N), FP32_DOT=launch.interpreting() or y.dtype == torch.float32,
+        **meta, **launch.pdl_launch(y.device))
     return y
 
 
-def expand_silu_mul(hp, B, y, scale, shrink=None):
-    """silu(g)·u (M, N/2) of y (M, N) = [g, u] after lora_expand_(hp, B, y, scale, shrink), in one
-    launch that writes neither g nor u back: the gate/up group's update where its matmul stores y
+def _expand_check(name, hp, B, y, cuts):
+    """-> (RB, N1, N2) for an expand of h (hp's ranks R) by B (N, RB) into y, after the checks: one
+    dtype, y's rows contiguous, B's RB the ranks of each part cuts make (gemm.check_lora_b)."""
+    gemm.check_lora_b(B, cuts, hp.shape[-1], name)
+    if y.dtype != B.dtype or y.stride(-1) != 1:
+        raise ValueError(f"{name} needs one dtype and writes y in place, its rows contiguous: got B {B.dtype}, "
+                         f"y {y.dtype} with strides {y.stride()}")
+    return (B.shape[1], *gemm.lora_cuts(cuts, B.shape[0]))
+
+
+def expand_silu_mul(hp, B, y, scale, shrink=None, cuts=None):
+    """silu(g)·u (M, N/2) of y (M, N) = [g, u] after lora_expand_(hp, B, y, scale, shrink, cuts), in
+    one launch that writes neither g nor u back: the gate/up group's update where its matmul stores y
     itself (register-A from 2 rows), with the SiLU·mul kernel's work, the same bits as the two launches."""
     t = tuning.current()
     split, M, R = hp.shape
     N = B.shape[0]
-    if tuple(y.shape) != (M, N) or B.shape[1] != R or N % 2:
+    RB, n1, n2 = _expand_check("expand_silu_mul", hp, B, y, cuts)
+    if tuple(y.shape) != (M, N) or N % 2:
         raise ValueError(f"expand_silu_mul: B {tuple(B.shape)}, y {tuple(y.shape)} do not fit y (M, N) += h Bᵀ "
                          f"with h ({M}, {R}) and N even (gate and up)")
-    if y.dtype != B.dtype or y.stride(-1) != 1:
-        raise ValueError(f"expand_silu_mul needs one dtype and y's rows contiguous, got B {B.dtype}, y {y.dtype}")
     I, BN = N // 2, t.lora_expand_cols
     out = torch.empty(M, I, device=y.device, dtype=y.dtype)
     ptrs, meta = gemm.shrink_args(shrink, hp)
     _expand_silu_kernel[(meta["NS"] + triton.cdiv(I, BN),)](
-        hp, B.contiguous(), y, out, *ptrs, M, I, R, y.stride(0), scale, SPLIT=split, BM=_side(M), BN=BN,
-        R_PAD=_side(R), FP32_DOT=launch.interpreting() or y.dtype == torch.float32, **meta,
+        hp, B.contiguous(), y, out, *ptrs, M, I, R, RB, n1, n2, y.stride(0), scale, SPLIT=split, BM=_side(M),
+        BN=BN, RB_PAD=_side(RB), PARTS=gemm.lora_parts(cuts, N),
+        FP32_DOT=launch.interpreting() or y.dtype == torch.float32, **meta,
         **launch.pdl_launch(y.device))
     return out
 
@@ -370,7 +415,7 @@ def norm_shrink(x, weight, eps, residual, holder, mods, refresh=True):
     C = x.shape[-1]
     if not norm_shrinks(mods, x.reshape(-1, C)):
         return None
-    A, _ = group_casts(holder, mods, x, refresh)
+    A = group_casts(holder, mods, x, refresh)[0]
     y, total, hp = norm_shrink_rows(x.reshape(-1, C), weight, eps,
                                     residual.reshape(-1, C) if residual is not None else None, A)
     y = y.view(x.shape)
@@ -451,34 +496,35 @@ def _decode_kernels(x2) -> bool:
     return x2.is_cuda and not torch.is_grad_enabled() and x2.shape[0] <= tuning.current().lora_max_m
 
 
-def _delta_kernels(x2, A, B, y, scale, base, hp=None, expand=None):
+def _delta_kernels(x2, A, B, y, scale, base, hp=None, expand=None, cuts=None):
     """y + scale · (x Aᵀ) Bᵀ by the kernels, y a function computing the base output (given lora=,
     the update to fold in): where early_shrink says so, x Aᵀ runs before it (or ran in the norm's
     launch: hp given), and where fold_expand says so the base matmul adds the update itself (no
     expand kernel); otherwise both run after it. Where `carries` says so, no shrink launch runs:
     the launch that adds the update computes x Aᵀ in its first programs. expand(hp, B, y2, scale,
-    shrink) -> (rows, n): the expand launch (lora_expand_ if None; expand_silu_mul where the caller
-    wants SiLU·mul of the result)."""
+    shrink, cuts) -> (rows, n): the expand launch (lora_expand_ if None; expand_silu_mul where the
+    caller wants SiLU·mul of the result). cuts: a group's compact B (group_casts)."""
     folds = early_shrink(base) and fold_expand(base, x2, B)
     carry = None
-    if hp is None and carries(base, x2, B, folds):
+    if hp is None and carries(base, x2, A, B, folds):
         hp, carry = carried_shrink(x2, A, B)
         if folds:
-            return y(lora=gemm.Fold(hp, B.contiguous(), float(scale), x_fresh=True, shrink=carry))
+            return y(lora=gemm.Fold(hp, B.contiguous(), float(scale), x_fresh=True, shrink=carry, cuts=cuts))
         y = y()
     elif early_shrink(base):
         fresh = hp is not None                # the launch just before wrote x too: the matmul waits first
         hp = hp if fresh else shrink(x2, A, B)
         if folds:
-            return y(lora=gemm.Fold(hp, B.contiguous(), float(scale), x_fresh=fresh))
+            return y(lora=gemm.Fold(hp, B.contiguous(), float(scale), x_fresh=fresh, cuts=cuts))
         y = y()
     else:
         y = y()
         hp = shrink(x2, A, B)
-    return (expand or lora_expand_)(hp, B, y.reshape(-1, y.shape[-1]), scale, carry).view(*y.shape[:-1], -1)
+    y2 = y.reshape(-1, y.shape[-1])
+    return (expand or lora_expand_)(hp, B, y2, scale, carry, cuts).view(*y.shape[:-1], -1)
 
 
-def carries(base, x2, B, folds: bool) -> bool:
+def carries(base, x2, A, B, folds: bool) -> bool:
     """Does the launch after an NVFP4 base's matmul that adds the update (the reduce kernel where the
     matmul leaves its split-K sum to it: gemm.carries_shrink; the expand kernel where the matmul
     stores y itself, 7B gate/up) compute the shrink in its first programs (carried_shrink), instead
@@ -493,7 +539,7 @@ def carries(base, x2, B, folds: bool) -> bool:
     t = tuning.current()
     M = x2.shape[0]
     if not (t.carry_shrink and early_shrink(base) and t.row_shrink_max_m < M <= t.lora_max_m
-            and triton.cdiv(B.shape[1], t.lora_rank_rows) <= SHRINK_TILES):
+            and triton.cdiv(A.shape[0], t.lora_rank_rows) <= SHRINK_TILES):
         return False
     return not folds or gemm.carries_shrink(M, B.shape[0], x2.shape[1], x2.device, base.interleaved)
 
@@ -507,15 +553,20 @@ def shrink(x2, A, B):
     return lora_shrink(x2, A, B)
 
 
-def _update(y, h, B, scale, base):
+def _update(y, h, B, scale, base, cuts=None):
     """y() + scale · h Bᵀ: folded into the base matmul's split-K reduce where fold_in_reduce says so
     (no addmm launch), else one addmm after it, in place on the fresh base output (no autograd here:
-    a copy of y first would cost more than the addmm)."""
-    h2 = h.reshape(-1, h.shape[-1])                                            # (rows, r)
+    a copy of y first would cost more than the addmm); for a group's compact B (cuts), an addmm for
+    each member's columns with its own ranks of h."""
+    h2 = h.reshape(-1, h.shape[-1])                                            # (rows, R)
     if fold_in_reduce(base, h, B):
-        return y(lora=(h2, B.contiguous(), float(scale)))
+        return y(lora=gemm.Fold(h2, B.contiguous(), float(scale), cuts=cuts))
     y = y()
-    y.view(-1, y.shape[-1]).addmm_(h2, B.t(), alpha=scale)
+    y2, RB = y.view(-1, y.shape[-1]), B.shape[1]                               # (rows, N)
+    ends = (0, *gemm.lora_cuts(cuts, B.shape[0]), B.shape[0])
+    for p, (n0, n1) in enumerate(zip(ends, ends[1:])):
+        if n1 > n0:
+            y2[:, n0:n1].addmm_(h2[:, p * RB:(p + 1) * RB], B[n0:n1].t(), alpha=scale)
     return y
 
 
@@ -542,27 +593,36 @@ def group_applies(mods) -> bool:
 
 
 def group_casts(holder, mods, x, refresh=True):
-    """The group's A (Σr, in) and block-diagonal B (Σ out, Σr) in x's dtype, kept on holder (the
-    stack's lora_casts) between calls: refreshed in place by each call, except where refresh is
-    False (a decode graph's capture, which reads them as they are). They are kept for the members'
-    ranks and sizes, not only for the shapes: the members' ranks reshuffled (adapters loaded anew,
-    every shape alike) would leave the old blocks in B's zeros."""
+    """The group's A (Σr, in), B and cuts in x's dtype, kept on holder (the stack's lora_casts)
+    between calls: refreshed in place by each call, except where refresh is False (a decode graph's
+    capture, which reads them as they are). Where the members (at most three) share one rank r, B is
+    compact, (Σ out, r): each row holds its own member's ranks alone, and cuts (N1, N2) say where the
+    first two members' columns end (fp4_decode._lora_part); a q/k/v group's B is a third of the
+    block-diagonal (Σ out, Σr) and gate/up's half, which the update would read at every decode step,
+    zeros included. Otherwise B is that block-diagonal and cuts None. They are kept for the
+    members' ranks and sizes, not only for the shapes: the members' ranks reshuffled (adapters loaded
+    anew, every shape alike) would leave the old blocks in a block-diagonal B's zeros."""
     R, N, K = sum(m.r for m in mods), sum(m.out_features for m in mods), mods[0].in_features
-    layout = tuple((m.r, m.out_features) for m in mods)
+    compact = len(mods) <= 3 and len({m.r for m in mods}) == 1
+    RB = mods[0].r if compact else R
+    ends = list(itertools.accumulate(m.out_features for m in mods))
+    cuts = (ends[0], ends[1]) if compact and len(mods) > 1 else None
+    layout = (cuts, tuple((m.r, m.out_features) for m in mods))
     casts = getattr(holder, "lora_casts", None)
     if (casts is None or casts[0].dtype != x.dtype or casts[0].device != x.device
-            or tuple(casts[0].shape) != (R, K) or casts[2] != layout):
+            or tuple(casts[0].shape) != (R, K) or tuple(casts[1].shape) != (N, RB) or casts[3] != layout):
         with torch.inference_mode(False):   # plain tensors, writable outside inference mode too
             casts = holder.lora_casts = (torch.empty(R, K, dtype=x.dtype, device=x.device),
-                                         torch.zeros(N, R, dtype=x.dtype, device=x.device), layout)
-    A, B = casts[:2]                                                           # (Σr, in), (Σout, Σr)
+                                         torch.zeros(N, RB, dtype=x.dtype, device=x.device), cuts, layout)
+    A, B = casts[:2]                                                           # (Σr, in), (Σout, RB)
     if refresh:
         r0 = n0 = 0
         for m in mods:
+            c0 = 0 if compact else r0
             A[r0:r0 + m.r].copy_(m.lora_A)
-            B[n0:n0 + m.out_features, r0:r0 + m.r].copy_(m.lora_B)
+            B[n0:n0 + m.out_features, c0:c0 + m.r].copy_(m.lora_B)
             r0, n0 = r0 + m.r, n0 + m.out_features
-    return A, B
+    return casts[:3]
 
 
 def group_update(holder, mods, x, y, refresh=True, expand=None):
@@ -571,9 +631,9 @@ def group_update(holder, mods, x, y, refresh=True, expand=None):
     returns: one shrink and one expand (or fold) for the group; refresh: as group_casts; expand:
     the expand launch where one runs (_delta_kernels)."""
     hp = _take_h(holder, x)
-    A, B = group_casts(holder, mods, x, refresh and hp is None)               # the norm refreshed them
+    A, B, cuts = group_casts(holder, mods, x, refresh and hp is None)         # the norm refreshed them
     first = mods[0]
     x2 = x.reshape(-1, x.shape[-1])                                            # (rows, in)
     if _decode_kernels(x2):
-        return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer, hp, expand)
-    return _update(y, F.linear(x, A), B, first.scaling, first.base_layer)    # h: (..., Σr)
+        return _delta_kernels(x2, A, B, y, first.scaling, first.base_layer, hp, expand, cuts)
+    return _update(y, F.linear(x, A), B, first.scaling, first.base_layer, cuts)   # h: (..., Σr)

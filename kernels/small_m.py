@@ -161,20 +161,20 @@ def _mma_store(acc, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_
 
 
 @triton.jit
-def _mma_update(hp_ptr, lb_ptr, lora_scale, pid_n, M, N, R_LORA, LSPLIT: tl.constexpr, W: tl.constexpr,
-                R: tl.constexpr, INTERPRET: tl.constexpr):
+def _mma_update(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, pid_n, M, N, R_LORA, LSPLIT: tl.constexpr,
+                LPARTS: tl.constexpr, W: tl.constexpr, R: tl.constexpr, INTERPRET: tl.constexpr):
     """The LoRA update of the program's rows of y, in the epilogue's layout: (u0, u1), each
     (4, 8, W, R, 4), u[t, g, w, r, q] the update of token 2t + q % 2 (+ 8 for u1) at row
     16·tile + g + 8·(q // 2). Computed as the swapped tiles compute theirs: MMAs of h (16 tokens,
-    R_LORA) and the program's BN rows of B, over R_LORA in chunks (fp4_decode._lora_update_tile, the
-    expand kernel's own product), then re-laid out (Triton moves the (16, BN) result between lanes
-    through shared memory, once per program). Why not in the epilogue's layout directly: a sum over
-    the ranks at every (t, g, w, r, q) would broadcast B's rows to 4·R·R_LORA fp32 a thread (R_LORA
-    up to 128: a q/k/v group of three rank-32 adapters), where the MMA's result is 8·R fp32 a
+    R_LORA) and the program's BN rows of B, over B's lora_rb ranks in chunks
+    (fp4_decode._lora_update_tile, the expand kernel's own product), then re-laid out (Triton moves
+    the (16, BN) result between lanes through shared memory, once per program). Why not in the
+    epilogue's layout directly: a sum over the ranks at every (t, g, w, r, q) would broadcast B's
+    rows to 4·R·lora_rb fp32 a thread (up to 512 at rank 128), where the MMA's result is 8·R fp32 a
     thread and one chunk of its operands is in registers at a time."""
     BN: tl.constexpr = 16 * W * R
-    d = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, tl.arange(0, 16), pid_n * BN + tl.arange(0, BN), M, N,
-                          R_LORA, LSPLIT, INTERPRET)                                  # (16, BN)
+    d = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, tl.arange(0, 16),
+                          pid_n * BN + tl.arange(0, BN), M, N, R_LORA, LSPLIT, LPARTS, INTERPRET)   # (16, BN)
     # token 8a + 2t + p, row 16·(w·R + r) + 8h + g  ->  [t, g, w, r, q = 2h + p, a]
     d = tl.reshape(d, (2, 4, 2, W, R, 2, 8))                                          # [a, t, p, w, r, h, g]
     d = tl.reshape(tl.permute(d, 1, 6, 3, 4, 5, 2, 0), (4, 8, W, R, 4, 2))
@@ -274,7 +274,8 @@ def _nvfp4_mma_kernel(
     # pointers (x2: x as int32 words, a bf16 pair each; p4: packed as int32 words, 8 codes each)
     x2_ptr, p4_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
     y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
-    hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ, hp (LSPLIT, M, R_LORA) fp32, B (N, R_LORA)
+    hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ, hp (LSPLIT, M, R_LORA) fp32, B (N, lora_rb)
+    lora_rb, lora_n1, lora_n2,   # B's ranks a row, the group's cuts (fp4_decode._lora_part)
     # sizes: x (M, K), W (N, K); NWIN = K / 128 windows, program pid_k takes [pid_k·SPLIT, +SPLIT)
     M, N, NWIN, SPLIT, R_LORA,
     # strides (the innermost stride of every tensor is 1)
@@ -290,6 +291,7 @@ def _nvfp4_mma_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr,   # the folded LoRA expand
+    LPARTS: tl.constexpr,      # the group members B holds (gemm.lora_parts)
     LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
     AHEAD: tl.constexpr,       # the next step's loads go out before this step's decodes
 ):
@@ -352,7 +354,8 @@ def _nvfp4_mma_kernel(
     upd0, upd1 = None, None                    # the LoRA update of tokens 0..7, 8..15 where y is finished here
     if LORA:
         if not PARTIAL:
-            upd0, upd1 = _mma_update(hp_ptr, lb_ptr, lora_scale, pid_n, M, N, R_LORA, LSPLIT, W, R, INTERPRET)
+            upd0, upd1 = _mma_update(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, pid_n, M, N, R_LORA, LSPLIT,
+                                     LPARTS, W, R, INTERPRET)
     _mma_store(acc0, tok, rows, out_ptr, gs_ptr, bias_ptr, M, N, stride_om, part_off, upd0,
                HAS_BIAS, PARTIAL, INTERPRET)
     if NT == 2:
@@ -362,7 +365,8 @@ def _nvfp4_mma_kernel(
         if _last_split(count_ptr, pid_n, NSPLIT):
             last0, last1 = None, None
             if LORA:
-                last0, last1 = _mma_update(hp_ptr, lb_ptr, lora_scale, pid_n, M, N, R_LORA, LSPLIT, W, R, INTERPRET)
+                last0, last1 = _mma_update(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, pid_n, M, N, R_LORA,
+                                           LSPLIT, LPARTS, W, R, INTERPRET)
             _sum_splits(out_ptr, y_ptr, tok * stride_om + rows, (tok < M) & (rows < N), rows, N, stride_os,
                         gs_ptr, bias_ptr, last0, NSPLIT, HAS_BIAS, INTERPRET)
             if NT == 2:

@@ -83,9 +83,9 @@ def project(stack, mods, x, silu_mul=False, refresh=True):
         silu_done.append(fold_silu and (not wrapped or lora is not None))
         return matmul(stack, x, lora, silu_mul=silu_done[-1])             # (..., Σ N), or (..., N/2)
 
-    def expand(hp, B, y2, scale, shrink=None):   # the update's expand launch, where one runs: SiLU·mul in it too
+    def expand(hp, B, y2, scale, shrink=None, cuts=None):   # the update's expand launch: SiLU·mul in it too
         silu_done.append(True)
-        return lora_update.expand_silu_mul(hp, B, y2, scale, shrink)
+        return lora_update.expand_silu_mul(hp, B, y2, scale, shrink, cuts)
 
     y = (lora_update.group_update(stack, mods, x, base, refresh, expand if silu_mul else None)
          if grouped else base())

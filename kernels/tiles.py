@@ -103,6 +103,7 @@ def _nvfp4_mm_kernel(
     x_ptr, packed_ptr, scale_ptr, gs_ptr, bias_ptr, out_ptr,
     y_ptr, count_ptr,          # with REDUCE: y (M, N) bf16, and one int32 count per tile (zero)
     hp_ptr, lb_ptr, lora_scale,  # with LORA: y += s·bf16(Σ hp)·Bᵀ (fp4_decode._lora_update_tile)
+    lora_rb, lora_n1, lora_n2,   # B's ranks a row, the group's cuts (fp4_decode._lora_part)
     # sizes: x (M, K), W (N, K); each program of split pid_k reduces k in [pid_k·K_SPLIT, +K_SPLIT)
     M, N, K, K_SPLIT, R_LORA,
     # strides (the innermost stride of every tensor is 1)
@@ -116,6 +117,7 @@ def _nvfp4_mm_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,     # launched with pdl_launch(): see pdl_start
     LORA: tl.constexpr, LSPLIT: tl.constexpr,   # the folded LoRA expand
+    LPARTS: tl.constexpr,      # the group members B holds (gemm.lora_parts)
     LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k]; one (BM, BN) tile of y per program. With LORA, whoever
@@ -166,14 +168,16 @@ def _nvfp4_mm_kernel(
             if _last_split(count_ptr, pid_m * tl.cdiv(N, BN) + pid_n, NSPLIT):
                 upd = None
                 if LORA:
-                    upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R_LORA, LSPLIT, INTERPRET)
+                    upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, offs_m, offs_n, M, N,
+                                            R_LORA, LSPLIT, LPARTS, INTERPRET)
                 _sum_splits(out_ptr, y_ptr, offs_m[:, None] * stride_om + offs_n[None, :], mask, offs_n[None, :],
                             N, stride_os, gs_ptr, bias_ptr, upd, NSPLIT, HAS_BIAS, INTERPRET)
     else:
         y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
         if LORA:
-            y = _add_update(y, _lora_update_tile(hp_ptr, lb_ptr, lora_scale, offs_m, offs_n, M, N, R_LORA, LSPLIT,
-                                                 INTERPRET), INTERPRET)
+            upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, offs_m, offs_n, M, N, R_LORA,
+                                    LSPLIT, LPARTS, INTERPRET)
+            y = _add_update(y, upd, INTERPRET)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
 
 
@@ -245,14 +249,15 @@ def _splitk_reduce_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, numel, C, SPLIT,
 
 
 @triton.jit
-def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr, lora_scale,
+def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr, lora_scale, RB, N1, N2,
                                sx_ptr, sa_ptr, spart_ptr, sflag_ptr, SK, stride_sxm, M, N, R, SPLIT,
                                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LSPLIT: tl.constexpr,
-                               INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
+                               PARTS: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
                                NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
                                SSPLIT: tl.constexpr, SFP32: tl.constexpr):
     """_splitk_reduce_kernel for a (BM, BN) tile of out (M, N), plus a LoRA update: out = bf16(y +
-    s · h Bᵀ) with y the reduce's bf16 result and B (N, R) bf16, the update an fp32 MMA
+    s · h Bᵀ) with y the reduce's bf16 result and B (N, RB) bf16 (RB = R, or a group's compact B cut
+    at N1 and N2: fp4_decode._lora_part), the update an fp32 MMA
     added before the one rounding (the in-place addmm it replaces rounds the sum less exactly: by
     more than a bf16 step on some outputs). h comes in either of matmul's forms, read by one load
     (fp4_decode._lora_h): a bf16 h (M, R) from F.linear (LSPLIT = 1; the GRPO batch), or the
@@ -275,7 +280,8 @@ def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr
         acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
     if NS > 0:
         _await_shrink(sflag_ptr, R, SBR, tl.num_programs(0) - NS)
-    update = _lora_update_tile(h_ptr, b_ptr, lora_scale, offs_m, offs_n, M, N, R, LSPLIT, INTERPRET)  # (BM, BN)
+    update = _lora_update_tile(h_ptr, b_ptr, lora_scale, RB, N1, N2, offs_m, offs_n, M, N, R, LSPLIT, PARTS,
+                               INTERPRET)                                                       # (BM, BN)
     y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
     tl.store(out_ptr + offs, _add_update(y, update, INTERPRET), mask=mask)
 

@@ -62,7 +62,7 @@ def check_forward(run, M, N, K, has_bias, seed, what):
 def check_silu_mul(got, y, x, packed, scale, gs, lora, what):
     """got: a GEMV's silu_mul output (1, I) for W stacking gate and up (N = 2I); y: the same GEMV's
     plain output (1, N). got has the bits of fused_ops.silu_mul on y's two halves, and is within bf16
-    tolerance of float64 silu(g)·u, the LoRA update lora = (hp, B, s) added first (hp summed over its
+    tolerance of float64 silu(g)·u, the LoRA update lora (a gemm.Fold) added first (hp summed over its
     splits and rounded to bf16, as the kernels fold it)."""
     import marlin_kernel
     from kernels import fused_ops
@@ -70,9 +70,26 @@ def check_silu_mul(got, y, x, packed, scale, gs, lora, what):
     assert got.shape == (1, I) and torch.equal(got, fused_ops.silu_mul(y[:, :I], y[:, I:]))
     ref = marlin_kernel.reference_matmul(x, packed, scale, gs, None)
     if lora is not None:
-        hp, B, s = lora
-        ref = ref + s * hp.sum(0).bfloat16().double() @ B.double().t()
+        hp, B, s = lora[:3]
+        ref = ref + s * hp.sum(0).bfloat16().double() @ block_diagonal(B, getattr(lora, "cuts", None), hp.shape[-1]).double().t()
     assert_close(got, torch.nn.functional.silu(ref[:, :I]) * ref[:, I:], what)
+
+
+def parts(cuts, N):
+    """The members of a LoRA group whose compact B has N rows cut at cuts (gemm.Fold.cuts)."""
+    return 1 if cuts is None else 1 + (cuts[0] < N) + (cuts[1] < N)
+
+
+def block_diagonal(B, cuts, R):
+    """A group's compact B (N, R / parts) laid out as the block-diagonal (N, R) it stands for: the rows
+    before cuts[0] in ranks [0, RB), those before cuts[1] in [RB, 2RB), the rest in [2RB, 3RB)."""
+    N, RB = B.shape
+    ends = [0, *(cuts or ()), N]
+    full = torch.zeros(N, R, dtype=B.dtype, device=B.device)
+    for p, (n0, n1) in enumerate(zip(ends, ends[1:])):
+        if n1 > n0:
+            full[n0:n1, p * RB:(p + 1) * RB] = B[n0:n1]
+    return full
 
 
 class LaunchSpy:

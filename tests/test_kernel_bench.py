@@ -57,12 +57,14 @@ def test_main_needs_a_gpu_and_says_so():
         load_bench("kernel").main(["--check"])
 
 
+@pytest.mark.parametrize("cuts", [None, (40, 48)])
 @pytest.mark.parametrize("M,folds", [(1, True), (4, True), (1, False)])
-def test_lora_calls_each_give_the_projection_with_its_update(M, folds):
+def test_lora_calls_each_give_the_projection_with_its_update(M, folds, cuts):
     """bench/kernel.py --lora-cost times lora_calls' sequences: the plain matmul gives x·Wᵀ, and each
     sequence with the adapter gives x·Wᵀ + s·bf16(x·Aᵀ)·Bᵀ (float64, within bf16 rounding): the fold
     where gemm.folds_lora holds, else the expand kernel (without the in-kernel split sum the GEMV
-    cannot fold)."""
+    cannot fold). With cuts, a group of three rank-8 members (40, 8 and 16 columns) with a compact B,
+    as bench.lora_operands builds q/k/v's: the reference is its block-diagonal B."""
     import dataclasses
     import nvfp4
     bench = load_bench("kernel")
@@ -71,11 +73,14 @@ def test_lora_calls_each_give_the_projection_with_its_update(M, folds):
     w = (*nvfp4.interleave(packed, scale), gs)
     x = torch.randn(M, 256, generator=gen).bfloat16().to(DEV)
     A = (torch.randn(24, 256, generator=gen) / 16).bfloat16().to(DEV)
-    B = torch.randn(64, 24, generator=gen).bfloat16().to(DEV)
+    B = torch.randn(64, 24 if cuts is None else 8, generator=gen).bfloat16().to(DEV)
+    dense = B.double()
+    if cuts is not None:                     # member p's rows hold ranks [8p, 8p + 8) of the block-diagonal
+        dense = torch.block_diag(dense[:40], dense[40:48], dense[48:])
     base = reference_matmul(x, packed, scale, gs)
-    full = base + 0.5 * (x.double() @ A.double().t()).bfloat16().double() @ B.double().t()
+    full = base + 0.5 * (x.double() @ A.double().t()).bfloat16().double() @ dense.t()
     with tuning.using(dataclasses.replace(tuning.current(), reduce_in_kernel=folds)):
-        calls = bench.lora_calls(x, w, A, B, 0.5)
+        calls = bench.lora_calls(x, w, A, B, cuts, 0.5)
         want_names = {"plain", "fold, h given", "shrink + fold"} if folds else {"plain", "shrink + expand"}
         assert set(calls) == want_names
         for what, fn in calls.items():

@@ -89,16 +89,18 @@ def test_matches_float64_on_the_mlp_shapes_gpu(name, with_lora, has_bias, monkey
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("with_lora", [False, True])
+@pytest.mark.parametrize("with_lora", [None, "adapter", "group"])
 def test_silu_mul_gpu(with_lora, monkeypatch, poisoned):
     """7B gate/up with silu_mul: the bits of the plain TMA launch followed by fused_ops.silu_mul on
-    its halves, and float64 silu(g)·u within bf16 tolerance."""
+    its halves, and float64 silu(g)·u within bf16 tolerance; the update of one adapter, or of the
+    gate/up group's compact B (each program's rows from both members)."""
     if not gemm.gluon_runs(torch.device("cuda"), True):
         pytest.skip("the TMA-fed GEMV needs sm_90 and triton 3.6")
     N, K = QWEN["7B gate_up"]
-    x, (packed, scale, gs), w, gen = _weights(N, K, 7 + with_lora)
-    hp, B = torch.randn(2, 1, 16, generator=gen).cuda(), (torch.randn(N, 16, generator=gen) * 0.2).bfloat16().cuda()
-    lora = (hp, B, 0.5) if with_lora else None
+    x, (packed, scale, gs), w, gen = _weights(N, K, 7 + len(with_lora or ""))
+    hp, B = torch.randn(2, 1, 32, generator=gen).cuda(), (torch.randn(N, 16, generator=gen) * 0.2).bfloat16().cuda()
+    lora = {None: None, "adapter": gemm.Fold(hp[..., :16].contiguous(), B, 0.5),
+            "group": gemm.Fold(hp, B, 0.5, cuts=(N // 2, N))}[with_lora]
     launched = _spy(monkeypatch)
     got = gemm.matmul(x, *w, gs, interleaved=True, lora=lora, silu_mul=True)
     y = gemm.matmul(x, *w, gs, interleaved=True, lora=lora)

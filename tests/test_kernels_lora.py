@@ -173,6 +173,73 @@ def test_expand_silu_mul_is_the_expand_then_silu_mul(M, I, R, split, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("M, R, cuts, N", [(1, 24, (40, 56), 72), (5, 64, (70, 140), 140), (16, 96, (64, 80), 96),
+                                           (3, 48, (8, 100), 129)])
+def test_expand_of_a_compact_group_reads_each_members_ranks(M, R, cuts, N):
+    """lora_expand_ and expand_silu_mul with a group's compact B (N, R / parts) and its cuts: column n
+    gets h's ranks of its own member only, the sum of block_diagonal(B)'s products, against float64
+    (fp32, tiles straddling members, a member smaller than a tile, two members with N2 = N); a B whose
+    width does not share h's ranks evenly over the parts is refused."""
+    from nvfp4_cases import block_diagonal, parts
+    gen = torch.Generator().manual_seed(M + R)
+    hp = torch.randn(2, M, R, generator=gen)
+    B = torch.randn(N, R // parts(cuts, N), generator=gen)
+    y = torch.randn(M, N, generator=gen)
+    want = y.double() + 0.5 * hp.sum(0).double() @ block_diagonal(B, cuts, R).double().t()
+    got = kl.lora_expand_(hp, B, y.clone(), 0.5, cuts=cuts)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    if N % 2 == 0 and cuts[0] == N // 2:                                  # gate/up: two members, halves
+        I = N // 2
+        silu = kl.expand_silu_mul(hp, B, y, 0.5, cuts=cuts)
+        torch.testing.assert_close(silu.double(), want[:, :I] * torch.sigmoid(want[:, :I]) * want[:, I:],
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        kl.lora_expand_(hp, B[:, :-1], y.clone(), 0.5, cuts=cuts)
+
+
+def test_group_casts_are_compact_where_the_members_share_a_rank():
+    """group_casts: members of one rank give A stacked and B (Σ out, r), each member's rows its own
+    lora_B, with the cuts where the first two end; members of different ranks give the block-diagonal
+    B and no cuts. The torch path of group_update (no kernels: the CPU) with either adds each member's
+    own update, against float64 of each adapter apart."""
+    import lora
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, generator=gen)
+    for ranks, compact in (((4, 4, 4), True), ((4, 8, 4), False), ((4, 4), True)):
+        bases = [torch.nn.Linear(32, n, bias=False) for n in (24, 8, 16)[:len(ranks)]]
+        mods = [lora.LoRALinear(b, r=r, alpha=2 * r) for b, r in zip(bases, ranks)]   # one scaling
+        for m in mods:
+            torch.nn.init.normal_(m.lora_B, std=0.5, generator=gen)
+            m.eval()
+        holder = type("Holder", (), {"lora_casts": None})()
+        with torch.no_grad():
+            A, B, cuts = kl.group_casts(holder, mods, x)
+            y0 = torch.cat([b(x) for b in bases], -1)
+            got = kl.group_update(holder, mods, x, lambda: y0.clone())
+        assert torch.equal(A, torch.cat([m.lora_A for m in mods]))
+        if compact:
+            assert B.shape == (sum(b.out_features for b in bases), 4)
+            assert torch.equal(B, torch.cat([m.lora_B for m in mods]))
+            assert cuts == (24, 32)
+        else:
+            assert cuts is None and torch.equal(B, torch.block_diag(*[m.lora_B for m in mods]))
+        want = torch.cat([(b(x) + m.scaling * (x @ m.lora_A.t()) @ m.lora_B.t()).double()
+                          for b, m in zip(bases, mods)], -1)
+        check_close(got, want, 1e-5, f"group_update, ranks {ranks}")
+
+
+def test_a_fold_whose_b_does_not_fit_its_cuts_is_refused():
+    """gemm.matmul's lora check: cuts past N, cuts out of order, a B wider or narrower than h's ranks
+    over the members the cuts make: a ValueError before any launch."""
+    N, K = 64, 128
+    w = torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn), torch.ones(1)
+    x, hp = torch.zeros(1, K, dtype=torch.bfloat16), torch.zeros(1, 1, 24)
+    for width, cuts in ((8, (70, 80)), (8, (48, 32)), (16, (32, 48)), (24, (32, 48)), (12, None)):
+        with pytest.raises(ValueError, match="does not fit"):
+            gemm.matmul(x, *w, lora=gemm.Fold(hp, torch.zeros(N, width, dtype=torch.bfloat16), 1.0, cuts=cuts))
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("M, C, R, residual, dtype", [(1, 200, 8, True, torch.float32),
                                                       (5, 300, 40, False, torch.float32),
                                                       (16, 520, 160, True, torch.float32),
@@ -275,8 +342,8 @@ def test_group_casts_follow_the_members_ranks_not_only_the_shapes():
         mods = [lora.LoRALinear(b, r=r, alpha=2 * r) for b, r in zip(bases, ranks)]
         for m in mods:
             torch.nn.init.normal_(m.lora_B, std=0.5, generator=gen)
-        A, B = kl.group_casts(holder, mods, x)
-        assert torch.equal(A, torch.cat([m.lora_A for m in mods])), ranks
+        A, B, cuts = kl.group_casts(holder, mods, x)
+        assert cuts is None and torch.equal(A, torch.cat([m.lora_A for m in mods])), ranks
         assert torch.equal(B, torch.block_diag(*[m.lora_B for m in mods])), ranks
 
 
@@ -312,7 +379,7 @@ def _group_ab(mods, dtype):
 @pytest.mark.parametrize("rows", [1, 7, 16, 32])
 def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
     """bf16 on CUDA: a single adapter (lora_linear) and a q/k/v-like group (group_update, one stacked
-    A and a block-diagonal B) give the torch path's output within bf16 rounding, and use the kernels."""
+    A and a compact B, group_casts) give the torch path's output within bf16 rounding, and use the kernels."""
     torch.manual_seed(0)
     mods = _adapters([torch.nn.Linear(512, n, bias=False).cuda().bfloat16() for n in (512, 128, 128)])
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
@@ -321,7 +388,7 @@ def test_gpu_lora_linear_kernels_match_the_torch_path(rows, monkeypatch):
     holder = type("Holder", (), {"lora_casts": None})()
     calls = []
     real = kl.lora_expand_
-    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kl, "lora_expand_", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.no_grad():
         got_fwd = kernels.lora_linear(x, mods[0].base_layer, A0, B0, mods[0].scaling)   # base, then shrink, expand
         got_group = kl.group_update(holder, mods, x, lambda: y.clone())
@@ -357,7 +424,7 @@ def test_gpu_nvfp4_base_folds_the_expand_into_the_base_kernel(rows, monkeypatch)
     A0, B0 = (t.detach().bfloat16() for t in (mods[0].lora_A, mods[0].lora_B))
     calls = []
     real = kl.lora_expand_
-    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kl, "lora_expand_", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.no_grad():
         got_fwd = kernels.lora_linear(x, bases[0], A0, B0, mods[0].scaling)
         got_group = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))
@@ -394,7 +461,7 @@ def test_gpu_7b_decode_folds_match_the_expand_kernel(name, rows, monkeypatch):
     A, B = _group_ab(mods, torch.bfloat16)                                # (R, K), (N, R)
     stack = Stack(bases) if len(bases) > 1 else None
     calls, real = [], kl.lora_expand_
-    monkeypatch.setattr(kl, "lora_expand_", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kl, "lora_expand_", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.no_grad():
         if stack is not None:
             got = kl.group_update(stack, mods, x, lambda **kw: stacked.matmul(stack, x, **kw))

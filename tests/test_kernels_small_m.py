@@ -17,7 +17,8 @@ import torch
 from kernels import gemm, launch, tuning
 from kernels.shapes import GemvConfig, MmaConfig, TileConfig
 from marlin_kernel import reference_matmul
-from nvfp4_cases import DEV, LaunchSpy, assert_close, check_forward, check_silu_mul, random_weight
+from nvfp4_cases import (DEV, LaunchSpy, assert_close, block_diagonal, check_forward, check_silu_mul, parts,
+                         random_weight)
 
 
 def _replaced(**kw):
@@ -134,27 +135,30 @@ def test_gemv_scales_each_lane_step_of_x(poisoned):
     assert (run(torch.zeros(1, K))[0] == 0).all()
 
 
-@pytest.mark.parametrize("M,N,K,R,cfg,il,tune,where", [
-    (1, 48, 352, 24, GemvConfig(bn=16, bk=64, split=3), False, {}, "last split"),   # the last split 1.5 steps
-    (1, 64, 512, 16, GemvConfig(bn=32, bk=64, split=1), False, {}, "kernel"),      # one pass: every program
-    (1, 32, 272, 40, GemvConfig(), False, {}, "kernel"),
-    (9, 144, 512, 24, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3), False, {}, "last split"),
-    (16, 64, 256, 96, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=1), False, {}, "kernel"),
+@pytest.mark.parametrize("M,N,K,R,cuts,cfg,il,tune,where", [
+    (1, 48, 352, 24, (16, 32), GemvConfig(bn=16, bk=64, split=3), False, {}, "last split"),   # the last split 1.5 steps
+    (1, 64, 512, 16, None, GemvConfig(bn=32, bk=64, split=1), False, {}, "kernel"),      # one pass: every program
+    (1, 32, 272, 40, (20, 32), GemvConfig(), False, {}, "kernel"),
+    (9, 144, 512, 24, (100, 120), TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=3), False, {}, "last split"),
+    (16, 64, 256, 96, None, TileConfig(bm=16, bn=64, bk=64, warps=4, stages=2, split=1), False, {}, "kernel"),
     # the fragment kernel: one token tile (M <= 8) and two, unsplit, summed by its last split, or
     # followed by the reduce kernel; an odd rank and a q/k/v group's, the plain and interleaved layouts
-    (2, 48, 256, 24, MmaConfig(warps=1, split=1), False, {}, "kernel"),
-    (9, 64, 256, 96, MmaConfig(warps=2, split=1), True, {}, "kernel"),
-    (5, 80, 512, 96, MmaConfig(warps=2, split=2, windows=2), True, {}, "last split"),
-    (16, 48, 384, 24, MmaConfig(warps=1, tiles=2, split=3), False, dict(fragment_reduce_max_m=16), "last split"),
-    (8, 64, 384, 40, MmaConfig(warps=2, split=3), True, {}, "reduce kernel"),
-    (16, 48, 384, 96, MmaConfig(warps=1, tiles=2, split=3), False, {}, "reduce kernel")])
+    (2, 48, 256, 24, None, MmaConfig(warps=1, split=1), False, {}, "kernel"),
+    (9, 64, 256, 96, (40, 48), MmaConfig(warps=2, split=1), True, {}, "kernel"),
+    (5, 80, 512, 96, None, MmaConfig(warps=2, split=2, windows=2), True, {}, "last split"),
+    (16, 48, 384, 24, (8, 24), MmaConfig(warps=1, tiles=2, split=3), False, dict(fragment_reduce_max_m=16),
+     "last split"),
+    (8, 64, 384, 40, (24, 64), MmaConfig(warps=2, split=3), True, {}, "reduce kernel"),
+    (16, 48, 384, 96, (32, 40), MmaConfig(warps=1, tiles=2, split=3), False, {}, "reduce kernel")])
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_kernels_fold_the_lora_update(M, N, K, R, cfg, il, tune, where, has_bias, monkeypatch, poisoned):
-    """matmul's lora = (hp, B, s): the GEMV, the swapped tiles and the fragment kernel (folds_lora's
-    routes) add s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish (`where`: every program of an
-    unsplit launch, the last split, or the reduce kernel after a split fragment launch; the launch
-    records say which ran). Against float64 (the base, plus the update with h rounded to bf16 as the
-    expand kernel rounds it), and element by element against the kernel's own base output plus the
+def test_kernels_fold_the_lora_update(M, N, K, R, cuts, cfg, il, tune, where, has_bias, monkeypatch, poisoned):
+    """matmul's lora = Fold(hp, B, s, cuts): the GEMV, the swapped tiles and the fragment kernel
+    (folds_lora's routes) add s · bf16(Σ_j hp[j]) · Bᵀ to the rows they finish (`where`: every program
+    of an unsplit launch, the last split, or the reduce kernel after a split fragment launch; the
+    launch records say which ran). With cuts, B is an adapter group's compact B (two or three members,
+    tiles straddling them, N2 = N for two): each column takes its own member's ranks of h. Against
+    float64 (the base, plus the update with h rounded to bf16 as the expand kernel rounds it, B laid
+    out block-diagonal here), and element by element against the kernel's own base output plus the
     float64 update: one bf16 rounding of the sum (what lora.lora_expand_ does to a stored y), at most
     half a unit in the last place."""
     import nvfp4
@@ -168,19 +172,20 @@ def test_kernels_fold_the_lora_update(M, N, K, R, cfg, il, tune, where, has_bias
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
     bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
     hp = torch.randn(3, M, R, generator=gen).to(DEV)                     # three K-chunk partials
-    B = (torch.randn(N, R, generator=gen) * 0.2).bfloat16().to(DEV)
+    B = (torch.randn(N, R // parts(cuts, N), generator=gen) * 0.2).bfloat16().to(DEV)
     w = nvfp4.interleave(packed, scale) if il else (packed, scale)
     run = getattr(gemm, wrapper)
     with _replaced(**tune):
-        got = run(x, *w, gs, bias, cfg, (hp, B, 0.75), il)
+        got = run(x, *w, gs, bias, cfg, gemm.Fold(hp, B, 0.75, cuts=cuts), il)
         (_, kw), *after = launched
         assert where == ("reduce kernel" if len(after) == 1 and not kw["LORA"] else
                          "last split" if kw["LORA"] and kw["REDUCE"] else "kernel" if kw["LORA"] else "nowhere")
         plain = run(x, *w, gs, bias, cfg, None, il)
     h = (hp[0] + hp[1] + hp[2]).bfloat16().double()
-    want = reference_matmul(x, packed, scale, gs, bias) + 0.75 * h @ B.double().t()
+    update = 0.75 * h @ block_diagonal(B, cuts, R).double().t()
+    want = reference_matmul(x, packed, scale, gs, bias) + update
     assert_close(got, want, f"{wrapper} + lora M={M} N={N} K={K} R={R} {cfg}")
-    exact = plain.double() + 0.75 * h @ B.double().t()
+    exact = plain.double() + update
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
 
 
@@ -280,18 +285,20 @@ def test_lora_folds_at_decode_on_the_7b_shapes(monkeypatch):
     (64, 1056, GemvConfig(), False),                     # one program, a K tail
     (96, 128, GemvConfig(bn=16, bk=64), False),          # 6 programs of 8 gate + 8 up rows, 2 steps each
     (160, 384, GemvConfig(bn=64, bk=128), True)])        # interleaved, I = 80: a part tile
-@pytest.mark.parametrize("with_lora", [False, True])
+@pytest.mark.parametrize("with_lora", [None, "adapter", "group"])
 def test_gemv_stores_silu_mul(N, K, cfg, il, with_lora, poisoned):
     """matmul's silu_mul at M = 1: W stacks gate and up (N = 2I), each GEMV program takes gate rows
     j and up rows I + j and stores silu(gate)·up (1, I). The bits of the plain GEMV followed by
     fused_ops.silu_mul on its two halves (with a LoRA update folded in first, as the plain GEMV folds
-    it), and float64 silu(g)·u within bf16 tolerance."""
+    it: one adapter's B, or the gate/up group's compact B, each program's rows from both members),
+    and float64 silu(g)·u within bf16 tolerance."""
     import nvfp4
-    gen = torch.Generator().manual_seed(N + K + with_lora)
+    gen = torch.Generator().manual_seed(N + K + len(with_lora or ""))
     packed, scale, gs = random_weight(N, K, gen)
     x = torch.randn(1, K, generator=gen).bfloat16().to(DEV)
-    hp, B = torch.randn(2, 1, 8, generator=gen).to(DEV), (torch.randn(N, 8, generator=gen) * 0.2).bfloat16().to(DEV)
-    lora = (hp, B, 0.5) if with_lora else None
+    hp, B = torch.randn(2, 1, 16, generator=gen).to(DEV), (torch.randn(N, 8, generator=gen) * 0.2).bfloat16().to(DEV)
+    lora = {None: None, "adapter": gemm.Fold(hp[..., :8].contiguous(), B, 0.5),
+            "group": gemm.Fold(hp, B, 0.5, cuts=(N // 2, N))}[with_lora]
     w = nvfp4.interleave(packed, scale) if il else (packed, scale)
     got = gemm._gemv(x, *w, gs, None, cfg, lora, il, silu_mul=True)
     y = gemm._gemv(x, *w, gs, None, cfg, lora, il)                                        # (1, N)
