@@ -284,21 +284,24 @@ def _lora_update(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, m, cols, M, N, R, LSPLI
 
 
 @triton.jit
-def _lora_update_tile(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, offs_m, offs_n, M, N, R, LSPLIT: tl.constexpr,
-                      PARTS: tl.constexpr, INTERPRET: tl.constexpr):
-    """_lora_update for a (BM, BN) tile (BM >= 16 rows offs_m, BN columns offs_n) as MMAs on bf16
+def _lora_update_tile(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, offs_m, n0, BN: tl.constexpr, M, N, R,
+                      LSPLIT: tl.constexpr, PARTS: tl.constexpr, INTERPRET: tl.constexpr):
+    """_lora_update for a (BM, BN) tile (BM >= 16 rows offs_m, the BN columns from n0) as MMAs on bf16
     operands, h (BM, RB) · B (BN, RB)ᵀ: the expand kernel's own product (fp32 under the interpreter,
     whose bf16 dot is wrong). A group of PARTS members (a constexpr: one adapter compiles to the
     plain product) takes a product for each member whose columns the tile holds (one, but where it
     straddles two or three), B's other rows zero: the members unrolled, each behind a run-time test (a
-    run-time loop over them compiles the split-K reduce to ~25% more registers)."""
-    d = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    run-time loop over them compiles the split-K reduce to ~25% more registers). Which members the
+    tile spans follows from its first and last column, scalars: a min and max over the tile's
+    columns, a reduction across its threads, cost the 8-row fragment kernel 20 registers."""
+    offs_n = n0 + tl.arange(0, BN)
+    d = tl.zeros((offs_m.shape[0], BN), dtype=tl.float32)
     inside = offs_n < N
     if PARTS == 1:
         d = _member_product(d, hp_ptr, lb_ptr, RB, inside, 0, offs_m, offs_n, M, R, LSPLIT, INTERPRET)
     else:
         part = _lora_part(offs_n, N1, N2)                                               # (BN,)
-        first, last = tl.min(part, 0), tl.max(tl.where(inside, part, 0), 0)
+        first, last = _lora_part(n0, N1, N2), _lora_part(n0 + BN - 1, N1, N2)     # past N: masked by inside
         for p in tl.static_range(PARTS):
             if (p >= first) & (p <= last):
                 d = _member_product(d, hp_ptr, lb_ptr, RB, inside & (part == p), p, offs_m, offs_n, M, R, LSPLIT,

@@ -257,14 +257,16 @@ def _summed_h(hp_ptr, offs_m, offs_r, M, R, SPLIT: tl.constexpr, dtype: tl.const
 
 @triton.jit(do_not_specialize=["M"])
 def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, sx_ptr, sa_ptr, spart_ptr, sflag_ptr, SK, stride_sxm,
-                        M, I, R, RB, N1, N2, stride_ym, scale,
+                        M, I, R, RB, stride_ym, scale,
                         SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RB_PAD: tl.constexpr,
-                        PARTS: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+                        UP: tl.constexpr, FP32_DOT: tl.constexpr, USE_PDL: tl.constexpr,
                         NS: tl.constexpr, SBM: tl.constexpr, SBR: tl.constexpr, SBK: tl.constexpr,
                         SSPLIT: tl.constexpr, SFP32: tl.constexpr):
     """out[m, n] = silu(g)·u for BN columns n of I, where g and u are y's gate column n and up column
-    I + n after the expand (_lora_expand_kernel's arithmetic, B (2I, RB) cut at N1 and N2); with NS,
-    the carried shrink in the first NS programs, as there."""
+    I + n after the expand (_lora_expand_kernel's arithmetic); with NS, the carried shrink in the
+    first NS programs, as there. Gate's columns are one member and up's another, so each takes one
+    product, no test of which member a column is: UP is up's member, 1 where B (2I, RB) is the group's
+    compact B (h's ranks [RB, 2RB)), 0 where B holds all of h's ranks in every row (RB = R)."""
     pid = tl.program_id(0)
     if _carried_shrink(pid, NS, sx_ptr, sa_ptr, spart_ptr, hp_ptr, sflag_ptr, M, R, SK, stride_sxm,
                        SBM, SBR, SBK, SSPLIT, SFP32):
@@ -283,8 +285,9 @@ def _expand_silu_kernel(hp_ptr, b_ptr, y_ptr, out_ptr, sx_ptr, sa_ptr, spart_ptr
     dtype: tl.constexpr = y_ptr.dtype.element_ty
     g = tl.load(ys, mask=y_mask, other=0.0)
     u = tl.load(ys + I, mask=y_mask, other=0.0)
-    d_g = _group_product(hp_ptr, b_g, offs_m, offs_n, M, I, R, RB, N1, N2, SPLIT, dtype, FP32_DOT, PARTS)
-    d_u = _group_product(hp_ptr, b_u, offs_m, up, M, 2 * I, R, RB, N1, N2, SPLIT, dtype, FP32_DOT, PARTS)
+    d0 = tl.zeros((BM, BN), tl.float32)
+    d_g = _member_dot(d0, hp_ptr, b_g, 0, offs_m, M, R, RB, SPLIT, dtype, FP32_DOT)
+    d_u = _member_dot(d0, hp_ptr, b_u, UP, offs_m, M, R, RB, SPLIT, dtype, FP32_DOT)
     g = (g.to(tl.float32) + scale * d_g).to(dtype)
     u = (u.to(tl.float32) + scale * d_u).to(dtype)
     tl.store(out_ptr + offs_m[:, None] * I + offs_n[None, :], silu_mul_math(g, u), mask=y_mask)
@@ -391,16 +394,19 @@ def expand_silu_mul(hp, B, y, scale, shrink=None, cuts=None):
     t = tuning.current()
     split, M, R = hp.shape
     N = B.shape[0]
-    RB, n1, n2 = _expand_check("expand_silu_mul", hp, B, y, cuts)
+    RB = _expand_check("expand_silu_mul", hp, B, y, cuts)[0]
     if tuple(y.shape) != (M, N) or N % 2:
         raise ValueError(f"expand_silu_mul: B {tuple(B.shape)}, y {tuple(y.shape)} do not fit y (M, N) += h Bᵀ "
                          f"with h ({M}, {R}) and N even (gate and up)")
     I, BN = N // 2, t.lora_expand_cols
+    if cuts is not None and tuple(cuts) != (I, N):
+        raise ValueError(f"expand_silu_mul: cuts {tuple(cuts)} must be ({I}, {N}): gate's and up's halves, "
+                         f"one member each")
     out = torch.empty(M, I, device=y.device, dtype=y.dtype)
     ptrs, meta = gemm.shrink_args(shrink, hp)
     _expand_silu_kernel[(meta["NS"] + triton.cdiv(I, BN),)](
-        hp, B.contiguous(), y, out, *ptrs, M, I, R, RB, n1, n2, y.stride(0), scale, SPLIT=split, BM=_side(M),
-        BN=BN, RB_PAD=_side(RB), PARTS=gemm.lora_parts(cuts, N),
+        hp, B.contiguous(), y, out, *ptrs, M, I, R, RB, y.stride(0), scale, SPLIT=split, BM=_side(M),
+        BN=BN, RB_PAD=_side(RB), UP=int(cuts is not None),
         FP32_DOT=launch.interpreting() or y.dtype == torch.float32, **meta,
         **launch.pdl_launch(y.device))
     return out

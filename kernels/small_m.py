@@ -174,7 +174,7 @@ def _mma_update(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, pid_n, M,
     thread and one chunk of its operands is in registers at a time."""
     BN: tl.constexpr = 16 * W * R
     d = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, tl.arange(0, 16),
-                          pid_n * BN + tl.arange(0, BN), M, N, R_LORA, LSPLIT, LPARTS, INTERPRET)   # (16, BN)
+                          pid_n * BN, BN, M, N, R_LORA, LSPLIT, LPARTS, INTERPRET)   # (16, BN)
     # token 8a + 2t + p, row 16·(w·R + r) + 8h + g  ->  [t, g, w, r, q = 2h + p, a]
     d = tl.reshape(d, (2, 4, 2, W, R, 2, 8))                                          # [a, t, p, w, r, h, g]
     d = tl.reshape(tl.permute(d, 1, 6, 3, 4, 5, 2, 0), (4, 8, W, R, 4, 2))

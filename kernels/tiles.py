@@ -168,15 +168,15 @@ def _nvfp4_mm_kernel(
             if _last_split(count_ptr, pid_m * tl.cdiv(N, BN) + pid_n, NSPLIT):
                 upd = None
                 if LORA:
-                    upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, offs_m, offs_n, M, N,
-                                            R_LORA, LSPLIT, LPARTS, INTERPRET)
+                    upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, offs_m, pid_n * BN,
+                                            BN, M, N, R_LORA, LSPLIT, LPARTS, INTERPRET)
                 _sum_splits(out_ptr, y_ptr, offs_m[:, None] * stride_om + offs_n[None, :], mask, offs_n[None, :],
                             N, stride_os, gs_ptr, bias_ptr, upd, NSPLIT, HAS_BIAS, INTERPRET)
     else:
         y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
         if LORA:
-            upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, offs_m, offs_n, M, N, R_LORA,
-                                    LSPLIT, LPARTS, INTERPRET)
+            upd = _lora_update_tile(hp_ptr, lb_ptr, lora_scale, lora_rb, lora_n1, lora_n2, offs_m, pid_n * BN, BN, M,
+                                    N, R_LORA, LSPLIT, LPARTS, INTERPRET)
             y = _add_update(y, upd, INTERPRET)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
 
@@ -272,7 +272,8 @@ def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr
     pdl_start(USE_PDL)
     nt = tl.cdiv(N, BN)
     offs_m = (pid // nt) * BM + tl.arange(0, BM)
-    offs_n = (pid % nt) * BN + tl.arange(0, BN)
+    n0 = (pid % nt) * BN
+    offs_n = n0 + tl.arange(0, BN)
     offs = offs_m[:, None] * N + offs_n[None, :]                                   # (BM, BN)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -280,7 +281,7 @@ def _splitk_reduce_lora_kernel(part_ptr, gs_ptr, bias_ptr, out_ptr, h_ptr, b_ptr
         acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
     if NS > 0:
         _await_shrink(sflag_ptr, R, SBR, tl.num_programs(0) - NS)
-    update = _lora_update_tile(h_ptr, b_ptr, lora_scale, RB, N1, N2, offs_m, offs_n, M, N, R, LSPLIT, PARTS,
+    update = _lora_update_tile(h_ptr, b_ptr, lora_scale, RB, N1, N2, offs_m, n0, BN, M, N, R, LSPLIT, PARTS,
                                INTERPRET)                                                       # (BM, BN)
     y = _finish(acc, gs_ptr, bias_ptr, offs_n[None, :], N, HAS_BIAS, INTERPRET)
     tl.store(out_ptr + offs, _add_update(y, update, INTERPRET), mask=mask)

@@ -193,6 +193,9 @@ def test_expand_of_a_compact_group_reads_each_members_ranks(M, R, cuts, N):
         silu = kl.expand_silu_mul(hp, B, y, 0.5, cuts=cuts)
         torch.testing.assert_close(silu.double(), want[:, :I] * torch.sigmoid(want[:, :I]) * want[:, I:],
                                    rtol=1e-5, atol=1e-5)
+    elif N % 2 == 0:                                                     # members that are not gate and up
+        with pytest.raises(ValueError, match="gate's and up's halves"):
+            kl.expand_silu_mul(hp, B, y, 0.5, cuts=cuts)
     with pytest.raises(ValueError, match="does not fit"):
         kl.lora_expand_(hp, B[:, :-1], y.clone(), 0.5, cuts=cuts)
 
