@@ -546,7 +546,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(lora_ptrs[3])),
         SILU=silu_mul,
-        LATE_WAIT=_late_wait(lora),
+        LATE_WAIT=_late_wait(lora), PREFETCH_B=tuning.current().lora_b_prefetch,
         BN=cfg.bn, BK=bk, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -573,8 +573,8 @@ def _gemv_tma(x, packed, scale, global_scale, bias, out, lora, silu_mul):
         x.view(torch.int32), *rak.weight_descriptors(packed, scale, 16), global_scale,
         bias if bias is not None else out, part, out, counts, *lora_ptrs, N, R, K // 512, steps, split, N,
         HAS_BIAS=bias is not None, PARTIAL=split > 1, **lora_flags, LR=max(16, triton.next_power_of_2(lora_ptrs[3])),
-        SILU=silu_mul, LATE_WAIT=_late_wait(lora), S=gemv_tma.STAGES, num_warps=4, maxnreg=gemv_tma.REGS,
-        **launch.pdl_launch(x.device))
+        SILU=silu_mul, LATE_WAIT=_late_wait(lora), PREFETCH_B=tuning.current().lora_b_prefetch, S=gemv_tma.STAGES,
+        num_warps=4, maxnreg=gemv_tma.REGS, **launch.pdl_launch(x.device))
     return out
 
 

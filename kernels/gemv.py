@@ -63,6 +63,8 @@ from .fp4_decode import (_e2m1_f32, _e4m3_to_f32, _finish, _last_split, _lora_up
 # one lane's 16 bytes of W (weights: not written while a decode runs, so read non-coherently)
 _LOAD_W_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
                            "mov.b32 $3, 0; @p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4]; }")
+# ask L2 for the line at $1 where $2 != 0 (the rows of B a folded LoRA update reads: _prefetch_lora_b)
+_PREFETCH_L2_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 # one lane's two scale bytes (E4M3), low byte = the first block's; 0 past kb_end
 _LOAD_S_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u16 $0, [$1]; }")
 # one lane's 16 x words (bf16 pairs), written by the kernel before: read after the PDL wait
@@ -306,6 +308,20 @@ def _gemv_update(hp_ptr, lb_ptr, lora_scale, RB, N1, N2, m: tl.constexpr, offs_n
                         LR, INTERPRET)
 
 
+@triton.jit
+def _prefetch_lora_b(lb_ptr, cols, N, RB, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
+    """Ask L2 for the rows cols of B (N, RB) bf16, one request per row and 64 ranks: nothing is held
+    in a register or waited on. Issued before the main loop, the rows the LoRA fold reads in the
+    epilogue arrive while the weights stream, and that read, at the program's tail, finds them in
+    L2. Only the one-row GEMVs ask: the same request in the fragment kernel lengthened the 2- and
+    8-row decode steps (kernels/README.md has the A/B). Nothing under the interpreter or without
+    PREFETCH."""
+    if PREFETCH and not INTERPRET:
+        for c in range(0, RB, 64):
+            tl.inline_asm_elementwise(_PREFETCH_L2_PTX, "=r,l,r", [lb_ptr + cols * RB + c, (cols < N).to(tl.int32)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _nvfp4_gemv_kernel(
     # pointers (x2: x viewed as int32 words, one bf16 pair each)
@@ -328,6 +344,7 @@ def _nvfp4_gemv_kernel(
     LORA: tl.constexpr, LSPLIT: tl.constexpr, LR: tl.constexpr,   # the folded LoRA expand (LR >= lora_rb)
     LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
     SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (1, I)
+    PREFETCH_B: tl.constexpr,  # with LORA: split 0 asks L2 for the tile's rows of B (_prefetch_lora_b)
 ):
     """y[0, n] = sum_k x[0, k] · W[n, k] on CUDA cores: BN rows of W per program, a (BN, L) tile of
     fp32 sums (one per row and lane; the warps of num_warps split the rows, and every thread loads
@@ -361,6 +378,9 @@ def _nvfp4_gemv_kernel(
     live = col < kb_end
     w = _gemv_w(w_rows + _tiled_offsets(0, col, stride_pn, 64, IL), live, INTERPRET)
     sc = _gemv_s(s_rows + _tiled_offsets(0, col // 8, stride_sn, 8, IL), live, INTERPRET)
+    if LORA:
+        if pid_k == 0:
+            _prefetch_lora_b(lb_ptr, offs_n, N, lora_rb, PREFETCH_B, INTERPRET)
     if not LATE_WAIT:
         pdl_start(USE_PDL, SILU)
     x = _gemv_x(x2_ptr + col, live, INTERPRET)

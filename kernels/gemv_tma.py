@@ -54,6 +54,7 @@ _LANE_SUM = gl.constexpr(gemv._LANE_SUM_PTX.value)
 _LOAD_X_C = gl.constexpr(gemv._LOAD_X_CONSTRAINTS.value)
 _X_F16_C = gl.constexpr(gemv._X_F16_CONSTRAINTS.value)
 _LANE_SUM_C = gl.constexpr(gemv._LANE_SUM_CONSTRAINTS.value)
+_PREFETCH_L2 = gl.constexpr(gemv._PREFETCH_L2_PTX.value)
 _POST = gl.constexpr(register_a._POST.value)
 
 
@@ -158,9 +159,14 @@ def _finish(acc, rows, gs_ptr, bias_ptr, hp_ptr, lb_ptr, lora_scale, RB, N1, N2,
 def _consumer(ws, ss, ready, free, x2_ptr, gs_ptr, bias_ptr, part_ptr, y_ptr, count_ptr, hp_ptr, lb_ptr, lora_scale,
               RB, N1, N2, rows, N, R, step_start, step_end, pid_n, pid_k, NSPLIT, stride_os, HAS_BIAS: gl.constexpr,
               PARTIAL: gl.constexpr, LORA: gl.constexpr, LSPLIT: gl.constexpr, LR: gl.constexpr,
-              SILU: gl.constexpr, LATE_WAIT: gl.constexpr, USE_PDL: gl.constexpr):
+              SILU: gl.constexpr, LATE_WAIT: gl.constexpr, USE_PDL: gl.constexpr, PREFETCH_B: gl.constexpr):
     """The main loop, then the epilogue of a row tile (or its partial, and the sum by the last split)."""
     LS: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [4, 1, 1], [2, 1, 0])     # (window, row, lane)
+    if LORA and PREFETCH_B:
+        if pid_k == 0:                           # the rows of B the epilogue reads (gemv._prefetch_lora_b)
+            for c in range(0, RB, 64):
+                gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l,r", [lb_ptr + rows * RB + c, (rows < N).to(gl.int32)],
+                                          dtype=gl.int32, is_pure=False, pack=1)
     if USE_PDL and not LATE_WAIT:
         register_a.grid_wait()
         if SILU:
@@ -190,7 +196,7 @@ def _gemv_tma_kernel(x2_ptr, w_desc, s_desc, gs_ptr, bias_ptr, part_ptr, y_ptr, 
                      RB, N1, N2, N, R, NSTEP, STEP_SPLIT, NSPLIT, stride_os,
                      HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, LORA: gl.constexpr, LSPLIT: gl.constexpr,
                      LR: gl.constexpr, SILU: gl.constexpr, LATE_WAIT: gl.constexpr, USE_PDL: gl.constexpr,
-                     S: gl.constexpr, num_warps: gl.constexpr):
+                     PREFETCH_B: gl.constexpr, S: gl.constexpr, num_warps: gl.constexpr):
     """Program (pid_n, pid_k): rows of groups ga and gb (2·pid_n and 2·pid_n + 1, or with SILU gate
     group pid_n and up group N/32 + pid_n), steps [pid_k·STEP_SPLIT, +STEP_SPLIT) of NSTEP."""
     pid_n = gl.program_id(0)
@@ -216,6 +222,6 @@ def _gemv_tma_kernel(x2_ptr, w_desc, s_desc, gs_ptr, bias_ptr, part_ptr, y_ptr, 
     gl.warp_specialize([
         (_consumer, (ws, ss, ready, free, x2_ptr, gs_ptr, bias_ptr, part_ptr, y_ptr, count_ptr, hp_ptr, lb_ptr,
                      lora_scale, RB, N1, N2, rows, N, R, step_start, step_end, pid_n, pid_k, NSPLIT, stride_os,
-                     HAS_BIAS, PARTIAL, LORA, LSPLIT, LR, SILU, LATE_WAIT, USE_PDL)),
+                     HAS_BIAS, PARTIAL, LORA, LSPLIT, LR, SILU, LATE_WAIT, USE_PDL, PREFETCH_B)),
         (_producer, (w_desc, s_desc, ws, ss, ready, free, ga, gb, step_start, step_end)),
     ], [1], [register_a.LOADER_REGS])
