@@ -426,8 +426,10 @@ def _reduce(part, global_scale, bias, out, lora=None):
         return out
     if lora is not None:
         h, B, s = lora[:3]
-        # 16 x 128 tiles: as many programs as the flat reduce has blocks of 1024 at 8 rows
-        (M, N), BM, BN = out.shape, 16, 128
+        # decode (hp: the shrink's partials, to lora_max_m rows): narrow tiles, many programs
+        # (Tuning.reduce_lora_cols); the GRPO batch (h from F.linear): 16 x 128 tiles, the shape its step
+        # is measured with
+        (M, N), BM, BN = out.shape, 16, tuning.current().reduce_lora_cols if h.dim() == 3 else 128
         shrink_ptrs, shrink_meta = shrink_args(_carried(lora), out)
         _splitk_reduce_lora_kernel[(shrink_meta["NS"] + cdiv(M, BM) * cdiv(N, BN),)](
             part, global_scale, bias if bias is not None else out, out, h, B, s, B.shape[1],

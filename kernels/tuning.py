@@ -130,6 +130,10 @@ class Tuning:
     lora_shrink_k: int = 256          # ... and k, in one load before its PDL wait: K / this many programs a
                                       # row tile stream A at once, and its last one sums their partials
     lora_expand_cols: int = 64        # output columns an expand program updates
+    reduce_lora_cols: int = 32        # output columns a program of the split-K reduce that adds the update at
+                                      # decode takes: its tail (the wait for h, then h·Bᵀ) is a chain of latencies,
+                                      # so more, narrower programs finish sooner (128 and 64 slower at 8-32 rows,
+                                      # 16 at 16); the GRPO batch's reduce keeps 128
     norm_shrink_max_m: int = 1        # to this many rows the RMSNorm before an adapted group (q/k/v, gate/up)
                                       # runs the group's shrink in its own launch (lora.norm_shrink): at 8
                                       # rows its rows x ranks programs, waiting beside the matmul, cost more
@@ -175,7 +179,7 @@ class Tuning:
         if self.lora_max_m > LORA_MAX_ROWS:
             raise ValueError(f"Tuning.lora_max_m: the LoRA kernels hold every row in one tile of at most "
                              f"{LORA_MAX_ROWS}, got {self.lora_max_m}")
-        for name in ("lora_rank_rows", "lora_shrink_k", "lora_expand_cols"):
+        for name in ("lora_rank_rows", "lora_shrink_k", "lora_expand_cols", "reduce_lora_cols"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"Tuning.{name}: a tile side, a power of two >= 16, got {v}")

@@ -84,16 +84,18 @@ def test_large_m_dequantize_then_matmul_path(has_bias, poisoned):
         assert_close(kernels.nvfp4_matmul_dx(dy, packed, scale, gs), dy.double() @ W, "dx large-M path")
 
 
-@pytest.mark.parametrize("M,N,R,split,has_bias,partials", [
-    (5, 48, 16, 3, True, 0), (70, 130, 96, 2, False, 0), (1, 16, 7, 4, True, 0),     # h (M, R) bf16
-    (16, 130, 96, 3, True, 1), (5, 48, 24, 2, False, 3)])                            # hp (partials, M, R) fp32
-def test_split_k_reduce_adds_the_lora_update(M, N, R, split, has_bias, partials, poisoned):
+@pytest.mark.parametrize("M,N,R,split,has_bias,partials,cols", [
+    (5, 48, 16, 3, True, 0, 32), (70, 130, 96, 2, False, 0, 32), (1, 16, 7, 4, True, 0, 32),  # h (M, R) bf16
+    (16, 130, 96, 3, True, 1, 32), (5, 48, 24, 2, False, 3, 32),                      # hp (partials, M, R) fp32
+    (16, 130, 96, 3, True, 1, 128), (21, 200, 32, 2, False, 2, 16)])                 # ... other column tiles
+def test_split_k_reduce_adds_the_lora_update(M, N, R, split, has_bias, partials, cols, poisoned):
     """_reduce with a LoRA update in either of matmul's forms: lora = (h, B, s), h bf16 (the
     register-A route's fold at the GRPO batch, reduce_folds_lora), or (hp, B, s), the shrink's fp32
     K-chunk partials (decode, folds_lora: after a split fragment or register-A launch), summed and
     rounded to bf16 in the kernel as the expand kernel rounds them. The sum of the fp32 partials
     rounded to y as without the update, then bf16(y + s·h·Bᵀ) against float64; tiles past M and N
-    (70 x 130 in 16 x 128 tiles), ranks that are not powers of two."""
+    (70 x 130 in the h form's 16 x 128 tiles; the hp form's in Tuning.reduce_lora_cols columns, which
+    bench/ab.py varies), ranks that are not powers of two."""
     gen = torch.Generator().manual_seed(M * 31 + N + R + partials)
     part = torch.randn(split, M, N, generator=gen).to(DEV)
     gs = torch.tensor([0.37], device=DEV)
@@ -105,7 +107,8 @@ def test_split_k_reduce_adds_the_lora_update(M, N, R, split, has_bias, partials,
         first = h = torch.randn(M, R, generator=gen).bfloat16().to(DEV)
     B = (torch.randn(N, R, generator=gen) * 0.1).bfloat16().to(DEV)
     plain = gemm._reduce(part, gs, bias, torch.empty(M, N, device=DEV, dtype=torch.bfloat16))
-    got = gemm._reduce(part, gs, bias, torch.empty(M, N, device=DEV, dtype=torch.bfloat16), (first, B, 0.5))
+    with tuning.using(dataclasses.replace(tuning.current(), reduce_lora_cols=cols)):
+        got = gemm._reduce(part, gs, bias, torch.empty(M, N, device=DEV, dtype=torch.bfloat16), (first, B, 0.5))
     base = part.double().sum(0) * 128 / gs.double() + (bias.double() if has_bias else 0)
     assert ((plain.double() - base).abs() <= 2.0 ** -8 * base.abs() + 1e-30).all()     # y: one rounding
     want = plain.double() + 0.5 * h.double() @ B.double().t()
