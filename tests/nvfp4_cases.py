@@ -75,11 +75,6 @@ def check_silu_mul(got, y, x, packed, scale, gs, lora, what):
     assert_close(got, torch.nn.functional.silu(ref[:, :I]) * ref[:, I:], what)
 
 
-def parts(cuts, N):
-    """The members of a LoRA group whose compact B has N rows cut at cuts (gemm.Fold.cuts)."""
-    return 1 if cuts is None else 1 + (cuts[0] < N) + (cuts[1] < N)
-
-
 def block_diagonal(B, cuts, R):
     """A group's compact B (N, R / parts) laid out as the block-diagonal (N, R) it stands for: the rows
     before cuts[0] in ranks [0, RB), those before cuts[1] in [RB, 2RB), the rest in [2RB, 3RB)."""

@@ -180,10 +180,10 @@ def test_expand_of_a_compact_group_reads_each_members_ranks(M, R, cuts, N):
     gets h's ranks of its own member only, the sum of block_diagonal(B)'s products, against float64
     (fp32, tiles straddling members, a member smaller than a tile, two members with N2 = N); a B whose
     width does not share h's ranks evenly over the parts is refused."""
-    from nvfp4_cases import block_diagonal, parts
+    from nvfp4_cases import block_diagonal
     gen = torch.Generator().manual_seed(M + R)
     hp = torch.randn(2, M, R, generator=gen)
-    B = torch.randn(N, R // parts(cuts, N), generator=gen)
+    B = torch.randn(N, R // gemm.lora_parts(cuts, N), generator=gen)
     y = torch.randn(M, N, generator=gen)
     want = y.double() + 0.5 * hp.sum(0).double() @ block_diagonal(B, cuts, R).double().t()
     got = kl.lora_expand_(hp, B, y.clone(), 0.5, cuts=cuts)

@@ -17,7 +17,7 @@ import torch
 from kernels import gemm, launch, tuning
 from kernels.shapes import GemvConfig, MmaConfig, TileConfig
 from marlin_kernel import reference_matmul
-from nvfp4_cases import (DEV, LaunchSpy, assert_close, block_diagonal, check_forward, check_silu_mul, parts,
+from nvfp4_cases import (DEV, LaunchSpy, assert_close, block_diagonal, check_forward, check_silu_mul,
                          random_weight)
 
 
@@ -172,7 +172,7 @@ def test_kernels_fold_the_lora_update(M, N, K, R, cuts, cfg, il, tune, where, ha
     x = torch.randn(M, K, generator=gen).bfloat16().to(DEV)
     bias = torch.randn(N, generator=gen).bfloat16().to(DEV) if has_bias else None
     hp = torch.randn(3, M, R, generator=gen).to(DEV)                     # three K-chunk partials
-    B = (torch.randn(N, R // parts(cuts, N), generator=gen) * 0.2).bfloat16().to(DEV)
+    B = (torch.randn(N, R // gemm.lora_parts(cuts, N), generator=gen) * 0.2).bfloat16().to(DEV)
     w = nvfp4.interleave(packed, scale) if il else (packed, scale)
     run = getattr(gemm, wrapper)
     with _replaced(**tune):
