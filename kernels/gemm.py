@@ -201,7 +201,7 @@ def _check_lora(lora, M, N, K, device, interleaved):
                          f"{first.dtype} {tuple(first.shape)}")
     if B.dtype != torch.bfloat16 or B.dim() != 2 or B.shape[0] != N or not B.is_contiguous():
         raise ValueError(f"lora: B must be a contiguous bf16 ({N}, RB), got {B.dtype} {tuple(B.shape)}")
-    check_lora_b(B, getattr(lora, "cuts", None), first.shape[-1], "lora")
+    check_lora_b(B, _cuts(lora), first.shape[-1], "lora")
     if first.device != device or B.device != device or not isinstance(s, float):
         raise ValueError(f"lora: {'h' if h_form else 'hp'} and B on the activations' device, and a float scale")
     if h_form and not reduce_folds_lora(M, N, K, device, interleaved):
@@ -433,7 +433,7 @@ def _reduce(part, global_scale, bias, out, lora=None):
         shrink_ptrs, shrink_meta = shrink_args(_carried(lora), out)
         _splitk_reduce_lora_kernel[(shrink_meta["NS"] + cdiv(M, BM) * cdiv(N, BN),)](
             part, global_scale, bias if bias is not None else out, out, h, B, s, B.shape[1],
-            *lora_cuts(getattr(lora, "cuts", None), N), *shrink_ptrs, M, N, h.shape[-1], part.shape[0],
+            *lora_cuts(_cuts(lora), N), *shrink_ptrs, M, N, h.shape[-1], part.shape[0],
             HAS_BIAS=bias is not None, BM=BM, BN=BN, LSPLIT=1 if h.dim() == 2 else h.shape[0],
             PARTS=_lora_members(lora),
             INTERPRET=launch.interpreting(), **shrink_meta, **launch.pdl_launch(out.device))
@@ -450,6 +450,12 @@ def _reduce(part, global_scale, bias, out, lora=None):
 def _carried(lora):
     """The shrink a Fold carries (its h computed by the launch that folds it), or None."""
     return getattr(lora, "shrink", None)
+
+
+def _cuts(lora):
+    """Where a Fold's compact B cuts between its group's members (lora.group_casts), or None: one
+    member, or a plain (h, B, s) tuple."""
+    return getattr(lora, "cuts", None)
 
 
 def _late_wait(lora) -> bool:
@@ -470,13 +476,21 @@ def _lora_args(lora, out, split, reduce):
     if lora is None:
         return (out, out, 0.0, 1, 1, 1), 1, dict(LORA=False, LSPLIT=1)
     hp, lb, ls = lora[:3]
-    return ((hp, lb, ls, lb.shape[1], *lora_cuts(getattr(lora, "cuts", None), lb.shape[0])), hp.shape[-1],
+    return ((hp, lb, ls, lb.shape[1], *lora_cuts(_cuts(lora), lb.shape[0])), hp.shape[-1],
             dict(LORA=True, LSPLIT=hp.shape[0]))
+
+
+def _gemv_fold_flags(lora, lora_ptrs) -> dict:
+    """The one-row GEMVs' (gemv.py, gemv_tma.py) constexprs for the update they fold: LR, the ranks
+    a row of B holds as a power of two (>= 16, a tile side), when they wait on the launch before
+    (_late_wait), and whether they ask L2 for B's rows first (Tuning.lora_b_prefetch)."""
+    return dict(LR=max(16, triton.next_power_of_2(lora_ptrs[3])), LATE_WAIT=_late_wait(lora),
+                PREFETCH_B=tuning.current().lora_b_prefetch)
 
 
 def _lora_members(lora) -> int:
     """The constexpr LPARTS of a launch that folds lora by MMAs (fp4_decode._lora_update_tile)."""
-    return 1 if lora is None else lora_parts(getattr(lora, "cuts", None), lora[1].shape[0])
+    return 1 if lora is None else lora_parts(_cuts(lora), lora[1].shape[0])
 
 
 def _matmul(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
@@ -546,9 +560,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         *targets, *lora_ptrs,
         M, N, K // 2, k_split // 2, R,
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
-        HAS_BIAS=bias is not None, **flags, **lora_flags, LR=max(16, triton.next_power_of_2(lora_ptrs[3])),
-        SILU=silu_mul,
-        LATE_WAIT=_late_wait(lora), PREFETCH_B=tuning.current().lora_b_prefetch,
+        HAS_BIAS=bias is not None, **flags, **lora_flags, **_gemv_fold_flags(lora, lora_ptrs), SILU=silu_mul,
         BN=cfg.bn, BK=bk, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
@@ -574,9 +586,8 @@ def _gemv_tma(x, packed, scale, global_scale, bias, out, lora, silu_mul):
     gemv_tma._gemv_tma_kernel[(tiles, split)](
         x.view(torch.int32), *rak.weight_descriptors(packed, scale, 16), global_scale,
         bias if bias is not None else out, part, out, counts, *lora_ptrs, N, R, K // 512, steps, split, N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, **lora_flags, LR=max(16, triton.next_power_of_2(lora_ptrs[3])),
-        SILU=silu_mul, LATE_WAIT=_late_wait(lora), PREFETCH_B=tuning.current().lora_b_prefetch, S=gemv_tma.STAGES,
-        num_warps=4, maxnreg=gemv_tma.REGS, **launch.pdl_launch(x.device))
+        HAS_BIAS=bias is not None, PARTIAL=split > 1, **lora_flags, **_gemv_fold_flags(lora, lora_ptrs),
+        SILU=silu_mul, S=gemv_tma.STAGES, num_warps=4, maxnreg=gemv_tma.REGS, **launch.pdl_launch(x.device))
     return out
 
 
