@@ -112,6 +112,30 @@ def hf_logits(hf, ids, pos):
     return hf(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
 
 
+def against_hf(model, hf):
+    """Our model against transformers' on one batch(): -> (our logits, our last hidden state, and the
+    worst relative errors of the logits at explicit positions, of the hidden state, and of the logits
+    at the default positions 0..T-1)."""
+    ids, pos = batch()
+    with torch.no_grad():
+        ours, ref = model(ids, pos), hf_logits(hf, ids, pos)
+        hidden = model(ids, pos, return_hidden=True)
+        ref_hidden = hf.model(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).last_hidden_state
+        ours0, ref0 = model(ids), hf(ids).logits
+    return ours, hidden, (rel_err(ours, ref), rel_err(hidden, ref_hidden), rel_err(ours0, ref0))
+
+
+def assert_same_completions(ref, out, atol=1e-5):
+    """Two engines' generate() results: the same tokens and log-probs within atol, completion by
+    completion of each prompt."""
+    assert len(ref) == len(out)
+    for rc, oc in zip(ref, out):
+        assert len(rc) == len(oc)
+        for r, o in zip(rc, oc):
+            assert o.token_ids == r.token_ids
+            torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=atol, rtol=0)
+
+
 def load32(path, quant="bf16"):
     """Our model from a checkpoint directory, on the CPU in fp32."""
     from checkpoint import load_model

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import checkpoint as C
 import model as M
 import nvfp4
-from conftest import TINY, batch, hf_logits, load32, rel_err
+from conftest import TINY, against_hf, batch, hf_logits, load32, rel_err
 from ops import apply_rope
 
 ARCHS = [("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)]
@@ -31,13 +31,7 @@ def test_logits_match_transformers_fp32(tiny_hf_dir, arch, tie):
     model = load32(path)
     assert model.config.tie_word_embeddings == tie and model.config.attention_bias == (arch == "qwen2")
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
-    ids, pos = batch()
-    with torch.no_grad():
-        ours, ref = model(ids, pos), hf_logits(hf, ids, pos)
-        hidden = model(ids, pos, return_hidden=True)
-        ref_hidden = hf.model(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).last_hidden_state
-        ours0, ref0 = model(ids), hf(ids).logits  # default positions 0..T-1
-    err, err_h, err0 = rel_err(ours, ref), rel_err(hidden, ref_hidden), rel_err(ours0, ref0)
+    ours, hidden, (err, err_h, err0) = against_hf(model, hf)
     print(f"{arch} tie={tie}: logits rel err {err:.2e}, hidden {err_h:.2e}, default positions {err0:.2e}")
     assert ours.shape == (3, 24, 256) and hidden.shape == (3, 24, 64)
     assert err < 1e-5 and err_h < 1e-5 and err0 < 1e-5

@@ -26,7 +26,8 @@ import model as M
 import nvfp4
 import tasks
 import train
-from conftest import batch, hf_greedy, hf_logits, load32, make_tiny_hf, random_prompts, rel_err
+from conftest import (against_hf, assert_same_completions, batch, hf_greedy, hf_logits, load32, make_tiny_hf,
+                      random_prompts, rel_err)
 from rollout import LLMEngine, SamplingParams
 
 QWEN3_TINY_HEAD_DIM = 32     # conftest's Qwen3: 4 heads of 32 on a hidden size of 64
@@ -58,13 +59,7 @@ def test_qwen3_logits_match_transformers_fp32(tiny_hf_dir, tie):
     assert torch.equal(attn.q_norm.weight, hf.model.layers[0].self_attn.q_norm.weight)
     assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (QWEN3_TINY_HEAD_DIM,)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
-    ids, pos = batch()
-    with torch.no_grad():
-        ours, ref = model(ids, pos), hf_logits(hf, ids, pos)
-        hidden = model(ids, pos, return_hidden=True)
-        ref_hidden = hf.model(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).last_hidden_state
-        ours0, ref0 = model(ids), hf(ids).logits
-    err, err_h, err0 = rel_err(ours, ref), rel_err(hidden, ref_hidden), rel_err(ours0, ref0)
+    ours, _, (err, err_h, err0) = against_hf(model, hf)
     print(f"qwen3 tie={tie}: logits rel err {err:.2e}, hidden {err_h:.2e}, default positions {err0:.2e}")
     assert ours.shape == (3, 24, 256) and err < 1e-5 and err_h < 1e-5 and err0 < 1e-5
 
@@ -333,10 +328,7 @@ def test_qwen3_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
     params = SamplingParams(temperature=0, max_tokens=6, n=2, stop_token_ids=())
     ref = LLMEngine(model, block_size=16, attn_backend="torch").generate(prompts, params)
     out = LLMEngine(model, block_size=16, attn_backend="triton", partition_size=16).generate(prompts, params)
-    for rc, oc in zip(ref, out):
-        for r, o in zip(rc, oc):
-            assert o.token_ids == r.token_ids
-            torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+    assert_same_completions(ref, out)
 
 
 @pytest.mark.interpreter
@@ -362,10 +354,7 @@ def test_qwen3_fused_decode_gets_normed_q_k_and_matches_the_torch_backend(tiny_h
     L = model.config.num_layers
     assert rope_calls.count(True) == len(rope_calls) == engine.stats["decode_steps"] * L > 0
     assert norm_calls.count(True) == 2 * L * (engine.stats["decode_steps"] + engine.stats["prefill_steps"])
-    for rc, oc in zip(ref, out):
-        for r, o in zip(rc, oc):
-            assert o.token_ids == r.token_ids
-            torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+    assert_same_completions(ref, out)
 
 
 # ----------------------------------------------------------------------------------------------

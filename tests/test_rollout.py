@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from conftest import hf_greedy, random_prompts
+from conftest import assert_same_completions, hf_greedy, random_prompts
 from rollout import LLMEngine, SamplingParams, generate
 
 # ----------------------------------------------------------------------------------------------
@@ -208,10 +208,7 @@ def test_triton_backend_matches_torch_backend_on_cpu(tiny_hf_dir):
     for partition in (16, None):                         # None: the batch-size-dependent default
         out = LLMEngine(model, block_size=16, attn_backend="triton", partition_size=partition).generate(
             prompts, params)
-        for rc, oc in zip(ref, out):
-            for r, o in zip(rc, oc):
-                assert o.token_ids == r.token_ids
-                torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+        assert_same_completions(ref, out)
 
 
 @pytest.mark.interpreter
@@ -230,10 +227,7 @@ def test_decode_with_rope_in_the_kv_store_matches_the_torch_backend(tiny_hf_dir,
     engine = LLMEngine(model, block_size=16, attn_backend="triton")
     out = engine.generate(prompts, params)
     assert calls.count(True) == len(calls) == engine.stats["decode_steps"] * model.config.num_layers > 0
-    for rc, oc in zip(ref, out):
-        for r, o in zip(rc, oc):
-            assert o.token_ids == r.token_ids
-            torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-5, rtol=0)
+    assert_same_completions(ref, out)
 
 
 def test_greedy_matches_hf_generate_smollm2(smollm2_path):
