@@ -155,6 +155,19 @@ def hf_greedy(hf, prompt, max_new):
     return out[0, len(prompt):].tolist()
 
 
+def assert_greedy_like_hf(model, hf, max_new=24):
+    """The engine's greedy completions equal transformers' generate() (hf_greedy), with and without
+    CUDA graphs, at batch 8 (4 prompts x 2) and at batch 1."""
+    from rollout import LLMEngine, SamplingParams
+    for prompts, n in ((random_prompts([3, 11, 20, 6]), 2), (random_prompts([9]), 1)):
+        for graphs in (False, True):
+            out = LLMEngine(model, cuda_graphs=graphs).generate(
+                prompts, SamplingParams(temperature=0, max_tokens=max_new, n=n, stop_token_ids=()))
+            for p, comps in zip(prompts, out):
+                ref = hf_greedy(hf, p, max_new)
+                assert all(c.token_ids == ref for c in comps), f"graphs={graphs}: {comps[0].token_ids} vs {ref}"
+
+
 def fake_gpu_memory(monkeypatch, free_gib: float, total_gib: float, fraction: float = 1.0, reserved_gib: float = 0.0):
     """torch.cuda's memory queries answer for a GPU that does not exist: free and total device memory,
     the per-process limit (set_per_process_memory_fraction's) and the bytes this process reserved."""

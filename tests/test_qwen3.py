@@ -26,8 +26,8 @@ import model as M
 import nvfp4
 import tasks
 import train
-from conftest import (against_hf, assert_same_completions, batch, hf_greedy, hf_logits, load32, make_tiny_hf,
-                      random_prompts, rel_err)
+from conftest import (against_hf, assert_greedy_like_hf, assert_same_completions, batch, hf_logits, load32,
+                      make_tiny_hf, random_prompts, rel_err)
 from rollout import LLMEngine, SamplingParams
 
 QWEN3_TINY_HEAD_DIM = 32     # conftest's Qwen3: 4 heads of 32 on a hidden size of 64
@@ -465,13 +465,7 @@ def test_gpu_qwen3_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
     hf = hf.cuda()
     model = C.load_model(path, quant="bf16", device="cuda", dtype=torch.float32)
     norm_calls = _count_head_norms(monkeypatch, QWEN3_TINY_HEAD_DIM)
-    for prompts, n in ((random_prompts([3, 11, 20, 6]), 2), (random_prompts([9]), 1)):
-        for graphs in (False, True):
-            out = LLMEngine(model, cuda_graphs=graphs).generate(
-                prompts, SamplingParams(temperature=0, max_tokens=24, n=n, stop_token_ids=()))
-            for p, comps in zip(prompts, out):
-                ref = hf_greedy(hf, p, 24)
-                assert all(c.token_ids == ref for c in comps), f"graphs={graphs}: {comps[0].token_ids} vs {ref}"
+    assert_greedy_like_hf(model, hf)
     assert norm_calls.count(True) > 0
 
 

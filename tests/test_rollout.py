@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from conftest import assert_same_completions, hf_greedy, random_prompts
+from conftest import assert_greedy_like_hf, assert_same_completions, hf_greedy, random_prompts
 from rollout import LLMEngine, SamplingParams, generate
 
 # ----------------------------------------------------------------------------------------------
@@ -295,13 +295,7 @@ def test_gpu_greedy_matches_hf_generate_fp32(tiny_hf_dir, monkeypatch):
     model = _load(path, device="cuda")
     gemv_rows, real = [], kernels.lm_head
     monkeypatch.setattr(kernels, "lm_head", lambda x, head: gemv_rows.append(x.shape[0]) or real(x, head))
-    for prompts, n in ((random_prompts([3, 11, 20, 6]), 2), (random_prompts([9]), 1)):
-        for graphs in (False, True):
-            out = LLMEngine(model, cuda_graphs=graphs).generate(
-                prompts, SamplingParams(temperature=0, max_tokens=24, n=n, stop_token_ids=()))
-            for p, comps in zip(prompts, out):
-                ref = hf_greedy(hf, p, 24)
-                assert all(c.token_ids == ref for c in comps), f"graphs={graphs}: {comps[0].token_ids} vs {ref}"
+    assert_greedy_like_hf(model, hf)
     assert 1 in gemv_rows and max(gemv_rows) <= kernels.current().lm_head_max_rows
 
 
