@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from . import fragment_tma, gemv_tma, launch, shapes, tuning
+from . import gemv_tma, launch, shapes, tuning
 from . import register_a as rak
 from . import register_a_dx as rad
 from .shapes import GEMV_ROWS, MIN_RED, cdiv, fragment_rows
@@ -242,8 +242,6 @@ def route(M: int, N: int, K: int, device, interleaved: bool, dx: bool = False) -
         if use_dequant(M, N, K) or (M > t.dx_wgmma_full_m and N * K > t.narrow_weight and K % MIN_RED == 0):
             return "dequant+cublas"
         return "tiles"
-    if fragment_tma_takes(M, N, K, device, interleaved):
-        return "fragment_tma"
     if wgmma_rows(M, N, K, device, interleaved):
         return "wgmma"
     if use_dequant(M, N, K):
@@ -290,16 +288,6 @@ def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     if len(launches) > 1:
         return big
     return shapes.wave_fill(M, launches[0], device) >= t.wave_fill
-
-
-def fragment_tma_takes(M: int, N: int, K: int, device, interleaved: bool) -> bool:
-    """Does the TMA-fed fragment kernel (fragment_tma.py) compute y at M rows? At 2 to
-    fragment_tma_max_m rows (one token tile) on the weights of more than fragment_tma_weight elements
-    (7B-32B gate_up and down), K a multiple of 512 and N of its rows a program, where Gluon runs
-    (gluon_runs): there the fragment and register-A launches wait on their loads."""
-    t = tuning.current()
-    return (1 < M <= t.fragment_tma_max_m and N * K > t.fragment_tma_weight and K % 512 == 0
-            and N % fragment_tma.BN == 0 and gluon_runs(device, interleaved))
 
 
 def gluon_runs(device, interleaved: bool) -> bool:
@@ -356,8 +344,6 @@ def folds_lora(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     kernel = route(M, N, K, device, interleaved)
     if kernel in ("gemv", "tiles"):
         return t.reduce_in_kernel
-    if kernel == "fragment_tma":
-        return fragment_tma_splits(N, K, device)
     return kernel == "fragment" or wgmma_reduces(M, N, K, device)
 
 
@@ -375,7 +361,7 @@ def carries_shrink(M: int, N: int, K: int, device, interleaved: bool) -> bool:
         cfg = shapes.fwd_config(M, N, K)
         split, _, step = shapes.mma_launch(cfg, M, shapes.mma_tiles(N, cfg), K, device)
         return not fragment_finishes(M, split, step)
-    return kernel in ("wgmma", "fragment_tma")
+    return kernel == "wgmma"
 
 
 def fragment_finishes(M: int, split: int, step: int) -> bool:
@@ -383,12 +369,6 @@ def fragment_finishes(M: int, split: int, step: int) -> bool:
     (unsplit, or its last split summing the others: tuning's reduce_in_kernel and
     fragment_sums_in_kernel), rather than leave the sum to the reduce kernel?"""
     return split == 1 or (tuning.current().reduce_in_kernel and fragment_sums_in_kernel(M, step))
-
-
-def fragment_tma_splits(N: int, K: int, device) -> bool:
-    """Does a TMA-fed fragment launch split K (and so end in the reduce kernel, which adds a LoRA
-    update)? Where its row tiles leave room in a wave (7B down); not on gate_up."""
-    return shapes.fragment_tma_split(N // fragment_tma.BN, K, launch.num_sms(device))[0] > 1
 
 
 def reduce_folds_lora(M: int, N: int, K: int, device, interleaved: bool) -> bool:
@@ -611,29 +591,6 @@ def _gemv_tma(x, packed, scale, global_scale, bias, out, lora, silu_mul):
     return out
 
 
-def _fragment_tma(x, packed, scale, global_scale, bias, lora=None):
-    """y = x·Wᵀ (+bias) with the TMA-fed fragment kernel (fragment_tma_takes): split as
-    shapes.fragment_tma_split says; a split launch leaves the sum, and lora = (hp, B, s) (a Fold),
-    to the reduce kernel; an unsplit one takes no update (folds_lora)."""
-    M, K = x.shape
-    N = packed.shape[0]
-    out = torch.empty((M, N), device=x.device, dtype=torch.bfloat16)
-    if M == 0:
-        return out
-    tiles = N // fragment_tma.BN
-    split, steps = shapes.fragment_tma_split(tiles, K, launch.num_sms(x.device))
-    if lora is not None and split == 1:
-        raise ValueError("an unsplit TMA-fed fragment launch stores y itself and takes no LoRA update "
-                         "(folds_lora)")
-    part = launch.partials(split, out)
-    fragment_tma._fragment_tma_kernel[(tiles, split)](
-        fragment_tma.x_descriptor(x), *rak.weight_descriptors(packed, scale, fragment_tma.BN), global_scale,
-        bias if bias is not None else out, part, M, N, steps, K // 512, M * N,
-        HAS_BIAS=bias is not None, PARTIAL=split > 1, S=fragment_tma.STAGES, CREGS=fragment_tma.CREGS, num_warps=4, maxnreg=fragment_tma.REGS,
-        **launch.pdl_launch(x.device))
-    return out if split == 1 else _reduce(part, global_scale, bias, out, lora)
-
-
 def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
     """y = x·Wᵀ (+bias) (+ the LoRA update lora = (hp, B, s)) with the fragment kernel: M <= 16, K a
     multiple of 128. The update is added by the kernel where it finishes y (unsplit, or the split sum
@@ -790,8 +747,6 @@ def matmul(x, packed, scale, global_scale, bias=None, interleaved=False, lora=No
         lora = Fold(*lora)
         _check_lora(lora, M, N, K, x.device, interleaved)
     kernel = route(M, N, K, x.device, interleaved)
-    if kernel == "fragment_tma":
-        return _fragment_tma(x, packed, scale, global_scale, bias, lora)
     if kernel == "wgmma":
         return _wgmma(x, packed, scale, global_scale, bias, shapes.wgmma_config(M), lora)
     if kernel == "dequant+cublas":

@@ -44,7 +44,6 @@ FRAGMENT_MAX_M = 16       # the fragment kernel takes up to two token tiles of 8
 SMEM_PER_SM = 228 * 1024  # H100 shared memory per SM (1 KB of it reserved per program)
 MAX_REGS = {4: 128, 8: 168}   # maxnreg of the warp-specialized register-A kernel by consumer warps:
                               # (warps + 4) warps at this many registers, 2 programs an SM (4) or 1 (8)
-FRAGMENT_TMA_WAVE = 5     # programs an SM of the TMA-fed fragment kernel: 8 warps at 48 registers
 DX_BT, DX_BK = 128, 256   # the register-A dx kernel's tile: tokens, output columns k (register_a_dx.py)
 
 
@@ -225,16 +224,6 @@ def gemv_tma_split(tiles: int, K: int, sms: int):
     48 registers allow) in all. 7B down (112 tiles, 37 steps) takes 4 splits of 10 steps; gate_up,
     more than a wave of tiles, none."""
     n = max(1, min(cdiv(K, 512) // tuning.current().gemv_tma_steps, 8 * sms // tiles))
-    n, chunk = split(n, tiles, K, 512, 0)
-    return n, chunk // 512
-
-
-def fragment_tma_split(tiles: int, K: int, sms: int):
-    """(split, 512-k steps a split) of a TMA-fed fragment launch (fragment_tma.py) of tiles programs
-    along N: each split at least fragment_tma_steps steps, and at most a wave of FRAGMENT_TMA_WAVE
-    programs an SM (what its registers and ring allow) in all. 7B down (112 tiles, 37 steps) takes 5
-    splits of 8 steps; gate_up, more than a wave of tiles, none."""
-    n = max(1, min(cdiv(K, 512) // tuning.current().fragment_tma_steps, FRAGMENT_TMA_WAVE * sms // tiles))
     n, chunk = split(n, tiles, K, 512, 0)
     return n, chunk // 512
 

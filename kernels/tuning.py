@@ -90,9 +90,6 @@ class Tuning:
     gemv_tma_weight: int = 100_000_000  # at one row, weights with more elements (gate_up; 32B down) take the
                                       # TMA-fed GEMV (gemv_tma.py); on smaller ones (7B / 14B down, q/k/v, o)
                                       # gemv.py's lighter programs start sooner
-    fragment_tma_max_m: int = 8       # from 2 rows to this M (at most 8: one token tile) the weights of more than ...
-    fragment_tma_weight: int = 60_000_000  # ... this many elements (gate_up, down) take the TMA-fed fragment
-                                      # kernel (fragment_tma.py): its ring keeps their bytes in flight
     fragment_reduce_max_m: int = 4    # a split fragment launch sums its own partials to this M ...
     pair_reduce_max_m: int = 8        # ... and to this M where a step loads two windows; else the reduce kernel
 
@@ -106,7 +103,6 @@ class Tuning:
     # ---- launch shapes of the GEMM kernels (shapes.py)
     gemv_tma_steps: int = 8           # a split of the TMA-fed GEMV streams at least this many 512-k steps:
                                       # its ring fills once a program, so short programs pay its latency often
-    fragment_tma_steps: int = 4       # a split of the TMA-fed fragment kernel streams at least this many steps
     gemv_wave: int = 5                # programs an SM that a CUDA-core GEMV split of 1024-k steps (the 32B
                                       # weights) fills, not ~8
     pair_windows: int = 4             # fragment programs of at most this many 128-k windows (twice that at
@@ -189,9 +185,6 @@ class Tuning:
                 raise ValueError(f"Tuning.{name}: a tile side, a power of two >= 16, got {v}")
         if self.norm_shrink_ranks < 1 or self.norm_shrink_ranks & (self.norm_shrink_ranks - 1):
             raise ValueError(f"Tuning.norm_shrink_ranks: a power of two, got {self.norm_shrink_ranks}")
-        if self.fragment_tma_max_m > 8:
-            raise ValueError(f"Tuning.fragment_tma_max_m: the TMA-fed fragment kernel takes one token tile, "
-                             f"at most 8 rows, got {self.fragment_tma_max_m}")
         if self.lm_head_max_rows > len(self.lm_head_tiles) or self.lm_head_max_rows > 2:
             raise ValueError(f"Tuning.lm_head_max_rows: the lm_head GEMV takes 1 or 2 rows, one tile each, "
                              f"got {self.lm_head_max_rows} with {len(self.lm_head_tiles)} tiles")

@@ -53,9 +53,9 @@ def test_a_replaced_field_moves_the_route_it_names():
 def test_wgmma_small_min_m_moves_the_register_a_route(monkeypatch):
     monkeypatch.setattr(gemm, "gluon_runs", lambda device, interleaved: interleaved)
     dev = torch.device("cuda")
-    assert [gemm.route(M, 7168, 5120, dev, True) for M in (8, 9)] == ["fragment", "wgmma"]      # 32B qkv
+    assert [gemm.route(M, 3584, 18944, dev, True) for M in (8, 9)] == ["fragment", "wgmma"]
     with using(dataclasses.replace(current(), wgmma_small_min_m=16)):
-        assert [gemm.route(M, 7168, 5120, dev, True) for M in (9, 16, 17)] == ["fragment", "fragment", "wgmma"]
+        assert [gemm.route(M, 3584, 18944, dev, True) for M in (9, 16, 17)] == ["fragment", "fragment", "wgmma"]
 
 
 def test_fields_are_validated_by_name():
@@ -65,8 +65,6 @@ def test_fields_are_validated_by_name():
         Tuning(merge_chunk=-1)
     with pytest.raises(ValueError, match="Tuning.lora_max_m"):
         Tuning(lora_max_m=65)
-    with pytest.raises(ValueError, match="Tuning.fragment_tma_max_m"):
-        Tuning(fragment_tma_max_m=9)
     with pytest.raises(ValueError, match="Tuning.lm_head_max_rows"):
         Tuning(lm_head_max_rows=3)
     with pytest.raises(ValueError, match="Tuning.norm_shrink_ranks"):
