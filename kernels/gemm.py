@@ -26,7 +26,7 @@ tuning.py's fields; the launch shapes shapes.py's):
     "fragment"       2 <= M <= 16, K a multiple of 128                  small_m._nvfp4_mma_kernel
     "wgmma"          16 < M <= 128 on every weight, to 512 on big ones, register_a (sm_90, triton 3.6,
                      above where its waves fill; on big weights from     interleaved weights only)
-                     M = 2 (wide: gate_up) or 9 (down, 32B qkv / o)
+                     M = 2 (gate_up, down, 14B / 32B qkv / o)
     "tiles"          the rest below dequantize: swapped tiles to M = 64, tiles._nvfp4_mm_kernel
                      128 x 128 tiles above
     "dequant+cublas" M >= 512 (>= 128 on narrow weights)                tiles._nvfp4_dequant_kernel,
@@ -271,7 +271,8 @@ def wgmma_rows(M: int, N: int, K: int, device, interleaved: bool) -> bool:
     that where one launch's programs fill their last wave to wave_fill or, on the big weights, where
     a second launch takes the rows of a part-empty wave (shapes.wgmma_launches); between, dequantize
     + cuBLAS wins on the narrow weights. On big weights it also takes the decode rows where it beats
-    the fragment kernel: from M = 2 on wide ones (gate_up), above wgmma_small_min_m on the others.
+    the fragment kernel: from M = 2 on wide ones (gate_up), above wgmma_small_min_m on the others
+    (from M = 2 too as shipped).
     Interleaved weights (K a multiple of 128), on sm_90 with triton 3.6 only (gluon_runs)."""
     t = tuning.current()
     big = N * K > t.narrow_weight

@@ -1,5 +1,5 @@
 """wgmma with the decoded NVFP4 weights as its register A operand: y = x·Wᵀ for 16 < M <= 1024
-(and from M = 2 or 9 on the big weights; where gemm.route says: Hopper with triton 3.6 only; written
+(and from M = 2 on the big weights; where gemm.route says: Hopper with triton 3.6 only; written
 in Gluon, Triton's layout-explicit dialect).
 
 Why. Above the decode batch the product is still mostly memory-bound, but the tile kernels

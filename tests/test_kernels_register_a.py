@@ -96,20 +96,20 @@ def test_wgmma_route():
     """The route's conditions: 16 < M <= 1024 (on weights of <= 20M elements to 128, and above 512;
     above 512 where one launch's waves are >= 60% full: 7B qkv's 36 x 4 programs at M = 769..1024 are
     not, 144 on 132 SMs; or, on the big weights, where a second launch takes a part-empty wave's
-    rows: 32B o at M = 769..1024), and from M = 2 on wide weights (N >= 16384) and M = 9 on the other
-    big ones; interleaved, sm_90 with triton 3.6; never on the CPU or under the interpreter."""
+    rows: 32B o at M = 769..1024), and from M = 2 on the big ones (wide, N >= 16384, and the others:
+    tuning's wgmma_small_min_m); interleaved, sm_90 with triton 3.6; never on the CPU or under the interpreter."""
     big, down, qkv, o, o32 = (37888, 3584), (3584, 18944), (4608, 3584), (3584, 3584), (5120, 5120)
     assert not gemm.wgmma_rows(64, *big, torch.device("cpu"), True)
     if _runs_here():
         dev = torch.device("cuda")
         assert [M for M in range(1, 1100) if gemm.wgmma_rows(M, *big, dev, True)] == list(range(2, 1025))
         if launch.num_sms(dev) == 132:
-            assert [M for M in range(1, 1100) if gemm.wgmma_rows(M, *down, dev, True)] == list(range(9, 1025))
+            assert [M for M in range(1, 1100) if gemm.wgmma_rows(M, *down, dev, True)] == list(range(2, 1025))
             assert [M for M in range(1, 1100) if gemm.wgmma_rows(M, *qkv, dev, True)] == list(range(17, 129)) + list(
                 range(513, 769))
             assert [M for M in range(1, 1100) if gemm.wgmma_rows(M, *o, dev, True)] == list(range(17, 129)) + list(
                 range(513, 1025))
-            assert [M for M in range(1, 1100) if gemm.wgmma_rows(M, *o32, dev, True)] == list(range(9, 1025))
+            assert [M for M in range(1, 1100) if gemm.wgmma_rows(M, *o32, dev, True)] == list(range(2, 1025))
         assert [M for M in range(1, 300) if gemm.wgmma_rows(M, *qkv, dev, True)] == list(range(17, 129))
         assert not gemm.wgmma_rows(64, *big, dev, False)               # the plain layout
 
@@ -122,13 +122,15 @@ def test_wgmma_route_on_a_pretend_h100(monkeypatch):
     dev = torch.device("cuda")
     rows = lambda N, K: [M for M in range(1, 1100) if gemm.wgmma_rows(M, N, K, dev, True)]  # noqa: E731
     assert rows(37888, 3584) == list(range(2, 1025))
-    assert rows(3584, 18944) == list(range(9, 1025))
+    assert rows(3584, 18944) == list(range(2, 1025))
     assert rows(4608, 3584) == list(range(17, 129)) + list(range(513, 769))
     assert rows(3584, 3584) == list(range(17, 129)) + list(range(513, 1025))
-    assert rows(5120, 5120) == list(range(9, 1025))
+    assert rows(5120, 5120) == list(range(2, 1025))
     with tuning.using(dataclasses.replace(tuning.current(), wgmma_small_min_m=12)):
         assert rows(3584, 18944) == list(range(13, 1025))
-    assert [gemm.route(M, 3584, 18944, dev, True) for M in (1, 8, 9)] == ["gemv", "fragment", "wgmma"]
+    assert [gemm.route(M, 3584, 18944, dev, True) for M in (1, 2, 8)] == ["gemv", "wgmma", "wgmma"]
+    with tuning.using(dataclasses.replace(tuning.current(), wgmma_small_min_m=8)):
+        assert [gemm.route(M, 3584, 18944, dev, True) for M in (1, 8, 9)] == ["gemv", "fragment", "wgmma"]
 
 
 @pytest.mark.gpu

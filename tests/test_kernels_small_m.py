@@ -258,22 +258,22 @@ def test_lora_folds_at_decode_on_the_7b_shapes(monkeypatch):
     """folds_lora on an H100 / H200 (132 SMs, the register-A kernel running: gluon_runs patched) for
     Qwen2.5-7B's interleaved projections at decode: everywhere but gate_up at 2..16 rows, whose
     register-A launch does not split K (its 592 row tiles take the decode share of a wave alone:
-    wgmma_reduces), so its kernel stores y and the expand kernel stays; down at 16 rows folds into
-    the register-A route's reduce kernel, which at 8 rows (down), 16 and 32 computes the shrink too
-    (carries_shrink). matmul refuses gate_up's update there rather than drop it."""
+    wgmma_reduces), so its kernel stores y and the expand kernel stays; down from 2 rows folds into
+    the register-A route's reduce kernel, which computes the shrink too (carries_shrink), as it does
+    for every group at 16 and 32 rows. matmul refuses gate_up's update there rather than drop it."""
     monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(gemm, "gluon_runs", lambda device, interleaved: interleaved)
     cpu, rows = torch.device("cpu"), (1, 2, 4, 8, 16)
     qwen7b = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
     table = {name: [gemm.folds_lora(M, N, K, cpu, True) for M in rows] for name, (N, K) in qwen7b.items()}
     assert table == {"qkv": [True] * 5, "o": [True] * 5, "gate_up": [True] + [False] * 4, "down": [True] * 5}
-    assert [gemm.route(M, *qwen7b["down"], cpu, True) for M in rows] == ["gemv"] + ["fragment"] * 3 + ["wgmma"]
+    assert [gemm.route(M, *qwen7b["down"], cpu, True) for M in rows] == ["gemv"] + ["wgmma"] * 4
     assert [gemm.route(M, *qwen7b["gate_up"], cpu, True) for M in rows] == ["gemv"] + ["wgmma"] * 4
-    # the reduce kernel carries the shrink where it adds the update: after down's split fragment launch
-    # at 8 rows (its one-window steps leave the sum to it), after every split launch at 16 and 32
+    # the reduce kernel carries the shrink where it adds the update: after down's split register-A
+    # launch from 2 rows, after every split launch at 16 and 32
     carried = {name: [gemm.carries_shrink(M, N, K, cpu, True) for M in rows + (32,)] for name, (N, K) in qwen7b.items()}
     assert carried == {"qkv": [False] * 4 + [True] * 2, "o": [False] * 4 + [True] * 2,
-                       "gate_up": [False] * 6, "down": [False] * 3 + [True] * 3}
+                       "gate_up": [False] * 6, "down": [False] + [True] * 5}
     N, K = qwen7b["gate_up"]
     w = torch.zeros(N, K // 2, dtype=torch.uint8), torch.zeros(N, K // 16, dtype=torch.float8_e4m3fn), torch.ones(1)
     with pytest.raises(ValueError, match="folds_lora"):

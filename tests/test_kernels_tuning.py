@@ -53,7 +53,9 @@ def test_a_replaced_field_moves_the_route_it_names():
 def test_wgmma_small_min_m_moves_the_register_a_route(monkeypatch):
     monkeypatch.setattr(gemm, "gluon_runs", lambda device, interleaved: interleaved)
     dev = torch.device("cuda")
-    assert [gemm.route(M, 3584, 18944, dev, True) for M in (8, 9)] == ["fragment", "wgmma"]
+    assert [gemm.route(M, 3584, 18944, dev, True) for M in (1, 2, 8)] == ["gemv", "wgmma", "wgmma"]
+    with using(dataclasses.replace(current(), wgmma_small_min_m=8)):
+        assert [gemm.route(M, 3584, 18944, dev, True) for M in (8, 9)] == ["fragment", "wgmma"]
     with using(dataclasses.replace(current(), wgmma_small_min_m=16)):
         assert [gemm.route(M, 3584, 18944, dev, True) for M in (9, 16, 17)] == ["fragment", "fragment", "wgmma"]
 
