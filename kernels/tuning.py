@@ -82,7 +82,7 @@ class Tuning:
     wgmma_min_m: int = 16             # the register-A kernel above this M (where it can run) ...
     wgmma_small_min_m: int = 1        # ... above this M on big weights that are not wide (down, 14B / 32B qkv
                                       # and o), and above the GEMV's row on wide ones: it beats the fragment
-                                      # kernel there (at 8 rows, with the reduce's 32-column programs)
+                                      # kernel there (kernels/README.md has the A/B)
     wgmma_max_m: int = 1024           # ... up to this M (dequantize + cuBLAS beyond)
     wgmma_narrow_max_m: int = 128     # ... on narrow weights to this M; between it and wgmma_fill_m
                                       # dequantize + cuBLAS wins
