@@ -660,11 +660,9 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
                 launch.split_counts(x.device, nt * mt * C) if reduce else out, M, N, K // 128, chunk, tile0, N,
                 M * N, C=C, REDUCE=reduce, maxnreg=shapes.MAX_REGS[c.warps], **meta)
         else:
-            work = torch.empty((2 * c.stream, c.bn * c.bt), device=x.device, dtype=torch.float32) if c.stream else out
-            rak._wgmma_ring_kernel[(c.stream, 1, 1) if c.stream else (nt, mt, split)](
-                xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, b, part, work,
-                launch.split_counts(x.device, nt) if c.stream else out, M, N, K // 128, chunk, xp.stride(0), N, M * N,
-                STREAM=c.stream > 0, **meta)
+            rak._wgmma_ring_kernel[(nt, mt, split)](
+                xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, b, part, M, N, K // 128, chunk,
+                xp.stride(0), N, M * N, **meta)
     return out if len(launches) > 1 else _reduce(part, global_scale, bias, out, lora)
 
 

@@ -287,54 +287,28 @@ def _sum_split_tile(acc, buf, y_desc, gs_ptr, bias_ptr, work_ptr, count_ptr, N, 
 
 
 @gluon.jit
-def _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs, tile, win, TW, TS, stage):
-    """cp.async of window win of weight-row tile `tile` (its xp tile, W words and scales) into ring
-    stage `stage`, one group (TW, TS: the words and scale bytes from one tile to the next, 0 where
-    the offsets already hold the program's one tile)."""
+def _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs, win, stage):
+    """cp.async of window win's xp tile, W words and scales into ring stage `stage`, one group."""
     cp.async_copy_global_to_shared(xs.index(stage), x_ptr + x_offs + win * 128, mask=x_mask)
-    cp.async_copy_global_to_shared(ws.index(stage), p4_ptr + tile * TW + win * 256 + w_offs,
-                                   eviction_policy="evict_first")
-    cp.async_copy_global_to_shared(ss.index(stage), s_ptr + tile * TS + win * 128 + s_offs)
+    cp.async_copy_global_to_shared(ws.index(stage), p4_ptr + win * 256 + w_offs, eviction_policy="evict_first")
+    cp.async_copy_global_to_shared(ss.index(stage), s_ptr + win * 128 + s_offs)
     cp.commit_group()
 
 
 @gluon.jit
-def _stream_piece(acc, tile, first, p, P, U, NWIN, work_ptr, count_ptr, gs_ptr, bias_ptr, out_ptr, M, N, stride_om,
-                  BN: gl.constexpr, BT: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
-    """A stream-K program's sums over part of a tile's windows (module docstring: the balanced
-    launch): stored to the program's workspace slot (2p for its first tile, 2p + 1 for its last),
-    counted on the tile's counter; the piece that counts last sums the tile's pieces in window order
-    (program order) and stores y."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BT, 16])
-    offs = (gl.arange(0, BN, layout=gl.SliceLayout(1, mma))[:, None] * BT
-            + gl.arange(0, BT, layout=gl.SliceLayout(0, mma))[None, :])
-    gl.store(work_ptr + (2 * p + (1 - first)) * (BN * BT) + offs, acc)
-    q0 = ((tile * NWIN + 1) * P - 1) // U                  # the programs that hold the tile's first ...
-    q1 = ((tile * NWIN + NWIN) * P - 1) // U               # ... and last window
-    if last_split(count_ptr, tile, q1 - q0 + 1):
-        total = gl.zeros([BN, BT], gl.float32, mma)
-        for q in range(q0, q1 + 1):
-            slot = 2 * q + (q * U // P < tile * NWIN).to(gl.int32)   # the tile is q's first or last
-            total += gl.load(work_ptr + slot * (BN * BT) + offs, cache_modifier=".cg")
-        _store_tile(total, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, 0, tile * BN, 0, 0, BN, BT, HAS_BIAS,
-                    False, num_warps)
-
-
-@gluon.jit
-def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, work_ptr, count_ptr, M, N, NWIN, WIN_SPLIT,
+def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, NWIN, WIN_SPLIT,
                        stride_xm, stride_om, stride_os,
                        LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
-                       S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STREAM: gl.constexpr,
+                       S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
                        USE_PDL: gl.constexpr, num_warps: gl.constexpr):
     """out = x·Wᵀ (+bias) for the tile (BN weight rows of program 0, BT tokens of program 1) over the
     windows [pid2·WIN_SPLIT, +WIN_SPLIT); PARTIAL: fp32 sums to out[pid2] (split-K) instead.
-    STREAM (one token tile, N a multiple of BN): program p of P takes the windows [p·U/P, (p+1)·U/P)
-    of the U = N/BN·NWIN (tile, window) pairs in tile order, storing the tiles it covers whole and
-    summing the others with _stream_piece (work_ptr: 2P fp32 tiles; count_ptr: zeros).
     x_ptr holds xp (fragment order), p4_ptr the interleaved codes as int32, s_ptr the scale bytes.
     Every warp copies (cp.async) and computes."""
     _pdl_start(USE_PDL)
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BT, 16])
     DL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -343,30 +317,13 @@ def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, work_ptr
     SCL: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [num_warps, 1], [1, 0])  # 4 B a lane
     PS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
 
-    if STREAM:
-        p = gl.program_id(0)
-        P = gl.num_programs(0)
-        U = N // BN * NWIN
-        u_begin = p * U // P
-        u_end = (p + 1) * U // P
-        row0 = 0                           # the offsets below hold a tile's rows; _issue adds the tile
-        TW = BN // 16 * NWIN * 256
-        TS = BN // 16 * NWIN * 128
-        tok0 = 0
-    else:
-        u_begin = gl.program_id(0) * NWIN + gl.program_id(2) * WIN_SPLIT
-        u_end = gl.minimum(gl.program_id(0) * NWIN + NWIN, u_begin + WIN_SPLIT)
-        row0 = gl.program_id(0) * BN
-        TW = 0
-        TS = 0
-        tok0 = gl.program_id(1) * BT
     # copy offsets: a 16-row x 128-k tile is 256 words and 128 scale bytes, a 16-row group's tiles
     # follow one another along K (nvfp4.interleave); window w adds 256·w words, 128·w bytes
-    r = (row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, WL))) % N
+    r = (pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, WL))) % N
     w_offs = ((r // 16) * NWIN * 256 + (r % 16) * 16)[:, None] + gl.arange(0, 16, layout=gl.SliceLayout(0, WL))[None, :]
-    r = (row0 + gl.arange(0, BN, layout=gl.SliceLayout(1, SCL))) % N
+    r = (pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, SCL))) % N
     s_offs = ((r // 16) * NWIN * 128 + (r % 16) * 8)[:, None] + gl.arange(0, 8, layout=gl.SliceLayout(0, SCL))[None, :]
-    toks = tok0 + gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
+    toks = pid_m * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, XL))
     x_offs = toks[:, None] * stride_xm + gl.arange(0, 128, layout=gl.SliceLayout(0, XL))[None, :]
     x_mask = (toks < M)[:, None]
 
@@ -374,45 +331,22 @@ def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, work_ptr
     ws = gl.allocate_shared_memory(gl.int32, [S, BN, 16], PS)
     ss = gl.allocate_shared_memory(gl.uint8, [S, BN, 8], PS)
     acc = gl.zeros([BN, BT], gl.float32, mma)
-    # the issue cursor (tile ti, window wi) runs S - 1 windows ahead of the compute cursor (tc, wc);
-    # past the program's last window it re-reads that window (a group per turn keeps wait_group's count)
-    tc = u_begin // NWIN
-    wc = u_begin - tc * NWIN
-    ti = tc
-    wi = wc
-    for st in gl.static_range(S - 1):
-        _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs, ti, wi, TW, TS, st)
-        more = (ti * NWIN + wi + 1 < u_end).to(gl.int32)
-        wi += more
-        ti += (wi == NWIN).to(gl.int32)
-        wi = gl.where(wi == NWIN, 0, wi)
-    for u in range(u_begin, u_end):
-        i = u - u_begin
+    w_start = pid_k * WIN_SPLIT
+    w_end = gl.minimum(NWIN, w_start + WIN_SPLIT)
+    for st in gl.static_range(S - 1):      # a split shorter than the ring re-reads its last window
+        _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
+               gl.minimum(w_start + st, w_end - 1), st)
+    for win in range(w_start, w_end):
+        i = win - w_start
         stage = i % S
         cp.wait_group(S - 2)               # this window's group has landed (for this thread) ...
         gl.thread_barrier()                # ... and for every thread; stage i - 1 is free
         acc = _mma_window(acc, xs.index(stage), ws.index(stage), ss.index(stage), LW, LS, BN, DL)
-        _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs, ti, wi, TW, TS, (i + S - 1) % S)
-        more = (ti * NWIN + wi + 1 < u_end).to(gl.int32)
-        wi += more
-        ti += (wi == NWIN).to(gl.int32)
-        wi = gl.where(wi == NWIN, 0, wi)
-        if STREAM:
-            wc += 1
-            if (wc == NWIN) | (u + 1 == u_end):          # the end of this program's run over tile tc
-                if (u_begin <= tc * NWIN) & (wc == NWIN):          # it covered the whole tile
-                    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, 0, tc * BN, 0, 0, BN, BT, HAS_BIAS,
-                                False, num_warps)
-                else:
-                    _stream_piece(acc, tc, (u_begin >= tc * NWIN).to(gl.int32), p, P, U, NWIN, work_ptr, count_ptr,
-                                  gs_ptr, bias_ptr, out_ptr, M, N, stride_om, BN, BT, HAS_BIAS, num_warps)
-                acc = gl.zeros([BN, BT], gl.float32, mma)
-                tc += 1
-                wc = 0
+        _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
+               gl.minimum(win + S - 1, w_end - 1), (i + S - 1) % S)
     cp.wait_group(0)
-    if not STREAM:
-        _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, row0, tok0, gl.program_id(2),
-                    BN, BT, HAS_BIAS, PARTIAL, num_warps)
+    _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n * BN, pid_m * BT, pid_k,
+                BN, BT, HAS_BIAS, PARTIAL, num_warps)
 
 
 @gluon.jit

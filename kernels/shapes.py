@@ -107,7 +107,6 @@ class WgmmaConfig:
     warps: int = 4
     stages: int = 3
     split: int = 0
-    stream: int = 0
 
     def __post_init__(self):
         if self.bt not in (8, 16, 32, 64, 128, 256) or self.warps not in (4, 8) or self.bn % (16 * self.warps) \
@@ -331,9 +330,6 @@ def wgmma_launches(M: int, N: int, K: int, cfg: WgmmaConfig, device):
     cfg = deeper_ring(cfg, nt * mt * n, chunk, device)
     wave = wgmma_wave(cfg, device)
     main = nt * mt // wave * wave // mt                         # weight-row tiles of whole waves
-    stream = min(nt * nwin, tuning.current().wgmma_stream * launch.num_sms(device), wave)
-    if stream and n == 1 and mt == 1 and N % cfg.bn == 0 and not warp_specialized(cfg) and not cfg.split:
-        return [(replace(cfg, stream=stream), 0, nt, 1, nwin)]
     single = [(cfg, 0, nt, n, chunk)]
     tail = tail_config()
     if n > 1 or main in (0, nt) or not warp_specialized(cfg) or cfg.split or cfg.bt <= tail.bt:

@@ -113,7 +113,6 @@ class Tuning:
     ahead_min_m: int = 5              # from this M to ahead_max_m a fragment program loads its next step
     ahead_max_m: int = 8              # before it decodes this one (a step in flight while it decodes one):
                                       # it pays at 8 rows, not at 2-4 or 9-16 (shapes.mma_ahead)
-    wgmma_stream: int = 0             # programs an SM of a balanced register-A launch (stream-K), 0: none
     wgmma_decode_wave: float = 0.75   # register-A split-K at <= 16 tokens fills this share of a wave: each
                                       # split adds fp32 partials that the reduce kernel reads back
     long_ring_windows: int = 32       # one-wave register-A programs of at least this many windows take a
