@@ -17,8 +17,8 @@ Moving the three magnitude bits into bf16 bits 8..6 (the two lowest exponent bit
 mantissa bit) and the sign into bit 15 gives a bf16 whose value is exactly e2m1 · 2^-126: for
 e >= 1 it is a normal number 2^(e-127)·(1+m/2), and for e = 0 the bf16 subnormal m·2^-1·2^-126,
 which is why the E2M1 subnormal 0.5 needs no special case. On the GPU this is done by inline PTX
-on four packed bytes at a time (prmt spreads bytes into 16-bit lanes, then shift/and/lop3 place
-the bits of both nibbles, 14 integer ops per 8 weights: _e2m1x4_to_bf16_ptx), followed by one bf16x2
+on four packed bytes at a time (prmt spreads bytes into 16-bit lanes, a shift and an and place the
+bits of each nibble, 13 integer ops per 8 weights: _e2m1x4_to_bf16_ptx), followed by one bf16x2
 multiply by scale·2^119, so the operand is w·scale·2^-7 (OPERAND_SHIFT): every value is a normal
 bf16 and exact (2 significant bits times 4). The factor 2^7/global_scale (OPERAND_POST) is
 applied to the fp32 accumulator in the epilogue (_finish).
@@ -140,25 +140,26 @@ def _tile_offsets(rows, tile, c, stride, TW: tl.constexpr, IL: tl.constexpr):
 # E2M1 -> bf16 operand (inline PTX; the tile kernels and the fragment kernel)
 
 # Four packed bytes b0..b3 -> lo = e2m1(low nibbles)·s, hi = e2m1(high nibbles)·s as bf16x2 pairs
-# (lo b0, lo b1), (lo b2, lo b3), (hi b0, hi b1), (hi b2, hi b3). After prmt each 16-bit lane holds
-# byte<<8: the high nibble's sign is already at bit 15 and its magnitude (bits 12..14) moves to 6..8
-# by >>6; the low nibble's sign (bit 11) moves up by 4 and its magnitude (bits 8..10) down by 2.
-# Low nibble: y>>2 is zero at bit 15 (it holds y's bit 17, the next lane's low byte) and y<<4 is
-# zero at bits 6..8 (y's bits 2..4), so one lop3 0xA8, (a | b) & c, takes each field from the
-# copy that holds it. High nibble: y's bit 8 is the low nibble's, so its sign is masked first
-# (and) and lop3 0xEA computes (a & b) | c. 12 shift / logic ops a word after the two prmt; the
-# fma by the scale pair adds -0 (nz), so w·s keeps its sign.
-# Needs the registers y01, y23, t, u, sg declared and nz = 0x80008000.
+# (lo b0, lo b1), (lo b2, lo b3), (hi b0, hi b1), (hi b2, hi b3). A high nibble has its sign on its
+# byte's bit 7 and its magnitude on bits 4..6; so has a low nibble in the word shifted left by 4
+# (w4 = w << 4: byte i's bits 4..7 are w's bits 8i..8i+3). prmt with the sign-replicate selector
+# spreads two bytes of w or w4 into the 16-bit lanes with the byte's sign bit copied over the lane's
+# high byte, z = [sx b1, b1, sx b0, b0]; z << 2 holds the sign at 15 (from bit 13) and the magnitude
+# at 6..8, and one and keeps them. 13 integer ops a word, every shift a left shift, which ptxas
+# issues as an IMAD on the FMA pipe: the ALU pipe (prmt, and) takes 8 of them, where a sequence with
+# right shifts and lop3s kept 12 of 14 there, and the register-A kernel at decode waited on that
+# pipe (Nsight Compute: math-pipe throttle). The fma by the scale pair adds -0 (nz), so w·s keeps
+# its sign.
+# Needs the registers w4, t declared and nz = 0x80008000.
 def _e2m1x4_to_bf16_ptx(word, s01, s23, lo01, lo23, hi01, hi23) -> list[str]:
-    return [f"prmt.b32 y01, {word}, 0, 0x1404;", f"prmt.b32 y23, {word}, 0, 0x3424;"] + [
-        line for y, s, lo, hi in (("y01", s01, lo01, hi01), ("y23", s23, lo23, hi23)) for line in (
-            f"shr.b32 t, {y}, 2;", f"shl.b32 u, {y}, 4;",
-            "lop3.b32 t, t, u, 0x81C081C0, 0xA8;", f"fma.rn.bf16x2 {lo}, t, {s}, nz;",
-            f"shr.b32 t, {y}, 6;", f"and.b32 sg, {y}, nz;",
-            "lop3.b32 t, t, 0x01C001C0, sg, 0xEA;", f"fma.rn.bf16x2 {hi}, t, {s}, nz;")]
+    return [f"shl.b32 w4, {word}, 4;"] + [
+        line for src, sel, s, out in (("w4", "0x9180", s01, lo01), ("w4", "0xB3A2", s23, lo23),
+                                      (word, "0x9180", s01, hi01), (word, "0xB3A2", s23, hi23))
+        for line in (f"prmt.b32 t, {src}, 0, {sel};", "shl.b32 t, t, 2;", "and.b32 t, t, 0x81C081C0;",
+                     f"fma.rn.bf16x2 {out}, t, {s}, nz;")]
 
 
-_DECODE_REGS = ".reg .b32 y01, y23, t, u, sg, nz; mov.b32 nz, 0x80008000;"
+_DECODE_REGS = ".reg .b32 w4, t, nz; mov.b32 nz, 0x80008000;"
 # $0,$1: lo of (b0,b1),(b2,b3); $2,$3: hi of the same; $4: the 4 bytes; $5,$6: scale pairs
 _E2M1X4_TO_BF16_PTX = tl.constexpr("{ " + " ".join(
     [_DECODE_REGS] + _e2m1x4_to_bf16_ptx("$4", "$5", "$6", "$0", "$1", "$2", "$3")) + " }")

@@ -4,7 +4,8 @@ x = rows of the identity, so y = Wᵀ: every element must lie within one bf16 ro
 reference marlin_kernel.reference_dequantize (plain torch, e2m1 · scale / global_scale). Every byte
 value and E4M3 scales from subnormal to 448, through each kernel that decodes: nvfp4_matmul (the
 tile kernel at M = 32), the CUDA-core GEMV (gemm._gemv) and the fragment kernel (gemm._mma, both
-token tiles). On the CPU (interpreter) this checks the plain-tl branches, on the GPU the PTX.
+token tiles). On the CPU (interpreter) this checks the plain-tl branches, on the GPU the PTX; the
+tensor-core kernels' decode PTX is also run on the CPU, op by op, by a model of the PTX ISA's rules.
 """
 import pytest
 import torch
@@ -28,6 +29,60 @@ def test_every_code_and_scale_decodes_exactly():
     W = reference_dequantize(packed, scale, gs)                            # (16, K) float64
     err = (y.double().t() - W).abs()
     assert (err <= 2.0 ** -8 * W.abs()).all(), f"decode off by {err.max():.3e}"
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def run_decode_ptx(lines, word):
+    """The decode's PTX lines on one 32-bit word, in Python, by the PTX ISA's rules for the ops it
+    uses (shl.b32, and.b32, prmt.b32 in its default mode: selector nibble i picks byte (n & 7) of
+    {b, a} for the result's byte i, and with n & 8 replicates that byte's sign bit over it); an fma
+    records its first operand, the bf16 pair before the scale multiply. Any other op fails."""
+    regs, out = {"W": word}, {}
+    for line in lines:
+        op, rest = line.rstrip(";").split(" ", 1)
+        args = [a.strip() for a in rest.split(",")]
+        val = lambda a: regs[a] if a in regs else int(a, 0)  # noqa: E731
+        if op == "shl.b32":
+            regs[args[0]] = (val(args[1]) << val(args[2])) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "prmt.b32":
+            a, b, sel = val(args[1]), val(args[2]), val(args[3])
+            src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+            result = 0
+            for i in range(4):
+                n = (sel >> 4 * i) & 0xF
+                byte = src[n & 7]
+                result |= ((0xFF if byte & 0x80 else 0) if n & 8 else byte) << 8 * i
+            regs[args[0]] = result
+        elif op == "fma.rn.bf16x2":
+            out[args[0]] = val(args[1])
+        else:
+            raise AssertionError(f"the decode uses {op}, which this model of PTX does not know")
+    return out
+
+
+def test_decode_ptx_gives_e2m1_times_2_to_the_minus_126():
+    """fp4_decode._e2m1x4_to_bf16_ptx (the tensor-core kernels' decode, which the CPU cannot run),
+    interpreted op by op: every code in every nibble of a word (and random words) comes out as the
+    bf16 bits of e2m1(code)·2^-126 (torch's float32 -> bfloat16 conversion, exact here), in the
+    documented pairs (lo b0, lo b1), (lo b2, lo b3), (hi b0, hi b1), (hi b2, hi b3)."""
+    from kernels.fp4_decode import _e2m1x4_to_bf16_ptx
+    lines = _e2m1x4_to_bf16_ptx("W", "S01", "S23", "LO01", "LO23", "HI01", "HI23")
+    table = torch.tensor([(-1.0 if c & 8 else 1.0) * E2M1[c & 7] * 2.0 ** -126 for c in range(16)])
+    bits = table.bfloat16().view(torch.int16).int() & 0xFFFF                # expected lane per code
+    gen = torch.Generator().manual_seed(0)
+    words = [b * 0x01010101 for b in range(256)] + [b << 8 * i for b in range(256) for i in range(4)]
+    words += torch.randint(0, 2 ** 31, (500,), generator=gen).tolist()
+    words += [w | 0x80000000 for w in words[-250:]]
+    for w in words:
+        out = run_decode_ptx(lines, w)
+        b = [(w >> 8 * i) & 0xFF for i in range(4)]
+        for reg, (c0, c1) in {"LO01": (b[0] & 15, b[1] & 15), "LO23": (b[2] & 15, b[3] & 15),
+                              "HI01": (b[0] >> 4, b[1] >> 4), "HI23": (b[2] >> 4, b[3] >> 4)}.items():
+            assert out[reg] == bits[c0] | bits[c1] << 16, f"word {w:#010x}: {reg} {out[reg]:#010x}"
 
 
 def test_cuda_core_gemv_decodes_every_code_exactly():
