@@ -145,11 +145,11 @@ def _tile_offsets(rows, tile, c, stride, TW: tl.constexpr, IL: tl.constexpr):
 # (w4 = w << 4: byte i's bits 4..7 are w's bits 8i..8i+3). prmt with the sign-replicate selector
 # spreads two bytes of w or w4 into the 16-bit lanes with the byte's sign bit copied over the lane's
 # high byte, z = [sx b1, b1, sx b0, b0]; z << 2 holds the sign at 15 (from bit 13) and the magnitude
-# at 6..8, and one and keeps them. 13 integer ops a word, every shift a left shift, which ptxas
-# issues as an IMAD on the FMA pipe: the ALU pipe (prmt, and) takes 8 of them, where a sequence with
-# right shifts and lop3s kept 12 of 14 there, and the register-A kernel at decode waited on that
-# pipe (Nsight Compute: math-pipe throttle). The fma by the scale pair adds -0 (nz), so w·s keeps
-# its sign.
+# at 6..8, and one and keeps them. 13 integer ops a word. Every shift is a left shift, which ptxas
+# issues as an IMAD on the FMA pipe, so the ALU pipe takes only the prmts and ands (8 of the 13): at
+# decode the register-A kernel is bound by its pipes (Nsight Compute: math-pipe throttle), and a
+# right shift or a lop3 would add to the busier one. The fma by the scale pair adds -0 (nz), so w·s
+# keeps its sign.
 # Needs the registers w4, t declared and nz = 0x80008000.
 def _e2m1x4_to_bf16_ptx(word, s01, s23, lo01, lo23, hi01, hi23) -> list[str]:
     return [f"shl.b32 w4, {word}, 4;"] + [
