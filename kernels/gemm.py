@@ -662,7 +662,7 @@ def _wgmma(x, packed, scale, global_scale, bias, cfg, lora=None):
         else:
             rak._wgmma_ring_kernel[(nt, mt, split)](
                 xp, packed.view(torch.int32), scale.view(torch.uint8), global_scale, b, part, M, N, K // 128, chunk,
-                xp.stride(0), N, M * N, PAIRS=c.stages >= 5 and tuning.current().ring_pairs, **meta)
+                xp.stride(0), N, M * N, **meta)
     return out if len(launches) > 1 else _reduce(part, global_scale, bias, out, lora)
 
 

@@ -210,23 +210,18 @@ def last_split(count_ptr, slot, nsplit):
 
 
 @gluon.jit
-def _window_operand(ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, DL: gl.constexpr):
-    """decode(W window) as wgmma's register A operand, from one ring stage: ws the (BN, 16) int32
-    words, ss the (BN, 8) scale bytes, loaded into registers in the fragment layout."""
+def _mma_window(acc, xs, ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, DL: gl.constexpr):
+    """acc += decode(W window)·xpᵀ from one ring stage: xs the (BT, 128) xp tile, ws the (BN, 16)
+    int32 words, ss the (BN, 8) scale bytes; the words and scales go into registers in the fragment
+    layout, decode, one wgmma (8 instructions of 16 k), waited for."""
     words = ws.load(LW)                                                        # (BN, 16) int32
     sb = ss.load(LS)                                                           # (BN, 8) scale bytes
     # each scale converted once, then given to both words of its block (converted after the join,
     # every scale was converted twice: 20 more instructions a window, sm_90 SASS)
     sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_TO_OPERAND).to(gl.bfloat16)
     sc = gl.convert_layout(gl.reshape(gl.join(sc, sc), [BN, 16]), LW, assert_trivial=True)  # word w: block w // 2
-    return _decode_operand(words, sc, BN, DL)
-
-
-@gluon.jit
-def _mma_window(acc, xs, ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, DL: gl.constexpr):
-    """acc += decode(W window)·xpᵀ from one ring stage (xs the (BT, 128) xp tile): one wgmma (8
-    instructions of 16 k), waited for."""
-    acc = warpgroup_mma(_window_operand(ws, ss, LW, LS, BN, DL), xs.permute((1, 0)), acc, is_async=True)
+    a = _decode_operand(words, sc, BN, DL)
+    acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
 
@@ -305,7 +300,7 @@ def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, NW
                        stride_xm, stride_om, stride_os,
                        LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
                        S: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                       USE_PDL: gl.constexpr, PAIRS: gl.constexpr, num_warps: gl.constexpr):
+                       USE_PDL: gl.constexpr, num_warps: gl.constexpr):
     """out = x·Wᵀ (+bias) for the tile (BN weight rows of program 0, BT tokens of program 1) over the
     windows [pid2·WIN_SPLIT, +WIN_SPLIT); PARTIAL: fp32 sums to out[pid2] (split-K) instead.
     x_ptr holds xp (fragment order), p4_ptr the interleaved codes as int32, s_ptr the scale bytes.
@@ -338,41 +333,17 @@ def _wgmma_ring_kernel(x_ptr, p4_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, M, N, NW
     acc = gl.zeros([BN, BT], gl.float32, mma)
     w_start = pid_k * WIN_SPLIT
     w_end = gl.minimum(NWIN, w_start + WIN_SPLIT)
-    if PAIRS:
-        for st in gl.static_range(S - 2):  # a split shorter than the ring re-reads its last window
-            _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
-                   gl.minimum(w_start + st, w_end - 1), st)
-        for j in range((w_end - w_start) // 2):
-            i = 2 * j
-            win = w_start + i
-            cp.wait_group(S - 4)           # windows i, i + 1 have landed (for this thread) ...
-            gl.thread_barrier()            # ... and for every thread; stages i - 2, i - 1 are free
-            _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
-                   gl.minimum(win + S - 2, w_end - 1), (i + S - 2) % S)
-            _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
-                   gl.minimum(win + S - 1, w_end - 1), (i + S - 1) % S)
-            acc = warpgroup_mma(_window_operand(ws.index(i % S), ss.index(i % S), LW, LS, BN, DL),
-                                xs.index(i % S).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(_window_operand(ws.index((i + 1) % S), ss.index((i + 1) % S), LW, LS, BN, DL),
-                                xs.index((i + 1) % S).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        if (w_end - w_start) % 2 == 1:
-            i = w_end - w_start - 1
-            cp.wait_group(0)
-            gl.thread_barrier()
-            acc = _mma_window(acc, xs.index(i % S), ws.index(i % S), ss.index(i % S), LW, LS, BN, DL)
-    else:
-        for st in gl.static_range(S - 1):  # a split shorter than the ring re-reads its last window
-            _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
-                   gl.minimum(w_start + st, w_end - 1), st)
-        for win in range(w_start, w_end):
-            i = win - w_start
-            stage = i % S
-            cp.wait_group(S - 2)           # this window's group has landed (for this thread) ...
-            gl.thread_barrier()            # ... and for every thread; stage i - 1 is free
-            acc = _mma_window(acc, xs.index(stage), ws.index(stage), ss.index(stage), LW, LS, BN, DL)
-            _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
-                   gl.minimum(win + S - 1, w_end - 1), (i + S - 1) % S)
+    for st in gl.static_range(S - 1):      # a split shorter than the ring re-reads its last window
+        _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
+               gl.minimum(w_start + st, w_end - 1), st)
+    for win in range(w_start, w_end):
+        i = win - w_start
+        stage = i % S
+        cp.wait_group(S - 2)               # this window's group has landed (for this thread) ...
+        gl.thread_barrier()                # ... and for every thread; stage i - 1 is free
+        acc = _mma_window(acc, xs.index(stage), ws.index(stage), ss.index(stage), LW, LS, BN, DL)
+        _issue(xs, ws, ss, x_ptr, p4_ptr, s_ptr, x_offs, x_mask, w_offs, s_offs,
+               gl.minimum(win + S - 1, w_end - 1), (i + S - 1) % S)
     cp.wait_group(0)
     _store_tile(acc, gs_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_os, pid_n * BN, pid_m * BT, pid_k,
                 BN, BT, HAS_BIAS, PARTIAL, num_warps)

@@ -171,7 +171,7 @@ def wgmma_config(M: int) -> WgmmaConfig:
     M; at M <= 16 8 or 16 tokens and 4 stages; above 128 256 tokens and 128 rows, two consumer
     warpgroups (the decode is paid once per 256 tokens)."""
     if M <= 16:
-        return WgmmaConfig(bt=8 if M <= 8 else 16, stages=tuning.current().decode_ring_stages)
+        return WgmmaConfig(bt=8 if M <= 8 else 16, stages=4)
     if M > 128:
         return WgmmaConfig(bt=256, bn=128, warps=8)
     return WgmmaConfig(bt=32 if M <= 32 else 64 if M <= 64 else 128)

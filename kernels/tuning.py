@@ -115,8 +115,6 @@ class Tuning:
                                       # it pays at 8 rows, not at 2-4 or 9-16 (shapes.mma_ahead)
     wgmma_decode_wave: float = 0.75   # register-A split-K at <= 16 tokens fills this share of a wave: each
                                       # split adds fp32 partials that the reduce kernel reads back
-    decode_ring_stages: int = 6       # EXPERIMENT
-    ring_pairs: bool = True           # EXPERIMENT
     long_ring_windows: int = 32       # one-wave register-A programs of at least this many windows take a
                                       # 4-stage ring where it costs no programs an SM
     ws_min_bt: int = 64               # from this many tokens a program the register-A kernel is the
