@@ -210,43 +210,18 @@ def last_split(count_ptr, slot, nsplit):
 
 
 @gluon.jit
-def _decode_half(words, sc, BN: gl.constexpr, DL: gl.constexpr):
-    """(BN, 4, 2) int32 words (row, t, l) of one 64-k half of a window and their (BN, 4, 2) bf16
-    scales -> the (BN, 64) A operand of its 4 wgmma k-steps, column e + 2t + 8p0 + 16p1 + 32l.
-    The halves come from a split, whose layout keeps the split dimension's register slot: reshaped
-    first, so that the joins below put their copies in the lowest registers (the decode's pack)."""
-    words = gl.reshape(words, [BN, 8])
-    sc = gl.reshape(sc, [BN, 8])
-    w2 = gl.join(words, words)
-    w4 = gl.join(w2, w2)
-    w8 = gl.join(w4, w4)
-    s2 = gl.join(sc, sc)
-    s4 = gl.join(s2, s2)
-    s8 = gl.join(s4, s4)
-    a = gl.inline_asm_elementwise(_DECODE8, _DECODE8_CONSTRAINTS, [w8, s8], dtype=gl.bfloat16, is_pure=True,
-                                  pack=8)                    # (BN, 8, 8): word 2t + l, value 4p1 + 2p0 + e
-    a = gl.reshape(a, [BN, 4, 2, 2, 2, 2])                   # (row, t, l, p1, p0, e)
-    a = gl.permute(a, [0, 2, 3, 4, 1, 5])                    # (row, l, p1, p0, t, e)
-    return gl.convert_layout(gl.reshape(a, [BN, 64]), DL, assert_trivial=True)
-
-
-@gluon.jit
 def _mma_window(acc, xs, ws, ss, LW: gl.constexpr, LS: gl.constexpr, BN: gl.constexpr, DL: gl.constexpr):
     """acc += decode(W window)·xpᵀ from one ring stage: xs the (BT, 128) xp tile, ws the (BN, 16)
     int32 words, ss the (BN, 8) scale bytes; the words and scales go into registers in the fragment
-    layout and split into the window's two 64-k halves (word 4t + j of a lane is half j // 2); each
-    half decodes and issues its 4 wgmma k-steps, so the tensor cores run the first half while the
-    second decodes; waited for."""
+    layout, decode, one wgmma (8 instructions of 16 k), waited for."""
     words = ws.load(LW)                                                        # (BN, 16) int32
     sb = ss.load(LS)                                                           # (BN, 8) scale bytes
     # each scale converted once, then given to both words of its block (converted after the join,
     # every scale was converted twice: 20 more instructions a window, sm_90 SASS)
     sc = (sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _SCALE_TO_OPERAND).to(gl.bfloat16)
     sc = gl.convert_layout(gl.reshape(gl.join(sc, sc), [BN, 16]), LW, assert_trivial=True)  # word w: block w // 2
-    w0, w1 = gl.split(gl.permute(gl.reshape(words, [BN, 4, 2, 2]), [0, 1, 3, 2]))  # (row, t, l) of half 0, 1
-    s0, s1 = gl.split(gl.permute(gl.reshape(sc, [BN, 4, 2, 2]), [0, 1, 3, 2]))
-    acc = warpgroup_mma(_decode_half(w0, s0, BN, DL), xs.slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(_decode_half(w1, s1, BN, DL), xs.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+    a = _decode_operand(words, sc, BN, DL)
+    acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
 
