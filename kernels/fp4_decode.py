@@ -116,21 +116,6 @@ def pdl_release(USE_PDL: tl.constexpr):
 # ----------------------------------------------------------------------------------------------
 # where a weight byte lives: the compressed-tensors layout, or 16 x 128 tiles (nvfp4.interleave)
 
-# thread $3 of the program asks L2 for the $2 bytes at $1 (16-byte aligned, a multiple of 16): one
-# bulk prefetch (sm_90), which the copy engine splits; nothing is held in a register or waited on
-_PREFETCH_RANGE_PTX = tl.constexpr("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, $3; "
-                                   "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }")
-
-
-@triton.jit
-def _prefetch_range(ptr, nbytes, thread, ON: tl.constexpr, INTERPRET: tl.constexpr):
-    """Ask L2 for nbytes from ptr (one thread of the program issues it): PREFETCH_W."""
-    if ON and not INTERPRET:
-        z = tl.zeros((1,), tl.int32)
-        tl.inline_asm_elementwise(_PREFETCH_RANGE_PTX, "=r,l,r,r", [ptr + z, nbytes + z, thread + z],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _tiled_offsets(rows, cols, stride, TW: tl.constexpr, IL: tl.constexpr):
     """Offsets of element (rows, cols) of packed (TW = 64 bytes, or 16 where it is read as int32

@@ -562,7 +562,7 @@ def _gemv(x, packed, scale, global_scale, bias, cfg, lora=None, il=False, silu_m
         M, N, K // 2, k_split // 2, R,
         packed.stride(0), sb.stride(0), out.shape[1], M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, **_gemv_fold_flags(lora, lora_ptrs), SILU=silu_mul,
-        BN=cfg.bn, BK=bk, IL=il, INTERPRET=launch.interpreting(), PREFETCH_W=tuning.current().weight_prefetch,
+        BN=cfg.bn, BK=bk, IL=il, INTERPRET=launch.interpreting(),
         num_warps=cfg.warps, num_stages=cfg.stages, **pdl)
     return out if reduce else _reduce(part, global_scale, bias, out)
 
@@ -620,7 +620,7 @@ def _mma(x, packed, scale, global_scale, bias, cfg, lora=None, il=False):
         x2.stride(0), p4.stride(0), sb.stride(0), N, M * N,
         HAS_BIAS=bias is not None, **flags, **lora_flags, LPARTS=_lora_members(lora if finishes else None),
         LATE_WAIT=_late_wait(lora), W=cfg.warps, R=cfg.tiles, NT=1 if M <= 8 else 2, IL=il, U=step,
-        AHEAD=shapes.mma_ahead(M), PREFETCH_W=tuning.current().weight_prefetch,
+        AHEAD=shapes.mma_ahead(M),
         INTERPRET=launch.interpreting(), num_warps=cfg.warps, num_stages=1, **launch.pdl_launch(x.device))
     return out if finishes else _reduce(part, global_scale, bias, out, lora)
 

@@ -54,7 +54,7 @@ update and SiLU·mul; the routing: tests/test_kernels_gemm.py. Benchmark: python
 import triton
 import triton.language as tl
 
-from .fp4_decode import (_prefetch_range, _e2m1_f32, _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
+from .fp4_decode import (_e2m1_f32, _e4m3_to_f32, _finish, _last_split, _lora_update, _add_update, _sum_splits,
                          _tiled_offsets, pdl_release, pdl_start, silu_mul)
 
 # ----------------------------------------------------------------------------------------------
@@ -345,7 +345,6 @@ def _nvfp4_gemv_kernel(
     LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
     SILU: tl.constexpr,        # W = [gate; up] (N = 2I rows), out = silu(x·gateᵀ)·(x·upᵀ) (1, I)
     PREFETCH_B: tl.constexpr,  # with LORA: split 0 asks L2 for the tile's rows of B (_prefetch_lora_b)
-    PREFETCH_W: tl.constexpr,  # ask L2 for the program's whole range of W and scales first (IL, not SILU)
 ):
     """y[0, n] = sum_k x[0, k] · W[n, k] on CUDA cores: BN rows of W per program, a (BN, L) tile of
     fp32 sums (one per row and lane; the warps of num_warps split the rows, and every thread loads
@@ -375,14 +374,6 @@ def _nvfp4_gemv_kernel(
     # ---- main loop over the bytes of the rows, BKB at a time. The first step's weights and scales
     # are loaded before the wait on the kernel before (they are not its output), so their latency
     # passes under that kernel's tail; x only after it.
-    if IL and not SILU:
-        for j in tl.static_range(BN // 16):
-            g0 = pid_n * BN + 16 * j
-            if g0 < N:
-                _prefetch_range(packed_ptr + _tiled_offsets(g0, kb_start, stride_pn, 64, IL), (kb_end - kb_start) * 16,
-                                j, PREFETCH_W, INTERPRET)
-                _prefetch_range(scale_ptr + _tiled_offsets(g0, kb_start // 8, stride_sn, 8, IL),
-                                (kb_end - kb_start) * 2, BN // 16 + j, PREFETCH_W, INTERPRET)
     col = kb_start + lane
     live = col < kb_end
     w = _gemv_w(w_rows + _tiled_offsets(0, col, stride_pn, 64, IL), live, INTERPRET)

@@ -38,7 +38,7 @@ tests/test_kernels_gemm.py. Benchmark: python bench/kernel.py.
 import triton
 import triton.language as tl
 
-from .fp4_decode import (_prefetch_range, OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x4_to_bf16_ptx, _e4m3_to_f32, _finish,
+from .fp4_decode import (OPERAND_SHIFT, _DECODE_REGS, _e2m1_f32, _e2m1x4_to_bf16_ptx, _e4m3_to_f32, _finish,
                          _last_split, _lora_update_tile, _add_update, _sum_splits, _tile_offsets, pdl_start)
 
 # ----------------------------------------------------------------------------------------------
@@ -294,7 +294,6 @@ def _nvfp4_mma_kernel(
     LPARTS: tl.constexpr,      # the group members B holds (gemm.lora_parts)
     LATE_WAIT: tl.constexpr,   # the kernel before is lora_shrink: wait after the main loop (pdl_start)
     AHEAD: tl.constexpr,       # the next step's loads go out before this step's decodes
-    PREFETCH_W: tl.constexpr,  # ask L2 for the program's whole range of W and scales first (IL)
 ):
     """y[m, n] = sum_k x[m, k] · W[n, k] for M <= 16 with mma.sync on fragments decoded in
     registers (see the comment above). Every tensor is (4, 8, W, R, 4): lane bits 0-1 (t), lane
@@ -319,14 +318,6 @@ def _nvfp4_mma_kernel(
     win_start = pid_k * SPLIT
     win_end = min(NWIN, win_start + SPLIT)
 
-    if IL:
-        for i in tl.static_range(W * R):
-            g0 = 16 * (pid_n * W * R + i)
-            if g0 < N:
-                _prefetch_range(p4_ptr + _tile_offsets(g0, win_start, 0, stride_p4n, 16, IL),
-                                (win_end - win_start) * 1024, i, PREFETCH_W, INTERPRET)
-                _prefetch_range(scale_ptr + _tile_offsets(g0, win_start, 0, stride_sn, 8, IL),
-                                (win_end - win_start) * 128, W * R + i, PREFETCH_W, INTERPRET)
     acc0 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 0..7
     acc1 = tl.zeros((4, 8, W, R, 4), dtype=tl.float32)        # tokens 8..15 (NT = 2)
     # every load of a step's U windows first, then their decodes and mma.sync; the first step's

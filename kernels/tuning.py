@@ -147,7 +147,6 @@ class Tuning:
                                       # keeps the matmul off the SMs until the producer is done (lora.py)
     lora_b_prefetch: bool = True      # the one-row GEMVs that fold the update ask L2 for their rows of B before
                                       # the main loop (gemv._prefetch_lora_b): the epilogue's read of them is shorter
-    weight_prefetch: bool = True      # the GEMV and the fragment kernel ask L2 for their whole range of W first
 
     # ---- the decoder's small ops (fused_ops.py)
     lm_head_max_rows: int = 2         # the lm_head GEMV to this many rows (at 3-4 the per-row accumulators
