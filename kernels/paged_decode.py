@@ -394,13 +394,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, p
 
 
 def attend(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, counts, place,
-           partition_size=256, tile=128, merge_in_kernel=None, warps=4, rope=None):
+           partition_size=256, tile=None, merge_in_kernel=None, warps=4, rope=None):
     """paged_attention with every launch parameter given. The kernel reads and writes the caches
     where their table row `place` says (cache_table); k_cache and v_cache give their shape and
     dtype. num_parts * partition_size >= every context
     length; fixed per engine (not per step) so that a captured CUDA graph stays valid. counts: (>= B,
     Hkv) int32 zeros, reused by every call (the kernel leaves it zero again). Each program reads
-    `tile` positions (a power of 2, several cache blocks) a step: bigger loads, fewer steps.
+    `tile` positions (a power of 2, several cache blocks; default tuning's attention_tile) a step,
+    Triton pipelining those loads attention_stages deep.
     merge_in_kernel (default: num_parts <= tuning's merge_max_parts): the last program of each (row,
     kv head) merges the partitions (one launch); else a second kernel merges them, one program per
     q head.
@@ -422,7 +423,7 @@ def attend(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, co
         raise ValueError(f"counts must be contiguous int32 zeros of shape (>= {B}, {Hkv}), got "
                          f"{counts.dtype} {tuple(counts.shape)}")
     merge = num_parts <= t.merge_max_parts if merge_in_kernel is None else merge_in_kernel
-    tile = max(BS, min(tile, 1 << (partition_size.bit_length() - 1)))
+    tile = max(BS, min(tile or t.attention_tile, 1 << (partition_size.bit_length() - 1)))
     part_out = torch.empty(B, Hq, num_parts, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hq, num_parts, device=q.device, dtype=torch.float32)
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
@@ -441,7 +442,8 @@ def attend(q, k_cache, v_cache, block_tables, context_lens, scale, num_parts, co
         HKV=Hkv, G=G, G_PAD=max(16, triton.next_power_of_2(G)), G_M=triton.next_power_of_2(G), D=D, BS=BS,
         PARTITION=partition_size, TILE=tile, P_CHUNK=min(t.merge_chunk, triton.next_power_of_2(num_parts)),
         MERGE=merge, ROPE=rope is not None, FP32_DOT=launch.interpreting() or k_cache.dtype == torch.float32,
-        EARLY=tile <= t.early_max_tile, ALIGN=align, num_warps=warps, **launch.pdl_launch(q.device))
+        EARLY=tile <= t.early_max_tile, ALIGN=align, num_warps=warps, num_stages=t.attention_stages,
+        **launch.pdl_launch(q.device))
     if not merge:
         _paged_decode_merge_kernel[(B, Hq)](
             part_out, part_lse, context_lens, out, HQ=Hq, D=D, PARTITION=partition_size,

@@ -154,8 +154,12 @@ class Tuning:
     lm_head_tiles: tuple = ((8, 512), (8, 256))  # its (weight rows, k a step) at 1 and 2 rows
 
     # ---- paged decode attention (paged_decode.py)
-    partition_tokens: int = 32        # the context splits into partitions of this many positions per row of
-                                      # the batch (16..512, at least max_model_len / 64): batch 1 fills the GPU
+    partition_tokens: int = 16        # the context splits into partitions of this many positions per row of
+                                      # the batch (16..512, at least max_model_len / 64): batch 1 fills the GPU,
+                                      # and at 8 rows more, shorter programs keep more K/V loads in flight ...
+    attention_tile: int = 64          # ... as do 64 positions a loop step (a power of two, >= a cache block) ...
+    attention_stages: int = 2         # ... at a software pipeline depth of 2 (num_stages): 32 / 128 / 3 read
+                                      # K/V slower at 8 rows over long contexts (kernels/README.md has the A/B)
     merge_max_parts: int = 8          # up to this many partitions the attention kernel merges them itself (its
                                       # last program per row and head); more: the merge kernel, one program a head
     merge_chunk: int = 8              # partitions the in-kernel merge reads a pass

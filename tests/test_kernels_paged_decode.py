@@ -246,12 +246,15 @@ def test_gpu_kernels_match_reference_bf16():
 
 def test_partition_scales_with_the_batch_within_its_bounds():
     """partition_tokens positions a row of the batch, a power of two within 16..512 (at least a cache
-    block), and at least max_model_len / 64: batch 1 at 2048 gets 32 (64 partitions), batch 16 512
-    (4), a 64k context never more than 64 partitions; a moved partition_tokens moves it."""
-    assert [partition(B, 16, 2048) for B in (1, 2, 4, 8, 16, 128)] == [32, 64, 128, 256, 512, 512]
-    assert partition(1, 16, 65536) == 1024 and partition(1, 64, 2048) == 64
+    block), and at least max_model_len / 64: at 32 a row, batch 1 at 2048 gets 32 (64 partitions),
+    batch 16 512 (4), a 64k context never more than 64 partitions; the default, 16 a row, gives batches
+    4 to 16 partitions half as long, and batch 1 and 2 the 2048 / 64 floor."""
+    with tuning.using(dataclasses.replace(tuning.current(), partition_tokens=32)):
+        assert [partition(B, 16, 2048) for B in (1, 2, 4, 8, 16, 128)] == [32, 64, 128, 256, 512, 512]
+        assert partition(1, 16, 65536) == 1024 and partition(1, 64, 2048) == 64
     with tuning.using(dataclasses.replace(tuning.current(), partition_tokens=64)):
         assert partition(1, 16, 2048) == 64
+    assert [partition(B, 16, 2048) for B in (1, 2, 4, 8, 16, 128)] == [32, 32, 64, 128, 256, 512]
 
 
 @pytest.mark.interpreter
