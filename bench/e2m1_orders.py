@@ -23,10 +23,22 @@ paired as suits each decode best), then, for every fp16 cost up to --max-fp16, t
 among twin storages and one that has it. A count here is a guide, not a bound: the real decodes of a
 storage may find tricks the model lacks, as today's do.
 
+Programs. Beyond the model, a left shift can be a multiply (IMAD): x·(2^a + 2^b) is (x << a) | (x << b)
+wherever the two copies of x's set bits never meet, so that no carry forms; a right shift can be the
+high word of one (mul.hi by 2^(32-a)), which ptxas issues as IMAD.HI on the FMA pipe, where it also
+puts the multiplies (IMAD) and some left shifts (IMAD.SHL; others SHF, its choice). PROGRAMS
+holds the fp16 and bf16 decodes, op by op, of one storage built that way (STORAGE: each half-word
+holds four magnitudes at bits 6, 3, 0, 9 and their signs at 12..15, their pairs 16 higher), with the
+codes of today's four registers in its four slots, so that the MMA kernels' operand order stays as it
+is. Each program is run on random words and on every code in every slot, and checked bit for bit
+against the format's encoding of the stored codes; the script prints its ops by kind.
+
     python bench/e2m1_orders.py              # ~20 seconds on one CPU core
 """
 import argparse
 import itertools
+
+import torch
 
 BF16, FP16 = 6, 9                          # where each format wants the lowest magnitude bit
 
@@ -71,6 +83,63 @@ def tilings(free, shapes):
                     yield from tilings(free - mag - {s}, shapes + [(s, m)])
 
 
+# ----------------------------------------------------------------------------------------------
+# programs for one storage, checked bit for bit
+
+# slot i of a half-word: (sign bit, lowest magnitude bit); the slot 16 higher holds its pair
+STORAGE = [(12, 6), (13, 3), (14, 0), (15, 9)]
+MAG_BF16, MAG_FP16, SIGNS = 0x01C001C0, 0x0E000E00, 0x80008000
+# one op a tuple: (dest, op, a, b[, c]); operands are register names or constants
+PROGRAMS = {
+    FP16: [("r3", "and", "w", MAG_FP16 | SIGNS),                                     # in place
+           ("t", "shl", "w", 3), ("r0", "and", "t", MAG_FP16 | SIGNS),               # both fields + 3
+           ("x", "and", "w", 0x20382038), ("x", "mul", "x", 0x44), ("r1", "and", "x", MAG_FP16 | SIGNS),
+           ("y", "and", "w", 0x40074007), ("y", "mul", "y", 0x202), ("r2", "and", "y", MAG_FP16 | SIGNS)],
+    BF16: [("t", "shl", "w", 3),
+           ("a", "and", "w", MAG_BF16), ("r0", "lop3", "t", SIGNS, "a"),           # (t & SIGNS) | a
+           ("a", "and", "t", MAG_BF16), ("b", "shl", "w", 2), ("r1", "lop3", "b", SIGNS, "a"),
+           ("x", "and", "w", 0x40074007), ("x", "mul", "x", 0x42), ("r2", "and", "x", MAG_BF16 | SIGNS),
+           ("a", "mulhi", "w", 1 << 29), ("a", "and", "a", MAG_BF16), ("r3", "lop3", "w", SIGNS, "a")],
+}
+FMA_PIPE = {"shl", "mul", "mulhi"}                 # ops ptxas may issue as IMAD; and and lop3: ALU
+MASK32 = (1 << 32) - 1
+
+
+def run(program, w):
+    """The program on words w (int64 tensor of 32-bit values) -> its registers r0..r3."""
+    reg = {"w": w}
+    val = lambda o: reg[o] if isinstance(o, str) else torch.full_like(w, o)
+    for dest, op, *args in program:
+        a, b = val(args[0]), val(args[1])
+        if op == "and":
+            out = a & b
+        elif op == "shl":
+            out = (a << b) & MASK32
+        elif op == "mul":
+            out = (a * b) & MASK32
+        elif op == "mulhi":
+            out = (a * b) >> 32
+        elif op == "lop3":
+            out = (a & b) | val(args[2])
+        else:
+            raise ValueError(f"unknown op {op}")
+        reg[dest] = out
+    return [reg[f"r{i}"] for i in range(4)]
+
+
+def check(t, words):
+    """Each register of PROGRAMS[t] against the format's bits of the codes in its slot and its pair's."""
+    field = lambda w, b, n: (w >> b) & ((1 << n) - 1)
+    for i, r in enumerate(run(PROGRAMS[t], words)):
+        want = 0
+        for half in (0, 16):
+            s, m = STORAGE[i]
+            want = want | (field(words, s + half, 1) << (15 + half)) | (field(words, m + half, 3) << (t + half))
+        if not torch.equal(r, want):
+            return False
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-fp16", type=int, default=12)
@@ -94,6 +163,19 @@ def main():
     for f in sorted(best):
         b, values = best[f]
         print(f"fp16 {f} ops, bf16 {b} ops: (sign, lowest magnitude bit) of each value {values}")
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 1 << 32, (1 << 16,), generator=g, dtype=torch.int64)
+    codes = torch.arange(16, dtype=torch.int64)
+    for s, m in STORAGE:               # every code in every slot and its pair, the other bits random
+        for half in (0, 16):
+            clear = MASK32 ^ (((1 << s) | (7 << m)) << half)
+            w = words[:16] & clear
+            words = torch.cat([words, w | ((((codes >> 3) << s) | ((codes & 7) << m)) << half)])
+    for t, name in ((FP16, "fp16"), (BF16, "bf16")):
+        ops = [op for _, op, *_ in PROGRAMS[t]]
+        fma = sum(op in FMA_PIPE for op in ops)
+        print(f"STORAGE, {name}: {len(ops)} ops ({len(ops) - fma} ands and lop3s, {fma} shifts and multiplies), "
+              f"{'exact' if check(t, words) else 'WRONG'} on {len(words)} words")
 
 
 if __name__ == "__main__":

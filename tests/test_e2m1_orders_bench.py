@@ -1,5 +1,8 @@
-"""bench/e2m1_orders.py's op count against decodes written out by hand, in the script's model: a distinct
-non-zero rotation of the word is one op, and a register one op for each rotation it takes bits from."""
+"""bench/e2m1_orders.py: its op count against decodes written out by hand, in the script's model (a
+distinct non-zero rotation of the word is one op, and a register one op for each rotation it takes bits
+from); its decode programs against the format's bits of the codes they read, and a wrong one caught."""
+import torch
+
 from test_step_bench import load_bench
 
 # (sign, lowest magnitude bit) of one value of each pair; its pair lies 16 bits higher (mod 32)
@@ -9,6 +12,10 @@ TWINS = [(0, 1), (2, 3), (4, 5), (6, 7)]
 
 def _values(lows):
     return [v for s, m in lows for v in ((s, m), ((s + 16) % 32, (m + 16) % 32))]
+
+
+def _words():
+    return torch.randint(0, 1 << 32, (4096,), generator=torch.Generator().manual_seed(1), dtype=torch.int64)
 
 
 def test_fp16_decode_of_the_candidate_counts_what_a_hand_decode_takes():
@@ -25,9 +32,8 @@ def test_bf16_decode_shares_a_rotation_between_two_pairs():
     # each, but a rotation right by 3 serves both pair (1, 9)'s magnitudes and pair (18, 12)'s signs:
     # 5 rotations (<< 3, << 15; right 3, << 14; right 6) and 7 pieces, 12 ops, not 13.
     orders = load_bench("e2m1_orders")
-    values = _values(CANDIDATE)
-    assert orders.cost(values, orders.BF16, TWINS) == 12
-    # with the rotation shared by no other pair, pair (1, 9) alone: 2 rotations and 2 pieces
+    assert orders.cost(_values(CANDIDATE), orders.BF16, TWINS) == 12
+    # pair (1, 9) alone, its rotation shared with no other pair: 2 rotations and 2 pieces
     assert orders.cost(_values([(1, 9)]), orders.BF16, [(0, 1)]) == 4
 
 
@@ -35,3 +41,24 @@ def test_a_pair_in_place_costs_one_and():
     orders = load_bench("e2m1_orders")
     assert orders.cost(_values([(15, 6)]), orders.BF16, [(0, 1)]) == 1
     assert orders.cost(_values([(15, 9)]), orders.FP16, [(0, 1)]) == 1
+
+
+def test_the_programs_decode_their_storage_and_a_wrong_one_is_caught(monkeypatch):
+    orders = load_bench("e2m1_orders")
+    words = _words()
+    assert orders.check(orders.FP16, words) and orders.check(orders.BF16, words)
+    # one register by hand: slot 0 (sign 12, magnitude 6..8) to fp16 is (w << 3) & 0x8E008E00
+    w = (1 << 12) | (0b101 << 6) | (0b011 << 22)             # sign 1, magnitude 5; its pair: sign 0, magnitude 3
+    r0 = orders.run(orders.PROGRAMS[orders.FP16], torch.tensor([w]))[0].item()
+    assert r0 == (1 << 15) | (0b101 << 9) | (0b011 << 25)
+    # a multiplier one shift too far: slot 1's magnitude lands a bit too high
+    wrong = [("x", "mul", "x", 0x84) if op[:2] == ("x", "mul") else op for op in orders.PROGRAMS[orders.FP16]]
+    monkeypatch.setitem(orders.PROGRAMS, orders.FP16, wrong)
+    assert not orders.check(orders.FP16, words)
+
+
+def test_mul_hi_by_a_power_of_two_is_a_right_shift():
+    orders = load_bench("e2m1_orders")
+    words = _words()
+    program = [("r0", "mulhi", "w", 1 << 29)] + [(f"r{i}", "and", "w", 0) for i in (1, 2, 3)]
+    assert torch.equal(orders.run(program, words)[0], words >> 3)
