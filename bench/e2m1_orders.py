@@ -59,6 +59,11 @@ def cost(values, t, pairs):
     return best
 
 
+def twin_values(lows):
+    """Values [(s, m)] -> the same with each one's pair 16 bits higher (mod 32) after it."""
+    return [v for s, m in lows for v in ((s, m), ((s + 16) % 32, (m + 16) % 32))]
+
+
 def matchings(items):
     """Every way to pair up the value indices items (the registers' contents)."""
     if not items:
@@ -131,9 +136,8 @@ def check(t, words):
     """Each register of PROGRAMS[t] against the format's bits of the codes in its slot and its pair's."""
     field = lambda w, b, n: (w >> b) & ((1 << n) - 1)
     for i, r in enumerate(run(PROGRAMS[t], words)):
-        want = 0
+        want, (s, m) = 0, STORAGE[i]
         for half in (0, 16):
-            s, m = STORAGE[i]
             want = want | (field(words, s + half, 1) << (15 + half)) | (field(words, m + half, 3) << (t + half))
         if not torch.equal(r, want):
             return False
@@ -151,10 +155,7 @@ def main():
     best = {}                                                     # fp16 cost -> (bf16 cost, storage)
     for shapes in set(tilings(frozenset(range(16)), [])):
         for halves in itertools.product(range(4), repeat=4):      # sign and magnitude: low or high half
-            values = []
-            for (s, m), h in zip(shapes, halves):
-                s, m = s + 16 * (h & 1), m + 16 * (h >> 1)
-                values += [(s, m), ((s + 16) % 32, (m + 16) % 32)]
+            values = twin_values([(s + 16 * (h & 1), m + 16 * (h >> 1)) for (s, m), h in zip(shapes, halves)])
             f = cost(values, FP16, twins)
             if f <= args.max_fp16:
                 b = cost(values, BF16, twins)

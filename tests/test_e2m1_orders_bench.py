@@ -10,10 +10,6 @@ CANDIDATE = [(0, 3), (1, 9), (18, 12), (15, 6)]
 TWINS = [(0, 1), (2, 3), (4, 5), (6, 7)]
 
 
-def _values(lows):
-    return [v for s, m in lows for v in ((s, m), ((s + 16) % 32, (m + 16) % 32))]
-
-
 def _words():
     return torch.randint(0, 1 << 32, (4096,), generator=torch.Generator().manual_seed(1), dtype=torch.int64)
 
@@ -24,7 +20,7 @@ def test_fp16_decode_of_the_candidate_counts_what_a_hand_decode_takes():
     # Pair (18, 12): one rotation right by 3 places all four fields (2). Pair (15, 6): magnitudes << 3,
     # signs in place (3). 12 ops: 5 rotations and 7 pieces.
     orders = load_bench("e2m1_orders")
-    assert orders.cost(_values(CANDIDATE), orders.FP16, TWINS) == 12
+    assert orders.cost(orders.twin_values(CANDIDATE), orders.FP16, TWINS) == 12
 
 
 def test_bf16_decode_shares_a_rotation_between_two_pairs():
@@ -32,15 +28,15 @@ def test_bf16_decode_shares_a_rotation_between_two_pairs():
     # each, but a rotation right by 3 serves both pair (1, 9)'s magnitudes and pair (18, 12)'s signs:
     # 5 rotations (<< 3, << 15; right 3, << 14; right 6) and 7 pieces, 12 ops, not 13.
     orders = load_bench("e2m1_orders")
-    assert orders.cost(_values(CANDIDATE), orders.BF16, TWINS) == 12
+    assert orders.cost(orders.twin_values(CANDIDATE), orders.BF16, TWINS) == 12
     # pair (1, 9) alone, its rotation shared with no other pair: 2 rotations and 2 pieces
-    assert orders.cost(_values([(1, 9)]), orders.BF16, [(0, 1)]) == 4
+    assert orders.cost(orders.twin_values([(1, 9)]), orders.BF16, [(0, 1)]) == 4
 
 
 def test_a_pair_in_place_costs_one_and():
     orders = load_bench("e2m1_orders")
-    assert orders.cost(_values([(15, 6)]), orders.BF16, [(0, 1)]) == 1
-    assert orders.cost(_values([(15, 9)]), orders.FP16, [(0, 1)]) == 1
+    assert orders.cost(orders.twin_values([(15, 6)]), orders.BF16, [(0, 1)]) == 1
+    assert orders.cost(orders.twin_values([(15, 9)]), orders.FP16, [(0, 1)]) == 1
 
 
 def test_the_programs_decode_their_storage_and_a_wrong_one_is_caught(monkeypatch):
